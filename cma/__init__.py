@@ -1,0 +1,35 @@
+"""cma: move messages between processes on one Linux machine with as few copies as possible.
+
+``cma.Pipe()`` gives two connected communicators; ``cma.COMM_WORLD`` is the world of a
+program started by ``cma-run``. The API follows mpi4py's ``Comm``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import errors
+from .channel import ChannelConfig
+from .comm import AUTO, Comm, Pipe, Request, Status
+from .protocol import ANY_SOURCE, ANY_TAG, PROC_NULL
+from .transports import REGISTRY
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ANY_SOURCE", "ANY_TAG", "AUTO", "COMM_WORLD", "ChannelConfig", "Comm", "PROC_NULL",
+    "Pipe", "Request", "Status", "errors", "transport_names",
+]
+
+
+def transport_names() -> list[str]:
+    """The registered transports, in registry order (``auto`` is not a transport)."""
+    return list(REGISTRY.classes)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "COMM_WORLD":
+        from .world import world_comm
+
+        return world_comm()
+    raise AttributeError(f"module 'cma' has no attribute {name!r}")

@@ -1,0 +1,310 @@
+"""Every binding to the kernel that cma uses, in one place.
+
+ctypes functions get full ``argtypes``/``restype`` (without argtypes Python ints are
+truncated to 32 bits, which breaks pointers), and errno values become cma exceptions
+here, so the layers above never see a bare ``OSError`` from a system call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import fcntl
+import mmap
+import os
+import select
+import socket
+import struct
+from collections.abc import Sequence
+
+import numpy as np
+
+from .errors import PeerGone, TransportFault, TransportUnavailable
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+
+PAGE_SIZE = mmap.PAGESIZE
+
+
+# ---------------------------------------------------------------- shared memory
+
+def memfd_segment(name: str, nbytes: int) -> int:
+    """An anonymous shared-memory file of ``nbytes`` (never a named /dev/shm file: nothing leaks)."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, nbytes)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
+def map_shared(fd: int, nbytes: int) -> mmap.mmap:
+    return mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+
+
+def buffer_address(buf: memoryview) -> int:
+    """Virtual address of the first byte of a C-contiguous buffer (read-only ones too)."""
+    if buf.nbytes == 0:
+        return 0
+    return int(np.frombuffer(buf, dtype=np.uint8).ctypes.data)
+
+
+# ---------------------------------------------------------------- wake-ups
+
+def eventfd() -> int:
+    return os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+
+
+def ring_doorbell(fd: int) -> None:
+    try:
+        os.eventfd_write(fd, 1)
+    except BlockingIOError:  # counter saturated: the sleeper is certainly woken
+        pass
+
+
+def drain_doorbell(fd: int) -> None:
+    try:
+        os.eventfd_read(fd)
+    except BlockingIOError:
+        pass
+
+
+def wait_readable(fds: list[int], timeout_ms: int) -> list[int]:
+    """poll() the fds for input; returns the ready ones (a pidfd is ready when its process exits)."""
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, select.POLLIN)
+    return [fd for fd, _ in poller.poll(timeout_ms)]
+
+
+# ---------------------------------------------------------------- processes
+
+def pidfd_open(pid: int) -> int:
+    """A pidfd for ``pid``; ``PeerGone`` if it no longer exists."""
+    try:
+        return os.pidfd_open(pid)
+    except ProcessLookupError as exc:
+        raise PeerGone(f"process {pid} has exited") from exc
+
+
+def process_alive(pidfd: int) -> bool:
+    return not wait_readable([pidfd], 0)
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process at the other end of a Unix socket (SO_PEERCRED)."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, gid = struct.unpack("3i", raw)
+    return pid, uid, gid
+
+
+_PR_SET_DUMPABLE = 4
+_PR_GET_DUMPABLE = 3
+_prctl = _libc.prctl
+_prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+_prctl.restype = ctypes.c_int
+
+
+def set_dumpable(dumpable: bool) -> None:
+    """prctl(PR_SET_DUMPABLE): a non-dumpable process refuses ptrace-style access by its peers."""
+    if _prctl(_PR_SET_DUMPABLE, int(dumpable), 0, 0, 0) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+def is_dumpable() -> bool:
+    return bool(_prctl(_PR_GET_DUMPABLE, 0, 0, 0, 0))
+
+
+# ---------------------------------------------------------------- errno mapping
+
+def raise_for_errno(err: int, what: str, pid: int) -> None:
+    """Turn the errno of a failed cross-process copy into the cma exception a person can act on."""
+    if err == errno.ESRCH:
+        raise PeerGone(f"{what}: process {pid} has exited")
+    if err == errno.EPERM:
+        raise TransportUnavailable(f"{what}: not permitted to access process {pid} ({PTRACE_HELP})")
+    if err == errno.EFAULT:
+        raise TransportFault(errno.EFAULT, f"{what}: a region is not mapped in process {pid}")
+    raise TransportFault(err, f"{what} on process {pid}: {os.strerror(err)}")
+
+
+PTRACE_HELP = (
+    "cross-memory attach needs ptrace-attach permission over the peer: run both processes "
+    "as the same user and keep them dumpable (no setuid, no prctl(PR_SET_DUMPABLE, 0)); on hosts "
+    "with Yama set /proc/sys/kernel/yama/ptrace_scope to 0 or have the target call "
+    "prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY); in containers grant CAP_SYS_PTRACE and allow "
+    "process_vm_readv/writev in the seccomp profile. The 'vmfd' transport needs none of this."
+)
+
+
+# ---------------------------------------------------------------- cross-memory attach
+
+IOV_MAX = 1024  # iovecs per side of one call; 1025 gets EINVAL
+MAX_RW_COUNT = 0x7FFFF000  # bytes the kernel moves per call; larger requests come back short
+
+
+class iovec(ctypes.Structure):  # noqa: N801 - the C name, as in <sys/uio.h>
+    _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
+
+
+IovecArray = ctypes.Array[iovec]
+
+_IOVEC_P = ctypes.POINTER(iovec)
+_process_vm_readv = _libc.process_vm_readv
+_process_vm_readv.argtypes = [
+    ctypes.c_int,  # pid_t
+    _IOVEC_P,
+    ctypes.c_ulong,
+    _IOVEC_P,
+    ctypes.c_ulong,
+    ctypes.c_ulong,
+]
+_process_vm_readv.restype = ctypes.c_ssize_t
+_process_vm_writev = _libc.process_vm_writev
+_process_vm_writev.argtypes = _process_vm_readv.argtypes
+_process_vm_writev.restype = ctypes.c_ssize_t
+
+# Below this many spans, setting fields one by one beats the slice assignment's set-up cost.
+_FEW_SPANS = 8
+
+
+def iovec_array(addrs: Sequence[int], lens: Sequence[int]) -> IovecArray:
+    """An iovec array of (addrs[i], lens[i]), to hand to process_vm_readv/writev."""
+    count = len(addrs)
+    array = (iovec * count)()
+    if count <= _FEW_SPANS:
+        for i in range(count):
+            array[i].iov_base = addrs[i]
+            array[i].iov_len = lens[i]
+    else:
+        words = (ctypes.c_size_t * (2 * count)).from_buffer(array)
+        words[0::2] = [*addrs]
+        words[1::2] = [*lens]
+    return array
+
+
+def process_vm_copy(
+    pid: int,
+    local: IovecArray,
+    remote: IovecArray,
+    *,
+    write: bool,
+    what: str,
+) -> int:
+    """One process_vm_readv (or, with ``write``, process_vm_writev) call; bytes moved.
+
+    The count may be short of the request (the kernel stops at a remote page it cannot
+    reach, or at MAX_RW_COUNT); the caller loops. An error comes back only when nothing
+    was copied, and becomes the cma exception ``raise_for_errno`` chooses.
+    """
+    call = _process_vm_writev if write else _process_vm_readv
+    moved = call(pid, local, len(local), remote, len(remote), 0)
+    if moved < 0:
+        raise_for_errno(ctypes.get_errno(), what, pid)
+    return int(moved)
+
+
+def cma_access_errno(pid: int) -> int:
+    """errno of a 16-byte process_vm_readv from address 0 of ``pid`` (0 if it succeeded).
+
+    The UCX permission probe: the kernel checks ptrace-attach permission before touching
+    memory, so EFAULT (nothing at address 0) means permitted and EPERM means refused.
+    """
+    scratch = ctypes.create_string_buffer(16)
+    local = iovec_array([ctypes.addressof(scratch)], [16])
+    remote = iovec_array([0], [16])
+    if _process_vm_readv(pid, local, 1, remote, 1, 0) < 0:
+        return ctypes.get_errno()
+    return 0
+
+
+# ---------------------------------------------------------------- /proc/PID/mem (vmfd emulation)
+
+def open_self_mem(writable: bool) -> int:
+    """An fd onto this process's whole address space: /proc/self/mem, read-only unless ``writable``.
+
+    The kernel checks permission here, at open, and never again: whoever holds the fd
+    can read (and, if writable, write) this process's memory.
+    """
+    flags = (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC
+    try:
+        return os.open("/proc/self/mem", flags)
+    except OSError as exc:
+        raise TransportUnavailable(
+            f"cannot open /proc/self/mem ({exc.strerror}): a process that is not root and has "
+            "changed uid or called prctl(PR_SET_DUMPABLE, 0) may not open its own memory file; "
+            "create the vmfd transport before dropping privileges"
+        ) from exc
+
+
+def mem_fd_owner(fd: int) -> tuple[int, bool]:
+    """(pid, writable) of a /proc/PID/mem fd; ``TransportFault`` if ``fd`` is anything else."""
+    try:
+        target = os.readlink(f"/proc/self/fd/{fd}")
+        accmode = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE
+    except OSError as exc:
+        raise TransportFault(exc.errno, f"fd {fd} is not usable: {exc.strerror}") from exc
+    parts = target.split("/")
+    if len(parts) != 4 or parts[:2] != ["", "proc"] or not parts[2].isdigit() or parts[3] != "mem":
+        raise TransportFault(errno.EBADF, f"fd {fd} is {target!r}, not a /proc/PID/mem file")
+    return int(parts[2]), accmode == os.O_RDWR
+
+
+def dup_fd(fd: int) -> int:
+    return os.dup(fd)
+
+
+def close_fd(fd: int) -> None:
+    """Close ``fd``; closing an fd that is already gone is not an error worth raising."""
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+
+
+def _mem_error(exc: OSError, access: str, addr: int, nbytes: int, pid: int) -> TransportFault:
+    span = f"[0x{addr:x}, 0x{addr + nbytes:x})"
+    if exc.errno == errno.EIO:
+        return TransportFault(
+            errno.EIO, f"{access} {span}: the address 0x{addr:x} is not mapped in process {pid}"
+        )
+    return TransportFault(exc.errno, f"{access} {span} of process {pid}: {exc.strerror}")
+
+
+def mem_preadv(fd: int, buffers: Sequence[memoryview], addr: int, *, pid: int, what: str) -> int:
+    """preadv on a /proc/PID/mem fd at offset ``addr``; bytes read, possibly short (> 0).
+
+    0 bytes for a non-empty request means the owner's address space is gone (it exited
+    or exec'd): ``PeerGone``. An unmapped address (EIO): ``TransportFault`` naming it.
+    """
+    try:
+        got = os.preadv(fd, buffers, addr)
+    except OSError as exc:
+        nbytes = sum(b.nbytes for b in buffers)
+        raise _mem_error(exc, f"{what}: reading", addr, nbytes, pid) from exc
+    if got == 0:
+        raise PeerGone(f"{what}: process {pid} has exited or exec'd; its memory is gone")
+    return got
+
+
+def mem_pwritev(fd: int, buffers: Sequence[memoryview], addr: int, *, pid: int, what: str) -> int:
+    """pwritev on a /proc/PID/mem fd at offset ``addr``; same contract as ``mem_preadv``."""
+    try:
+        put = os.pwritev(fd, buffers, addr)
+    except OSError as exc:
+        nbytes = sum(b.nbytes for b in buffers)
+        raise _mem_error(exc, f"{what}: writing", addr, nbytes, pid) from exc
+    if put == 0:
+        raise PeerGone(f"{what}: process {pid} has exited or exec'd; its memory is gone")
+    return put
+
+
+# ---------------------------------------------------------------- same-process copies
+
+def copy_from_address(dest: memoryview, addr: int) -> None:
+    """Copy ``dest.nbytes`` bytes from ``addr`` in this process (a message sent to oneself)."""
+    if dest.nbytes:
+        ctypes.memmove(buffer_address(dest), addr, dest.nbytes)

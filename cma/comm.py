@@ -1,0 +1,996 @@
+"""Comm, Request and Status: the one send/recv API, shaped like mpi4py's.
+
+The I/O half of the protocol: ``protocol.Engine`` decides, this module acts (rings,
+transports, staging, doorbells). Two paths:
+
+* the eager fast path of ``Send``/``Recv`` writes or reads one ring slot directly: no
+  ctypes call, no request object, no pickling. It is taken only when it cannot change
+  the outcome of matching (nothing posted, nothing unexpected, ring not backed up).
+* everything else goes through the engine and ``_wait``'s progress loop.
+
+A communicator is used by one thread at a time (like MPI_THREAD_SERIALIZED).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import numpy as np
+
+from . import _linux
+from .channel import HEAD, HEADER_BYTES, ChannelConfig
+from .errors import BufferError, CmaError, InvalidRank, InvalidTag, PeerGone, TransportUnavailable
+from .protocol import (
+    ANY_SOURCE,
+    ANY_TAG,
+    BARRIER_TAG,
+    EAGER,
+    OBJECT,
+    PIPELINE,
+    PROC_NULL,
+    PULL,
+    PUSH,
+    Action,
+    Complete,
+    Deliver,
+    Engine,
+    Pipeline,
+    Policy,
+    Pull,
+    Push,
+    RecvOp,
+    SendOp,
+    StreamIn,
+    StreamOut,
+    Transmit,
+)
+from .transports import REGISTRY, Region, Transport, TransportStats
+from .world import PeerLink, World, WorldFds
+
+AUTO = "auto"
+# Preference for large messages under "auto": fewest copies first.
+AUTO_ORDER = ["cma", "vmfd", "shm"]
+# Smallest rendezvous message each transport takes under "auto" (bytes). Measured with
+# cma-bench on the project machine; docs/transports.md has the run. Override per Comm.
+AUTO_THRESHOLDS = {"cma": 0, "vmfd": 0, "shm": 0}
+
+SPIN_SECONDS = float(os.environ.get("CMA_SPIN_US", "100")) * 1e-6
+SLEEP_MS = 10
+_FAST_SPINS = 4000
+
+_open_comms: weakref.WeakSet[Comm] = weakref.WeakSet()
+
+
+# ------------------------------------------------------------------ buffers
+
+def _as_bytes_view(mv: memoryview) -> memoryview:
+    if mv.format == "B" and mv.ndim == 1:
+        return mv
+    if not mv.c_contiguous:
+        raise BufferError("buffer is not C-contiguous: pass a contiguous copy (np.ascontiguousarray)")
+    try:
+        return mv.cast("B")
+    except TypeError:
+        return memoryview(np.frombuffer(mv, dtype=np.uint8))
+
+
+def _spec_view(spec: Sequence[Any]) -> memoryview:
+    """An mpi4py-style buffer spec: [buf, typechar] or [buf, count, typechar]."""
+    if len(spec) == 2:
+        buf, datatype = spec
+        count = None
+    elif len(spec) == 3:
+        buf, count, datatype = spec
+    else:
+        raise BufferError(f"buffer spec must be [buf, typechar] or [buf, count, typechar], got {spec!r}")
+    view = _as_bytes_view(memoryview(buf))
+    if count is None:
+        return view
+    try:
+        itemsize = np.dtype(datatype).itemsize
+    except TypeError as exc:
+        raise BufferError(f"unknown datatype {datatype!r} in buffer spec") from exc
+    nbytes = int(count) * itemsize
+    if nbytes > view.nbytes:
+        raise BufferError(f"buffer spec asks for {nbytes} bytes of a {view.nbytes}-byte buffer")
+    return view[:nbytes]
+
+
+def send_view(buf: Any) -> memoryview:
+    if isinstance(buf, (list, tuple)):
+        return _spec_view(buf)
+    try:
+        mv = memoryview(buf)
+    except TypeError as exc:
+        raise BufferError(f"{type(buf).__name__} does not support the buffer protocol") from exc
+    return _as_bytes_view(mv)
+
+
+def recv_view(buf: Any) -> memoryview:
+    mv = send_view(buf)
+    if mv.readonly:
+        raise BufferError("receive buffer is read-only: pass a bytearray or a writable array")
+    return mv
+
+
+def _region(mv: memoryview) -> Region:
+    return Region(_linux.buffer_address(mv), mv.nbytes)
+
+
+def _allocate(nbytes: int) -> memoryview:
+    return memoryview(np.empty(nbytes, dtype=np.uint8))
+
+
+def _pieces(segments: Sequence[memoryview], start: int, stop: int) -> list[memoryview]:
+    """The views covering bytes [start, stop) of the concatenation of ``segments``."""
+    out = []
+    base = 0
+    for seg in segments:
+        end = base + seg.nbytes
+        if end > start and base < stop:
+            out.append(seg[max(start, base) - base : min(stop, end) - base])
+        base = end
+        if base >= stop:
+            break
+    return out
+
+
+# ------------------------------------------------------------------ Status and Request
+
+class Status:
+    """Source, tag and size of a received message, as mpi4py's ``MPI.Status``."""
+
+    __slots__ = ("source", "tag", "count", "error")
+
+    def __init__(self) -> None:
+        self.source = ANY_SOURCE
+        self.tag = ANY_TAG
+        self.count = 0
+        self.error = 0
+
+    def Get_source(self) -> int:
+        return self.source
+
+    def Get_tag(self) -> int:
+        return self.tag
+
+    def Get_error(self) -> int:
+        return self.error
+
+    def Get_count(self, datatype: Any = None) -> int:
+        """Number of elements of ``datatype`` (a typechar or NumPy dtype; bytes by default)."""
+        if datatype is None:
+            return self.count
+        return self.count // np.dtype(datatype).itemsize
+
+    def Get_elements(self, datatype: Any) -> int:
+        return self.Get_count(datatype)
+
+    def _fill(self, source: int, tag: int, count: int) -> None:
+        self.source = source
+        self.tag = tag
+        self.count = count
+
+    def __repr__(self) -> str:
+        return f"Status(source={self.source}, tag={self.tag}, count={self.count})"
+
+
+class Request:
+    """A non-blocking operation, as mpi4py's ``MPI.Request``."""
+
+    __slots__ = ("_comm", "_op", "_object")
+
+    def __init__(self, comm: Comm, op: SendOp | RecvOp | None, is_object: bool = False) -> None:
+        self._comm = comm
+        self._op = op
+        self._object = is_object
+
+    def Test(self, status: Status | None = None) -> bool:
+        op = self._op
+        if op is not None and not op.done:
+            self._comm._progress()
+            if not op.done:
+                return False
+        self._finish(status)
+        return True
+
+    def Wait(self, status: Status | None = None) -> Literal[True]:
+        if self._op is not None and not self._op.done:
+            self._comm._wait(self._op)
+        self._finish(status)
+        return True
+
+    def test(self, status: Status | None = None) -> tuple[bool, Any]:
+        if not self.Test(status):
+            return False, None
+        return True, self._result()
+
+    def wait(self, status: Status | None = None) -> Any:
+        self.Wait(status)
+        return self._result()
+
+    def _finish(self, status: Status | None) -> None:
+        op = self._op
+        if isinstance(op, RecvOp):
+            if status is not None:
+                status._fill(op.matched_source, op.matched_tag, op.nbytes)
+            if op.error is not None:
+                error, op.error = op.error, None
+                raise error
+
+    def _result(self) -> Any:
+        op = self._op
+        if self._object and isinstance(op, RecvOp):
+            return self._comm._unpickle(op)
+        return None
+
+    @classmethod
+    def Waitall(cls, requests: Sequence[Request], statuses: list[Status] | None = None
+                ) -> Literal[True]:
+        for i, req in enumerate(requests):
+            req.Wait(statuses[i] if statuses is not None else None)
+        return True
+
+    @classmethod
+    def waitall(cls, requests: Sequence[Request], statuses: list[Status] | None = None) -> list[Any]:
+        return [req.wait(statuses[i] if statuses is not None else None)
+                for i, req in enumerate(requests)]
+
+    @classmethod
+    def Testall(cls, requests: Sequence[Request], statuses: list[Status] | None = None) -> bool:
+        if not all(req._op is None or req._op.done or req.Test() for req in requests):
+            return False
+        return cls.Waitall(requests, statuses)
+
+    @classmethod
+    def testall(cls, requests: Sequence[Request], statuses: list[Status] | None = None
+                ) -> tuple[bool, list[Any] | None]:
+        if not cls.Testall(requests, statuses):
+            return False, None
+        return True, [req._result() for req in requests]
+
+    @classmethod
+    def Waitany(cls, requests: Sequence[Request], status: Status | None = None) -> int:
+        if not requests:
+            raise ValueError("Waitany of no requests")
+        comm = requests[0]._comm
+        box: list[int] = []
+
+        def any_done() -> bool:
+            for i, req in enumerate(requests):
+                if req._op is None or req._op.done:
+                    box.append(i)
+                    return True
+            return False
+
+        comm._wait_until(any_done, None)
+        requests[box[0]].Wait(status)
+        return box[0]
+
+    @classmethod
+    def waitany(cls, requests: Sequence[Request], status: Status | None = None) -> tuple[int, Any]:
+        index = cls.Waitany(requests, status)
+        return index, requests[index]._result()
+
+
+# ------------------------------------------------------------------ Comm
+
+class Comm:
+    """A communicator of ``size`` ranks on one machine; this object is rank ``rank``."""
+
+    def __init__(self, fds: WorldFds, rank: int, transport: str = AUTO,
+                 thresholds: dict[str, int] | None = None, **transport_options: Any) -> None:
+        if transport != AUTO and transport not in REGISTRY.classes:
+            raise TransportUnavailable(
+                f"unknown transport {transport!r}; registered: {', '.join(REGISTRY.classes)}, auto"
+            )
+        self._fds = fds
+        self.rank = rank
+        self.size = fds.size
+        self._transport_name = transport
+        self._transport_options = transport_options
+        self._thresholds = {**AUTO_THRESHOLDS, **(thresholds or {})}
+        self._eager_limit = fds.config.eager_limit
+        self._attached = False
+        self._closed = False
+        self._world: World | None = None
+        self._eager_msgs = 0
+        self._eager_bytes = 0
+        self._eager_extra = 0
+        self._control_syscalls = 0
+        _open_comms.add(self)
+
+    # -- mpi4py-style accessors
+
+    def Get_rank(self) -> int:
+        return self.rank
+
+    def Get_size(self) -> int:
+        return self.size
+
+    @property
+    def transport(self) -> str:
+        return self._transport_name
+
+    def __repr__(self) -> str:
+        return f"<cma.Comm rank {self.rank} of {self.size}, transport {self._transport_name!r}>"
+
+    # -- pickling for multiprocessing (spawn/forkserver): the fds travel with the process
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        from multiprocessing.reduction import DupFd
+
+        fds = self._fds
+        return (_rebuild_comm, (fds.world_id, fds.size, DupFd(fds.memfd),
+                                [DupFd(b) for b in fds.doorbells], fds.config.encode(),
+                                self.rank, self._transport_name, self._thresholds,
+                                self._transport_options))
+
+    # -- connect time
+
+    def _attach(self) -> None:
+        if self._closed:
+            raise CmaError("communicator is closed")
+        world = World(self._fds, self.rank)
+        self._world = world
+        names = list(REGISTRY.classes) if self._transport_name == AUTO else [self._transport_name]
+        options = self._transport_options
+        self._transports: dict[str, Transport] = {
+            name: REGISTRY.classes[name](world, **(options if self._transport_name != AUTO else {}))
+            for name in names
+        }
+        self._reasons: dict[int, dict[str, str]] = {}
+        self._links: list[PeerLink | None] = [None] * self.size
+        world.attach(self._probe_peers)
+        self._setup_policy(names)
+        self._outboxes = world.outboxes
+        self._inboxes = world.inboxes
+        self._header = world.header
+        self._sleep_words = world.sleeping_words()
+        self._peers = [p for p in range(self.size) if p != self.rank]
+        self._txq: list[deque[tuple[int, int, int, bytes]]] = [deque() for _ in range(self.size)]
+        self._txq_pending = 0
+        self._loopback: deque[tuple[int, int, int, bytes]] = deque()
+        self._out_streams: dict[int, deque[tuple[SendOp, Pipeline | None]]] = {}
+        self._in_streams: dict[int, deque[tuple[RecvOp, Pipeline | None]]] = {}
+        self._dead: set[int] = set()
+        self._oversubscribed = self.size > (os.cpu_count() or 1)
+        self._attached = True
+
+    def _probe_peers(self, world: World) -> dict[int, int]:
+        masks = {}
+        for peer in range(self.size):
+            if peer == self.rank:
+                continue
+            link = PeerLink(world, peer)
+            self._links[peer] = link
+            mask = 0
+            for bit, (name, transport) in enumerate(self._transports.items()):
+                try:
+                    transport.connect(link)
+                    mask |= 1 << bit
+                except (TransportUnavailable, CmaError, OSError) as exc:
+                    self._reasons.setdefault(peer, {})[name] = str(exc)
+            masks[peer] = mask
+        return masks
+
+    def _setup_policy(self, names: list[str]) -> None:
+        world = self._world
+        assert world is not None
+        bits = {name: 1 << i for i, name in enumerate(names)}
+        forced = None if self._transport_name == AUTO else self._transport_name
+        if forced is not None:
+            for r in range(self.size):
+                for p in range(self.size):
+                    if r != p and not world.reach(r, p) & bits[forced]:
+                        reason = self._reasons.get(p, {}).get(forced) if r == self.rank else None
+                        raise TransportUnavailable(
+                            f"transport {forced!r} cannot be used from rank {r} to rank {p}"
+                            + (f": {reason}" if reason else " (see that rank's error)")
+                        )
+        policy = Policy(
+            order=[n for n in AUTO_ORDER if n in names] or names,
+            thresholds=self._thresholds if forced is None else {},
+            forced=forced,
+            staged={n for n in names if "staged" in REGISTRY.classes[n].styles},
+            push=bool(self._transport_options.get("push", False)) if forced else False,
+        )
+        for p in range(self.size):
+            if p == self.rank:
+                continue
+            policy.pullable[p] = {n for n in names if world.reach(self.rank, p) & bits[n]
+                                  and "pull" in REGISTRY.classes[n].styles}
+            policy.pushable[p] = {n for n in names if world.reach(p, self.rank) & bits[n]
+                                  and "push" in REGISTRY.classes[n].styles}
+        policy.pullable[self.rank] = {"self"}
+        policy.order = ["self", *policy.order]
+        if forced:
+            policy.forced = None
+            policy.order = ["self", forced]
+        self._engine = Engine(self.rank, self._eager_limit, policy, PULL | PUSH | PIPELINE,
+                              allocate=_allocate, region_of=_region)
+
+    def transports(self) -> dict[int, dict[str, Any]]:
+        """Per peer: the transports usable with it, which one large messages use, and why not others."""
+        if not self._attached:
+            self._attach()
+        policy = self._engine.policy
+        report = {}
+        for p in self._peers:
+            usable = [n for n in policy.order if n in policy.pullable[p] | policy.pushable[p]
+                      or n in policy.staged]
+            report[p] = {"uses": usable[0] if usable else "shm", "usable": usable,
+                         "unavailable": dict(self._reasons.get(p, {}))}
+        return report
+
+    # -- blocking buffer point-to-point (eager fast paths inline)
+
+    def Send(self, buf: Any, dest: int, tag: int = 0) -> None:
+        if not self._attached:
+            self._attach()
+        mv = buf if type(buf) is memoryview and buf.format == "B" else send_view(buf)
+        n = mv.nbytes
+        if n <= self._eager_limit and tag >= 0 and dest != self.rank and 0 <= dest < self.size \
+                and not self._txq[dest]:
+            box = self._outboxes[dest]
+            if box.put_eager(EAGER, tag, mv, n):  # type: ignore[union-attr]
+                self._eager_msgs += 1
+                self._eager_bytes += n
+                if self._header[self._sleep_words[dest]]:
+                    self._ring(dest)
+                return
+        self._check_dest(dest)
+        self._check_tag(tag)
+        if dest == PROC_NULL:
+            return
+        self._wait(self._start_send([mv], dest, tag, False))
+
+    def Recv(self, buf: Any, source: int = ANY_SOURCE, tag: int = ANY_TAG,
+             status: Status | None = None) -> None:
+        if not self._attached:
+            self._attach()
+        mv = recv_view(buf)
+        src = 1 - self.rank if source == ANY_SOURCE and self.size == 2 else source
+        matcher = self._engine.matcher
+        if 0 <= src < self.size and src != self.rank and not matcher.posted \
+                and not matcher.unexpected and not self._loopback and not self._oversubscribed:
+            box = self._inboxes[src]
+            ctl = box.ctl  # type: ignore[union-attr]
+            spins = _FAST_SPINS
+            while spins:
+                if ctl[HEAD] != box.tail:  # type: ignore[union-attr]
+                    words = box.words  # type: ignore[union-attr]
+                    w = box.slot()  # type: ignore[union-attr]
+                    t = words[w + 1]
+                    n = words[w + 2]
+                    if words[w] == EAGER and (t == tag or (tag == ANY_TAG and t >= 0)) \
+                            and n <= mv.nbytes:
+                        if n:
+                            off = (w << 3) + HEADER_BYTES
+                            mv[:n] = box.data[off : off + n]  # type: ignore[union-attr]
+                        box.release()  # type: ignore[union-attr]
+                        self._eager_msgs += 1
+                        self._eager_bytes += n
+                        if status is not None:
+                            status.source = src
+                            status.tag = t
+                            status.count = n
+                        return
+                    break
+                spins -= 1
+        self._check_source(source)
+        self._check_tag(tag, wildcard=True)
+        if source == PROC_NULL:
+            if status is not None:
+                status._fill(PROC_NULL, ANY_TAG, 0)
+            return
+        op, actions = self._engine.recv(source, tag, mv)
+        self._run(actions)
+        Request(self, op).Wait(status)
+
+    def Sendrecv(self, sendbuf: Any, dest: int, sendtag: int = 0, recvbuf: Any = None,
+                 source: int = ANY_SOURCE, recvtag: int = ANY_TAG,
+                 status: Status | None = None) -> None:
+        send = self.Isend(sendbuf, dest, sendtag)
+        self.Recv(recvbuf, source, recvtag, status)
+        send.Wait()
+
+    # -- non-blocking buffer point-to-point
+
+    def Isend(self, buf: Any, dest: int, tag: int = 0) -> Request:
+        if not self._attached:
+            self._attach()
+        self._check_dest(dest)
+        self._check_tag(tag)
+        if dest == PROC_NULL:
+            return Request(self, None)
+        return Request(self, self._start_send([send_view(buf)], dest, tag, False))
+
+    def Irecv(self, buf: Any, source: int = ANY_SOURCE, tag: int = ANY_TAG) -> Request:
+        if not self._attached:
+            self._attach()
+        mv = recv_view(buf)
+        self._check_source(source)
+        self._check_tag(tag, wildcard=True)
+        if source == PROC_NULL:
+            return Request(self, _null_recv())
+        op, actions = self._engine.recv(source, tag, mv)
+        self._run(actions)
+        return Request(self, op)
+
+    # -- objects (pickle protocol 5, large buffers out of band through the transport)
+
+    def _pickle(self, obj: Any) -> list[memoryview]:
+        oob: list[memoryview] = []
+        limit = self._eager_limit
+
+        def out_of_band(buffer: pickle.PickleBuffer) -> bool:
+            raw = buffer.raw()
+            if raw.nbytes <= limit:
+                return True  # small buffers stay in the stream
+            oob.append(raw)
+            return False
+
+        stream = pickle.dumps(obj, protocol=5, buffer_callback=out_of_band)
+        return [memoryview(stream), *oob]
+
+    def _unpickle(self, op: RecvOp) -> Any:
+        if not op.is_object:
+            return bytearray(op.segments[0]) if op.segments else bytearray()
+        stream, *buffers = op.segments
+        return pickle.loads(stream, buffers=buffers)
+
+    def send(self, obj: Any, dest: int, tag: int = 0) -> None:
+        self.isend(obj, dest, tag).Wait()
+
+    def isend(self, obj: Any, dest: int, tag: int = 0) -> Request:
+        if not self._attached:
+            self._attach()
+        self._check_dest(dest)
+        self._check_tag(tag)
+        if dest == PROC_NULL:
+            return Request(self, None)
+        return Request(self, self._start_send(self._pickle(obj), dest, tag, True))
+
+    def recv(self, buf: Any = None, source: int = ANY_SOURCE, tag: int = ANY_TAG,
+             status: Status | None = None) -> Any:
+        return self.irecv(buf, source, tag).wait(status)
+
+    def irecv(self, buf: Any = None, source: int = ANY_SOURCE, tag: int = ANY_TAG) -> Request:
+        """Receive an object of any size (``buf`` is accepted for mpi4py compatibility, unused)."""
+        if not self._attached:
+            self._attach()
+        self._check_source(source)
+        self._check_tag(tag, wildcard=True)
+        if source == PROC_NULL:
+            return Request(self, _null_recv(), is_object=True)
+        op, actions = self._engine.recv(source, tag, None)
+        self._run(actions)
+        return Request(self, op, is_object=True)
+
+    def sendrecv(self, sendobj: Any, dest: int, sendtag: int = 0, recvbuf: Any = None,
+                 source: int = ANY_SOURCE, recvtag: int = ANY_TAG,
+                 status: Status | None = None) -> Any:
+        send = self.isend(sendobj, dest, sendtag)
+        obj = self.recv(recvbuf, source, recvtag, status)
+        send.Wait()
+        return obj
+
+    # -- probes
+
+    def Iprobe(self, source: int = ANY_SOURCE, tag: int = ANY_TAG,
+               status: Status | None = None) -> bool:
+        if not self._attached:
+            self._attach()
+        self._check_source(source)
+        self._check_tag(tag, wildcard=True)
+        if source == PROC_NULL:
+            if status is not None:
+                status._fill(PROC_NULL, ANY_TAG, 0)
+            return True
+        self._progress()
+        arrival = self._engine.probe(source, tag)
+        if arrival is None:
+            return False
+        if status is not None:
+            status._fill(arrival.source, arrival.tag, arrival.nbytes)
+        return True
+
+    def Probe(self, source: int = ANY_SOURCE, tag: int = ANY_TAG,
+              status: Status | None = None) -> Literal[True]:
+        if not self._attached:
+            self._attach()
+        self._check_source(source)
+        self._check_tag(tag, wildcard=True)
+        if source != PROC_NULL:
+            self._wait_until(lambda: self._engine.probe(source, tag) is not None,
+                             None if source == ANY_SOURCE else source)
+        self.Iprobe(source, tag, status)
+        return True
+
+    iprobe = Iprobe
+    probe = Probe
+
+    # -- synchronisation
+
+    def Barrier(self) -> None:
+        """Dissemination barrier: ceil(log2 size) rounds of zero-byte messages."""
+        if not self._attached:
+            self._attach()
+        empty = memoryview(bytearray(0))
+        step = 1
+        while step < self.size:
+            dest = (self.rank + step) % self.size
+            source = (self.rank - step) % self.size
+            sent = self._start_send([empty], dest, BARRIER_TAG, False)
+            op, actions = self._engine.recv(source, BARRIER_TAG, empty)
+            self._run(actions)
+            self._wait(op)
+            self._wait(sent)
+            step *= 2
+
+    barrier = Barrier
+
+    # -- statistics
+
+    def stats(self) -> dict[str, dict[str, float]]:
+        """What this process moved, per mechanism, counted as it happened.
+
+        ``eager`` is the inline path (one user copy on each side); the others are the
+        transports that moved rendezvous messages. ``user_copies``/``kernel_copies`` are
+        copied bytes per payload byte, so 1.0 means each byte was copied once here.
+        """
+        eager = TransportStats(self._eager_msgs, self._eager_bytes,
+                               self._eager_bytes + self._eager_extra, 0, self._control_syscalls)
+        out = {"eager": eager.as_dict()}
+        if self._attached:
+            for name, transport in self._transports.items():
+                out[name] = transport.stats.as_dict()
+        return out
+
+    def reset_stats(self) -> None:
+        self._eager_msgs = self._eager_bytes = self._eager_extra = self._control_syscalls = 0
+        if self._attached:
+            for transport in self._transports.values():
+                transport.stats = TransportStats()
+
+    # -- teardown
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._attached:
+            for transport in self._transports.values():
+                for link in self._links:
+                    if link is not None:
+                        transport.disconnect(link)
+                transport.close()
+        if self._world is not None:
+            self._world.close()
+            self._world = None
+        self._attached = False
+        self._fds.close()
+
+    def Free(self) -> None:
+        self.close()
+
+    def __enter__(self) -> Comm:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- argument checks
+
+    def _check_dest(self, dest: int) -> None:
+        if dest != PROC_NULL and not (isinstance(dest, int) and 0 <= dest < self.size):
+            raise InvalidRank(f"destination rank {dest!r} is not in 0..{self.size - 1} (or PROC_NULL)")
+
+    def _check_source(self, source: int) -> None:
+        if source not in (ANY_SOURCE, PROC_NULL) and not (
+                isinstance(source, int) and 0 <= source < self.size):
+            raise InvalidRank(
+                f"source rank {source!r} is not in 0..{self.size - 1} (or ANY_SOURCE, PROC_NULL)")
+
+    def _check_tag(self, tag: int, wildcard: bool = False) -> None:
+        if not isinstance(tag, int) or (tag < 0 and not (wildcard and tag == ANY_TAG)):
+            what = "a non-negative int" + (" or ANY_TAG" if wildcard else "")
+            raise InvalidTag(f"tag {tag!r} must be {what}")
+
+    # -- the general path
+
+    def _start_send(self, segments: list[memoryview], dest: int, tag: int, is_object: bool) -> SendOp:
+        regions = [_region(s) for s in segments] if sum(s.nbytes for s in segments) \
+            > self._eager_limit or len(segments) > 1 else None
+        op, actions = self._engine.send(dest, tag, segments, regions, is_object)
+        self._run(actions)
+        return op
+
+    def _ring(self, peer: int) -> None:
+        _linux.ring_doorbell(self._fds.doorbells[peer])
+        self._control_syscalls += 1
+
+    def _transmit(self, dest: int, kind: int, tag: int, aux: int, payload: bytes) -> None:
+        if dest == self.rank:
+            self._loopback.append((kind, tag, aux, payload))
+            return
+        queue = self._txq[dest]
+        box = self._outboxes[dest]
+        assert box is not None
+        if queue or not box.put(kind, tag, aux, payload):
+            queue.append((kind, tag, aux, payload))
+            self._txq_pending += 1
+            return
+        if kind & 0xFF == EAGER:
+            self._eager_msgs += 1
+            self._eager_bytes += len(payload)
+            self._eager_extra += len(payload)  # the copy into a bytes object before the ring
+        if self._header[self._sleep_words[dest]]:
+            self._ring(dest)
+
+    def _flush(self) -> bool:
+        moved = False
+        for dest in self._peers:
+            queue = self._txq[dest]
+            box = self._outboxes[dest]
+            assert box is not None
+            while queue and box.put(*queue[0]):
+                kind, _, _, payload = queue.popleft()
+                self._txq_pending -= 1
+                if kind & 0xFF == EAGER:
+                    self._eager_msgs += 1
+                    self._eager_bytes += len(payload)
+                    self._eager_extra += len(payload)
+                moved = True
+            if moved and self._header[self._sleep_words[dest]]:
+                self._ring(dest)
+        return moved
+
+    def _run(self, actions: list[Action]) -> None:
+        for action in actions:
+            if isinstance(action, Transmit):
+                self._transmit(action.dest, action.kind, action.tag, action.aux, action.payload)
+            elif isinstance(action, Deliver):
+                self._deliver(action.op, action.payload)
+            elif isinstance(action, Pull):
+                self._pull(action)
+            elif isinstance(action, Push):
+                self._push(action)
+            elif isinstance(action, StreamOut):
+                self._out_streams.setdefault(action.op.dest, deque()).append((action.op, None))
+            elif isinstance(action, StreamIn):
+                self._in_streams.setdefault(action.op.matched_source, deque()).append((action.op, None))
+            elif isinstance(action, Complete):
+                self._completed(action.op)
+
+    def _deliver(self, op: RecvOp, payload: bytes | memoryview) -> None:
+        n = len(payload)
+        if op.buffer is None:
+            op.segments = [memoryview(bytes(payload))]
+            self._eager_extra += n
+        elif n:
+            op.buffer[:n] = payload
+        self._eager_msgs += 1
+        self._eager_bytes += n
+
+    def _completed(self, op: SendOp | RecvOp) -> None:
+        if op.mechanism in ("eager", "self") or (isinstance(op, RecvOp) and op.error is not None):
+            return
+        stats = self._transports[op.mechanism].stats
+        stats.messages += 1
+        stats.bytes += op.nbytes
+
+    def _pull(self, action: Pull) -> None:
+        op = action.op
+        if action.peer == self.rank:
+            op.mechanism = "self"
+            self._copy_self(action.remote, op.segments)
+        else:
+            link = self._links[action.peer]
+            assert link is not None
+            self._transports[action.transport].read(link, action.remote, op.segments)
+        self._run(self._engine.pulled(op, action.msgid))
+
+    def _copy_self(self, remote: list[Region], local: list[memoryview]) -> None:
+        offset = 0
+        for region in remote:
+            cursor = region.addr
+            for piece in _pieces(local, offset, offset + region.nbytes):
+                _linux.copy_from_address(piece, cursor)
+                cursor += piece.nbytes
+            offset += region.nbytes
+
+    def _push(self, action: Push) -> None:
+        op = action.op
+        link = self._links[op.dest]
+        assert link is not None
+        self._transports[action.transport].write(link, op.segments, action.remote)
+        self._run(self._engine.pushed(op, action.recvid))
+
+    # -- progress
+
+    def _progress(self, skip: int = -1) -> bool:
+        """One pass over everything that can move without blocking; True if anything did."""
+        moved = False
+        engine = self._engine
+        while self._loopback:
+            kind, tag, aux, payload = self._loopback.popleft()
+            self._run(engine.packet(self.rank, kind, tag, aux, memoryview(payload)))
+            moved = True
+        for peer in self._peers:
+            if peer == skip:
+                continue
+            box = self._inboxes[peer]
+            assert box is not None
+            while box.ready():
+                kind, tag, n, aux, payload = box.take()
+                self._run(engine.packet(peer, kind, tag, aux, payload))
+                box.release()
+                moved = True
+            if box.publish_tail() and self._header[self._sleep_words[peer]]:
+                self._ring(peer)
+        if self._txq_pending:
+            moved = self._flush() or moved
+        if self._out_streams or self._in_streams:
+            moved = self._stream() or moved
+        return moved
+
+    def _stream(self) -> bool:
+        """Advance PIPELINE transfers: fill free staging slots, drain filled ones."""
+        moved = False
+        config = self._fds.config
+        frag = config.frag_size
+        for peer, queue in list(self._out_streams.items()):
+            box = self._outboxes[peer]
+            assert box is not None
+            while queue:
+                op, pipe = queue[0]
+                if pipe is None:
+                    pipe = Pipeline(op.nbytes, frag, config.stage_slots, box.filled)
+                    queue[0] = (op, pipe)
+                transport = self._transports.get(op.mechanism) or self._transports["shm"]
+                drained = box.drained()
+                step = pipe.fill(drained)
+                while step is not None:
+                    slot, start, stop = step
+                    target = box.staging[slot * frag : slot * frag + (stop - start)]
+                    at = 0
+                    for piece in _pieces(op.segments, start, stop):
+                        transport.stage(target[at : at + piece.nbytes], piece)
+                        at += piece.nbytes
+                    box.publish_filled(pipe.advance())
+                    moved = True
+                    step = pipe.fill(drained)
+                if moved and self._header[self._sleep_words[peer]]:
+                    self._ring(peer)
+                if not pipe.finished:
+                    break
+                queue.popleft()
+                self._run(self._engine.streamed_out(op))
+            if not queue:
+                del self._out_streams[peer]
+        for peer, rqueue in list(self._in_streams.items()):
+            inbox = self._inboxes[peer]
+            assert inbox is not None
+            while rqueue:
+                rop, pipe = rqueue[0]
+                if pipe is None:
+                    pipe = Pipeline(rop.nbytes, frag, config.stage_slots, inbox.drained_count)
+                    rqueue[0] = (rop, pipe)
+                transport = self._transports.get(rop.mechanism) or self._transports["shm"]
+                filled = inbox.filled()
+                step = pipe.drain(filled)
+                while step is not None:
+                    slot, start, stop = step
+                    source = inbox.staging[slot * frag : slot * frag + (stop - start)]
+                    at = 0
+                    for piece in _pieces(rop.segments, start, stop):
+                        transport.drain(source[at : at + piece.nbytes], piece)
+                        at += piece.nbytes
+                    inbox.publish_drained(pipe.advance())
+                    moved = True
+                    step = pipe.drain(filled)
+                if moved and self._header[self._sleep_words[peer]]:
+                    self._ring(peer)
+                if not pipe.finished:
+                    break
+                rqueue.popleft()
+                self._run(self._engine.streamed_in(rop))
+            if not rqueue:
+                del self._in_streams[peer]
+        return moved
+
+    def _wait(self, op: SendOp | RecvOp) -> None:
+        if op.done:
+            return
+        peer = op.dest if isinstance(op, SendOp) else op.source
+        self._wait_until(lambda: op.done, None if peer == ANY_SOURCE else peer)
+
+    def _wait_until(self, done: Callable[[], bool], peer: int | None) -> None:
+        """Progress until ``done()``: spin for a bounded time, then sleep on the doorbell.
+
+        ``peer`` is the rank whose exit makes waiting pointless (None: any rank may answer).
+        """
+        world = self._world
+        assert world is not None
+        deadline = 0.0
+        yield_cpu = self._oversubscribed
+        while not done():
+            if self._progress():
+                deadline = 0.0
+                continue
+            if yield_cpu:
+                os.sched_yield()
+            now = time.perf_counter()
+            if not deadline:
+                deadline = now + SPIN_SECONDS
+                continue
+            if now < deadline:
+                continue
+            world.set_sleeping(1)
+            try:
+                if self._progress() or done():
+                    continue
+                gone = world.sleep(SLEEP_MS)
+                self._control_syscalls += 1
+            finally:
+                world.set_sleeping(0)
+            deadline = 0.0
+            if gone:
+                self._peers_gone(gone, done, peer)
+
+    def _peers_gone(self, gone: list[int], done: Callable[[], bool], peer: int | None) -> None:
+        world = self._world
+        assert world is not None
+        while self._progress():
+            pass  # take whatever the dead peers left in the rings first
+        for r in gone:
+            self._dead.add(r)
+            os.close(world.pidfds[r])
+            world.pidfds[r] = -1
+        if done():
+            return
+        if peer is not None and peer in self._dead:
+            raise PeerGone(f"rank {peer} exited before completing this operation")
+        if peer is None and self._dead.issuperset(self._peers):
+            raise PeerGone("every other rank has exited; nothing can complete this operation")
+
+
+def _null_recv() -> RecvOp:
+    op = RecvOp(PROC_NULL, ANY_TAG, None, matched_source=PROC_NULL, matched_tag=ANY_TAG)
+    op.done = True
+    return op
+
+
+def _rebuild_comm(world_id: str, size: int, memfd: Any, doorbells: list[Any], config: str,
+                  rank: int, transport: str, thresholds: dict[str, int],
+                  options: dict[str, Any]) -> Comm:
+    fds = WorldFds(world_id, size, memfd.detach(), [b.detach() for b in doorbells],
+                   ChannelConfig.decode(config))
+    return Comm(fds, rank, transport, thresholds, **options)
+
+
+def Pipe(transport: str = AUTO, *, config: ChannelConfig | None = None,
+         thresholds: dict[str, int] | None = None, **options: Any) -> tuple[Comm, Comm]:
+    """Two connected communicators of size 2 (rank 0 and rank 1), like multiprocessing.Pipe.
+
+    Hand one end to a ``multiprocessing.Process`` (fork or spawn). Each end attaches on
+    first use; the first operation waits until the other end is in use too.
+    """
+    fds = WorldFds.create(2, config)
+    a = Comm(fds, 0, transport, thresholds, **options)
+    b = Comm(_shared_fds(fds), 1, transport, thresholds, **options)
+    return a, b
+
+
+def _shared_fds(fds: WorldFds) -> WorldFds:
+    """Own duplicates, so each end closes its fds without pulling them from under the other."""
+    return WorldFds(fds.world_id, fds.size, os.dup(fds.memfd),
+                    [os.dup(b) for b in fds.doorbells], fds.config)

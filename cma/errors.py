@@ -1,0 +1,49 @@
+"""Exceptions raised by cma. Every one says what went wrong and what to do about it."""
+
+from __future__ import annotations
+
+
+class CmaError(Exception):
+    """Base class of every error cma raises."""
+
+
+class InvalidRank(CmaError, ValueError):
+    """A rank outside ``0 .. size-1`` (and not a wildcard where one is allowed)."""
+
+
+class InvalidTag(CmaError, ValueError):
+    """A tag that is negative (and not ``ANY_TAG`` where one is allowed)."""
+
+
+class BufferError(CmaError, TypeError):
+    """A buffer that cannot be used: not contiguous, read-only for a receive, bad spec."""
+
+
+class TruncationError(CmaError):
+    """The matched message is larger than the receive buffer.
+
+    The message is consumed (as in MPI): no other receive can match it afterwards.
+    """
+
+    def __init__(self, message: str, *, source: int, tag: int, nbytes: int, capacity: int):
+        super().__init__(message)
+        self.source = source
+        self.tag = tag
+        self.nbytes = nbytes
+        self.capacity = capacity
+
+
+class PeerGone(CmaError, ConnectionError):
+    """The peer process exited (or its memory vanished) while we needed it."""
+
+
+class TransportUnavailable(CmaError, RuntimeError):
+    """A transport cannot be used with a peer; the message says why and how to fix it."""
+
+
+class TransportFault(CmaError, OSError):
+    """A transport copy failed part way, e.g. the peer's region is no longer mapped."""
+
+
+class WindowError(CmaError, PermissionError):
+    """An access outside the memory window a peer exposed was refused before any copy."""

@@ -1,0 +1,520 @@
+"""The message protocols, written once and free of I/O.
+
+Like h11, this module takes events (a send or receive posted by the user, a control
+packet arrived from a peer, a copy finished) and returns actions (transmit a packet,
+pull or push bytes with a transport, stream fragments through staging, complete an
+operation). It never touches shared memory, file descriptors or processes, so every
+rule here is unit-tested without them (tests/test_protocol.py).
+
+Protocols, chosen per message:
+
+EAGER      payload <= eager limit travels inline in the control packet.
+RGET       sender posts RTS with its regions; receiver pulls them and answers FIN.
+RPUT       sender posts RTS; receiver answers CTS with its regions; sender pushes, sends FIN.
+PIPELINE   sender posts RTS; receiver answers CTS; fragments flow through staging
+           slots shared by the pair, both sides copying at once.
+
+The receiver picks RGET, RPUT or PIPELINE when it matches the RTS, because only the
+receiver knows whether it may read the sender's memory (ptrace rules are not
+symmetric: a non-dumpable sender refuses readers but may still write to them).
+"""
+
+from __future__ import annotations
+
+import itertools
+from array import array
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Union
+
+from .errors import TruncationError
+from .transports.base import Region
+
+ANY_SOURCE = -2
+ANY_TAG = -1
+PROC_NULL = -1
+
+# Tags below zero are cma's own (barrier, ...): ANY_TAG never matches them.
+BARRIER_TAG = -10
+
+# packet kinds (word 0 of a control packet)
+EAGER = 1
+RTS = 2
+CTS = 3
+FIN = 4
+OBJECT = 0x100  # flag on EAGER/RTS: the payload is a pickle stream (+ out-of-band buffers)
+KIND_MASK = 0xFF
+
+# transfer modes, offered by the sender in RTS and chosen by the receiver in CTS/pull
+PULL = 1
+PUSH = 2
+PIPELINE = 4
+MODE_NAMES = {PULL: "RGET", PUSH: "RPUT", PIPELINE: "PIPELINE"}
+
+
+def tag_matches(wanted: int, tag: int) -> bool:
+    return wanted == tag or (wanted == ANY_TAG and tag >= 0)
+
+
+def source_matches(wanted: int, source: int) -> bool:
+    return wanted == source or wanted == ANY_SOURCE
+
+
+# ------------------------------------------------------------------ wire formats
+
+def encode_rts(msgid: int, offers: int, sizes: Sequence[int], regions: Sequence[Region] | None) -> bytes:
+    words = array("q", [msgid, offers, len(sizes)])
+    words.extend(sizes)
+    if regions is not None:
+        for region in regions:
+            words.append(region.addr)
+    return words.tobytes()
+
+
+@dataclass
+class RtsInfo:
+    msgid: int
+    offers: int
+    sizes: list[int]
+    regions: list[Region] | None
+
+
+def decode_rts(payload: bytes | memoryview) -> RtsInfo:
+    words = array("q")
+    words.frombytes(payload)
+    msgid, offers, nseg = words[0], words[1], words[2]
+    sizes = list(words[3 : 3 + nseg])
+    addrs = words[3 + nseg : 3 + 2 * nseg]
+    regions = [Region(a, n) for a, n in zip(addrs, sizes)] if len(addrs) == nseg else None
+    return RtsInfo(msgid, offers, sizes, regions)
+
+
+def encode_cts(msgid: int, recvid: int, mode: int, transport: str, regions: Sequence[Region]) -> bytes:
+    words = array("q", [msgid, recvid, mode, len(regions)])
+    for region in regions:
+        words.extend((region.addr, region.nbytes))
+    return words.tobytes() + transport.encode()
+
+
+@dataclass
+class CtsInfo:
+    msgid: int
+    recvid: int
+    mode: int
+    transport: str
+    regions: list[Region]
+
+
+def decode_cts(payload: bytes | memoryview) -> CtsInfo:
+    head = array("q")
+    head.frombytes(bytes(payload[:32]))
+    msgid, recvid, mode, nreg = head
+    body = array("q")
+    body.frombytes(bytes(payload[32 : 32 + 16 * nreg]))
+    regions = [Region(body[2 * i], body[2 * i + 1]) for i in range(nreg)]
+    return CtsInfo(msgid, recvid, mode, bytes(payload[32 + 16 * nreg :]).decode(), regions)
+
+
+# ------------------------------------------------------------------ operations
+
+@dataclass(eq=False)
+class SendOp:
+    dest: int
+    tag: int
+    segments: list[memoryview]
+    nbytes: int
+    is_object: bool
+    msgid: int = 0
+    mechanism: str = "eager"
+    done: bool = False
+
+
+@dataclass(eq=False)
+class RecvOp:
+    source: int
+    tag: int
+    buffer: memoryview | None  # None: an object receive, buffers allocated on match
+    recvid: int = 0
+    # filled on match
+    matched_source: int = ANY_SOURCE
+    matched_tag: int = ANY_TAG
+    nbytes: int = 0
+    is_object: bool = False
+    segments: list[memoryview] = field(default_factory=list)
+    mechanism: str = "eager"
+    error: Exception | None = None
+    done: bool = False
+
+    @property
+    def capacity(self) -> int:
+        return -1 if self.buffer is None else self.buffer.nbytes
+
+
+@dataclass(eq=False)
+class Arrival:
+    """A message that arrived before a receive matched it (the unexpected queue)."""
+
+    source: int
+    tag: int
+    is_object: bool
+    nbytes: int
+    eager: bytes | None  # inline payload, copied out of the ring
+    rts: RtsInfo | None
+
+
+# ------------------------------------------------------------------ actions
+
+@dataclass
+class Transmit:
+    dest: int
+    kind: int
+    tag: int
+    aux: int
+    payload: bytes
+
+
+@dataclass
+class Deliver:
+    """Copy an inline payload into the receive's buffer(s)."""
+
+    op: RecvOp
+    payload: bytes | memoryview
+
+
+@dataclass
+class Pull:
+    op: RecvOp
+    peer: int
+    transport: str
+    remote: list[Region]
+    msgid: int
+
+
+@dataclass
+class Push:
+    op: SendOp
+    transport: str
+    remote: list[Region]
+    recvid: int
+
+
+@dataclass
+class StreamOut:
+    op: SendOp
+
+
+@dataclass
+class StreamIn:
+    op: RecvOp
+
+
+@dataclass
+class Complete:
+    op: SendOp | RecvOp
+
+
+Action = Union[Transmit, Deliver, Pull, Push, StreamOut, StreamIn, Complete]
+
+
+# ------------------------------------------------------------------ matching
+
+class Matcher:
+    """MPI matching: posted receives and unexpected arrivals, both in order.
+
+    A receive takes the first arrival it matches; an arrival goes to the first posted
+    receive that matches it. Arrivals from one source are fed in the order they were
+    sent, which gives MPI's non-overtaking rule per pair.
+    """
+
+    def __init__(self) -> None:
+        self.posted: list[RecvOp] = []
+        self.unexpected: deque[Arrival] = deque()
+
+    def find_unexpected(self, source: int, tag: int) -> Arrival | None:
+        for arrival in self.unexpected:
+            if source_matches(source, arrival.source) and tag_matches(tag, arrival.tag):
+                return arrival
+        return None
+
+    def take_unexpected(self, source: int, tag: int) -> Arrival | None:
+        arrival = self.find_unexpected(source, tag)
+        if arrival is not None:
+            self.unexpected.remove(arrival)
+        return arrival
+
+    def take_posted(self, source: int, tag: int) -> RecvOp | None:
+        for i, op in enumerate(self.posted):
+            if source_matches(op.source, source) and tag_matches(op.tag, tag):
+                del self.posted[i]
+                return op
+        return None
+
+
+# ------------------------------------------------------------------ pipeline schedule
+
+class Pipeline:
+    """Which bytes of a message go through which staging slot, and when.
+
+    The pair shares ``slots`` slots of ``frag`` bytes and two running counts: fragments
+    filled by the sender and fragments drained by the receiver, across all messages.
+    Fragment i of this message lives in slot (first + i) % slots. The sender may fill
+    fragment i once the receiver has drained fragment i - slots; the receiver may drain
+    it once the sender has filled it.
+    """
+
+    def __init__(self, nbytes: int, frag: int, slots: int, first: int) -> None:
+        self.nbytes = nbytes
+        self.frag = frag
+        self.slots = slots
+        self.first = first
+        self.count = -(-nbytes // frag)
+        self.next = 0  # next fragment index to fill (sender) or drain (receiver)
+
+    @property
+    def finished(self) -> bool:
+        return self.next >= self.count
+
+    @property
+    def end(self) -> int:
+        """The running fragment count once this message is through."""
+        return self.first + self.count
+
+    def _fragment(self) -> tuple[int, int, int]:
+        i = self.next
+        start = i * self.frag
+        return (self.first + i) % self.slots, start, min(self.nbytes, start + self.frag)
+
+    def fill(self, drained: int) -> tuple[int, int, int] | None:
+        """(slot, start, stop) the sender may fill now, given the receiver's drained count."""
+        if self.finished or self.first + self.next - drained >= self.slots:
+            return None
+        return self._fragment()
+
+    def drain(self, filled: int) -> tuple[int, int, int] | None:
+        """(slot, start, stop) the receiver may drain now, given the sender's filled count."""
+        if self.finished or self.first + self.next >= filled:
+            return None
+        return self._fragment()
+
+    def advance(self) -> int:
+        """Mark the current fragment done; returns the new running count to publish."""
+        self.next += 1
+        return self.first + self.next
+
+
+# ------------------------------------------------------------------ transport choice
+
+@dataclass
+class Policy:
+    """Which mechanism moves a rendezvous message: the receiver's choice, per message.
+
+    ``pullable[peer]`` / ``pushable[peer]`` hold the transports that connect-time probes
+    found usable to read that peer's memory / for that peer to write ours. ``order``
+    is the preference for large messages; under ``auto`` a transport is used from
+    ``thresholds[name]`` bytes up (measured by cma-bench, see docs/transports.md).
+    ``forced`` names the one transport the user asked for, if any.
+    """
+
+    order: list[str] = field(default_factory=lambda: ["shm"])
+    pullable: dict[int, set[str]] = field(default_factory=dict)
+    pushable: dict[int, set[str]] = field(default_factory=dict)
+    staged: set[str] = field(default_factory=lambda: {"shm"})
+    thresholds: dict[str, int] = field(default_factory=dict)
+    forced: str | None = None
+    push: bool = False  # prefer RPUT to RGET where both work
+
+    def choose(self, peer: int, nbytes: int, offers: int) -> tuple[int, str]:
+        pull = self.pullable.get(peer, set())
+        push = self.pushable.get(peer, set())
+        for name in [self.forced] if self.forced else self.order:
+            if self.forced is None and nbytes < self.thresholds.get(name, 0):
+                continue
+            if self.push and name in push and offers & PUSH:
+                return PUSH, name
+            if name in pull and offers & PULL:
+                return PULL, name
+            if name in push and offers & PUSH:
+                return PUSH, name
+            if name in self.staged and offers & PIPELINE:
+                return PIPELINE, name
+        return PIPELINE, "shm"
+
+
+# ------------------------------------------------------------------ the engine
+
+class Engine:
+    """Matching plus the rendezvous state machines of one rank. No I/O."""
+
+    def __init__(
+        self,
+        rank: int,
+        eager_limit: int,
+        policy: Policy,
+        offers: int,
+        allocate: Callable[[int], memoryview],
+        region_of: Callable[[memoryview], Region],
+    ) -> None:
+        self.rank = rank
+        self.allocate = allocate
+        self.region_of = region_of
+        self.eager_limit = eager_limit
+        self.policy = policy
+        self.offers = offers
+        self.matcher = Matcher()
+        self._ids = itertools.count(1)
+        self.sends: dict[int, SendOp] = {}
+        self.recvs: dict[int, RecvOp] = {}
+
+    # -- user events
+
+    def send(
+        self,
+        dest: int,
+        tag: int,
+        segments: list[memoryview],
+        regions: list[Region] | None,
+        is_object: bool = False,
+    ) -> tuple[SendOp, list[Action]]:
+        nbytes = sum(s.nbytes for s in segments)
+        op = SendOp(dest, tag, segments, nbytes, is_object)
+        flag = OBJECT if is_object else 0
+        if nbytes <= self.eager_limit and len(segments) == 1:
+            op.done = True
+            payload = segments[0].tobytes()
+            return op, [Transmit(dest, EAGER | flag, tag, 0, payload), Complete(op)]
+        op.msgid = next(self._ids)
+        self.sends[op.msgid] = op
+        offers = self.offers if regions is not None else self.offers & ~PULL
+        rts = encode_rts(op.msgid, offers, [s.nbytes for s in segments], regions)
+        return op, [Transmit(dest, RTS | flag, tag, nbytes, rts)]
+
+    def recv(self, source: int, tag: int, buffer: memoryview | None) -> tuple[RecvOp, list[Action]]:
+        op = RecvOp(source, tag, buffer)
+        arrival = self.matcher.take_unexpected(source, tag)
+        if arrival is None:
+            self.matcher.posted.append(op)
+            return op, []
+        return op, self._match(op, arrival)
+
+    def probe(self, source: int, tag: int) -> Arrival | None:
+        return self.matcher.find_unexpected(source, tag)
+
+    def cancel(self, op: RecvOp) -> bool:
+        """Withdraw a posted, unmatched receive."""
+        if op in self.matcher.posted:
+            self.matcher.posted.remove(op)
+            return True
+        return False
+
+    # -- packets from peers
+
+    def packet(self, source: int, kind: int, tag: int, aux: int, payload: memoryview) -> list[Action]:
+        base = kind & KIND_MASK
+        is_object = bool(kind & OBJECT)
+        if base == EAGER:
+            op = self.matcher.take_posted(source, tag)
+            if op is None:
+                arrival = Arrival(source, tag, is_object, payload.nbytes, payload.tobytes(), None)
+                self.matcher.unexpected.append(arrival)
+                return []
+            return self._match(op, Arrival(source, tag, is_object, payload.nbytes, None, None), payload)
+        if base == RTS:
+            arrival = Arrival(source, tag, is_object, aux, None, decode_rts(payload))
+            op = self.matcher.take_posted(source, tag)
+            if op is None:
+                self.matcher.unexpected.append(arrival)
+                return []
+            return self._match(op, arrival)
+        if base == CTS:
+            return self._cts(decode_cts(payload))
+        if base == FIN:
+            return self._fin(aux)
+        raise ValueError(f"unknown packet kind {kind:#x} from rank {source}")
+
+    def _match(self, op: RecvOp, arrival: Arrival, inline: memoryview | None = None) -> list[Action]:
+        op.matched_source = arrival.source
+        op.matched_tag = arrival.tag
+        op.nbytes = arrival.nbytes
+        op.is_object = arrival.is_object
+        rts = arrival.rts
+        truncated = op.buffer is not None and arrival.nbytes > op.buffer.nbytes
+        if truncated:
+            op.error = TruncationError(
+                f"message of {arrival.nbytes} bytes from rank {arrival.source} (tag {arrival.tag}) "
+                f"does not fit the {op.capacity}-byte receive buffer; it was consumed",
+                source=arrival.source,
+                tag=arrival.tag,
+                nbytes=arrival.nbytes,
+                capacity=op.capacity,
+            )
+        if rts is None:
+            op.done = True
+            if truncated:
+                return [Complete(op)]
+            payload = inline if inline is not None else arrival.eager
+            assert payload is not None
+            return [Deliver(op, payload), Complete(op)]
+        if truncated:
+            # The sender is released as if received: the error belongs to the receiver.
+            op.done = True
+            return [Transmit(arrival.source, FIN, 0, rts.msgid, b""), Complete(op)]
+        actions: list[Action] = []
+        if op.buffer is None:
+            op.segments = [self.allocate(n) for n in rts.sizes]
+        else:
+            op.segments = [op.buffer[: arrival.nbytes]]
+        mode, transport = self.policy.choose(arrival.source, arrival.nbytes, rts.offers)
+        op.mechanism = transport
+        op.recvid = next(self._ids)
+        if mode == PULL and rts.regions is not None:
+            actions.append(Pull(op, arrival.source, transport, rts.regions, rts.msgid))
+            return actions
+        self.recvs[op.recvid] = op
+        if mode == PUSH:
+            regions = [self.region_of(s) for s in op.segments]
+            actions.append(Transmit(arrival.source, CTS, 0, rts.msgid,
+                                    encode_cts(rts.msgid, op.recvid, PUSH, transport, regions)))
+            return actions
+        actions.append(StreamIn(op))
+        actions.append(Transmit(arrival.source, CTS, 0, rts.msgid,
+                                encode_cts(rts.msgid, op.recvid, PIPELINE, transport, [])))
+        return actions
+
+    def _cts(self, cts: CtsInfo) -> list[Action]:
+        op = self.sends[cts.msgid]
+        op.mechanism = cts.transport
+        if cts.mode == PUSH:
+            return [Push(op, cts.transport, cts.regions, cts.recvid)]
+        return [StreamOut(op)]
+
+    def _fin(self, msgid: int) -> list[Action]:
+        if msgid in self.sends:
+            op = self.sends.pop(msgid)
+            op.done = True
+            return [Complete(op)]
+        recv = self.recvs.pop(msgid)
+        recv.done = True
+        return [Complete(recv)]
+
+    # -- copies finished (reported by the I/O layer)
+
+    def pulled(self, op: RecvOp, msgid: int) -> list[Action]:
+        op.done = True
+        return [Transmit(op.matched_source, FIN, 0, msgid, b""), Complete(op)]
+
+    def pushed(self, op: SendOp, recvid: int) -> list[Action]:
+        del self.sends[op.msgid]
+        op.done = True
+        return [Transmit(op.dest, FIN, 0, recvid, b""), Complete(op)]
+
+    def streamed_out(self, op: SendOp) -> list[Action]:
+        del self.sends[op.msgid]
+        op.done = True
+        return [Complete(op)]
+
+    def streamed_in(self, op: RecvOp) -> list[Action]:
+        del self.recvs[op.recvid]
+        op.done = True
+        return [Complete(op)]
+

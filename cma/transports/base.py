@@ -1,0 +1,151 @@
+"""The small interface every copy mechanism implements.
+
+Modelled on Open MPI's single-copy framework and UCX's scopy transports: a transport
+knows how to reach a peer and how to copy bytes; it knows nothing about matching,
+eager or rendezvous, which live once in ``cma.protocol``.
+
+Styles:
+
+``pull``
+    the receiver copies from the sender's memory (``read``); used by RGET.
+``push``
+    the sender copies into the receiver's memory (``write``); used by RPUT.
+``staged``
+    both sides copy through a shared staging area (``stage``/``drain``); used by PIPELINE.
+"""
+
+from __future__ import annotations
+
+from abc import ABC
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import ClassVar, NamedTuple, Protocol
+
+from ..errors import TransportUnavailable
+
+
+class Region(NamedTuple):
+    """``nbytes`` bytes starting at virtual address ``addr`` in the owner's address space."""
+
+    addr: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Copies:
+    """CPU copies of each payload byte for one rendezvous message, as the mechanism is built."""
+
+    user: int
+    kernel: int
+
+    @property
+    def total(self) -> int:
+        return self.user + self.kernel
+
+
+class Peer(Protocol):
+    """What a transport may know about the process at the other end."""
+
+    rank: int
+    pid: int
+
+    def fetch_fd(self, name: str) -> int:
+        """A file descriptor the peer exposed under ``name``, passed over SCM_RIGHTS."""
+        ...
+
+    def staging(self, outgoing: bool) -> memoryview:
+        """The shared staging area for messages to (outgoing) or from this peer."""
+        ...
+
+
+class Host(Protocol):
+    """What a transport may ask of its own process's bootstrap."""
+
+    def expose_fd(self, name: str, opener: Callable[[], int]) -> None:
+        """Serve ``opener()``'s fd to verified peers that ask for ``name``."""
+        ...
+
+
+@dataclass
+class TransportStats:
+    """Counters kept as copies happen (not derived from declarations).
+
+    ``user_copy_bytes`` / ``kernel_copy_bytes`` count every byte a CPU copied in user
+    space or in the kernel, so copies per message = copy bytes / payload bytes.
+    """
+
+    messages: int = 0
+    bytes: int = 0
+    user_copy_bytes: int = 0
+    kernel_copy_bytes: int = 0
+    syscalls: int = 0
+
+    def as_dict(self) -> dict[str, float]:
+        moved = self.bytes or 1
+        return {
+            "messages": self.messages,
+            "bytes": self.bytes,
+            "user_copies": self.user_copy_bytes / moved if self.bytes else 0.0,
+            "kernel_copies": self.kernel_copy_bytes / moved if self.bytes else 0.0,
+            "syscalls": self.syscalls,
+        }
+
+
+class Transport(ABC):  # noqa: B024 - the abstract surface is the optional methods below
+    """One copy mechanism. Subclasses set the class attributes and the methods of their styles."""
+
+    name: ClassVar[str]
+    copies: ClassVar[Copies]
+    styles: ClassVar[frozenset[str]]
+
+    def __init__(self, host: Host, **options: object) -> None:
+        self.host = host
+        self.stats = TransportStats()
+        if options:
+            raise TypeError(f"{self.name}: unknown options {sorted(options)}")
+
+    def probe(self, peer: Peer) -> str | None:
+        """None when usable with ``peer``, else a reason a person can act on."""
+        return None
+
+    def connect(self, peer: Peer) -> None:
+        """Per-peer set-up at connect time; raises ``TransportUnavailable`` with the reason."""
+        reason = self.probe(peer)
+        if reason is not None:
+            raise TransportUnavailable(f"transport {self.name!r} with rank {peer.rank}: {reason}")
+
+    def disconnect(self, peer: Peer) -> None:
+        """Release what ``connect`` acquired for ``peer``."""
+
+    def close(self) -> None:
+        """Release everything; the transport is not used afterwards."""
+
+    # pull: copy the concatenation of the peer's regions into the local buffers
+    def read(self, peer: Peer, remote: Sequence[Region], local: Sequence[memoryview]) -> None:
+        raise NotImplementedError(f"{self.name} does not pull")
+
+    # push: copy the local buffers into the concatenation of the peer's regions
+    def write(self, peer: Peer, local: Sequence[memoryview], remote: Sequence[Region]) -> None:
+        raise NotImplementedError(f"{self.name} does not push")
+
+    # staged: copy a fragment into / out of a staging slot shared with the peer
+    def stage(self, slot: memoryview, fragment: memoryview) -> None:
+        raise NotImplementedError(f"{self.name} is not staged")
+
+    def drain(self, slot: memoryview, fragment: memoryview) -> None:
+        raise NotImplementedError(f"{self.name} is not staged")
+
+
+def total_bytes(buffers: Sequence[memoryview] | Sequence[Region]) -> int:
+    return sum(b.nbytes for b in buffers)
+
+
+@dataclass
+class Registry:
+    """Transport classes by name, in the order ``auto`` prefers them for large messages."""
+
+    classes: dict[str, type[Transport]] = field(default_factory=dict)
+
+    def add(self, cls: type[Transport]) -> type[Transport]:
+        self.classes[cls.name] = cls
+        return cls

@@ -1,0 +1,327 @@
+"""Bootstrap: how the processes of a world find each other and share their channels.
+
+A world of N ranks is one memfd segment (see ``channel``) plus one eventfd doorbell
+per rank. Whoever creates the world (``cma.Pipe``, the ``cma-run`` launcher, the
+mpi4py plugin) hands those fds to every rank: by fork inheritance, by pickling for
+``multiprocessing`` spawn, by ``pass_fds`` and the environment, or over a Unix socket.
+
+Each rank then *attaches* in its own process (this is "connect time"): it publishes
+its pid, starts a small fd server on an abstract Unix socket (nothing on disk to
+leak) so verified peers can fetch fds it exposes (the vmfd transport's
+/proc/self/mem), waits until every rank has attached, probes each transport
+against each peer, publishes what it can reach, and waits until every rank has.
+After that every rank knows, for each pair, which transports work in each
+direction, so an explicitly requested transport that cannot work fails here, on
+every rank, before any message moves.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+from dataclasses import dataclass, field
+
+from . import _linux
+from .channel import (
+    PHASE,
+    PID,
+    PREAMBLE_WORDS,
+    RANK_BLOCK_WORDS,
+    SLEEPING,
+    ChannelConfig,
+    Inbox,
+    Outbox,
+    pair_views,
+)
+from .errors import CmaError, PeerGone
+
+ENV_WORLD = "CMA_WORLD"
+CONNECT_TIMEOUT = float(os.environ.get("CMA_CONNECT_TIMEOUT", "60"))
+
+
+@dataclass
+class WorldFds:
+    """The shared objects of one world, as file descriptors of this process."""
+
+    world_id: str
+    size: int
+    memfd: int
+    doorbells: list[int]
+    config: ChannelConfig = field(default_factory=ChannelConfig)
+
+    @classmethod
+    def create(cls, size: int, config: ChannelConfig | None = None) -> WorldFds:
+        config = config or ChannelConfig()
+        config.validate()
+        world_id = secrets.token_hex(8)
+        memfd = _linux.memfd_segment(f"cma-{world_id}", config.segment_bytes(size))
+        doorbells = [_linux.eventfd() for _ in range(size)]
+        return cls(world_id, size, memfd, doorbells, config)
+
+    def close(self) -> None:
+        for fd in [self.memfd, *self.doorbells]:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def to_env(self, rank: int) -> str:
+        bells = ",".join(map(str, self.doorbells))
+        return f"{self.world_id}:{rank}:{self.size}:{self.memfd}:{bells}:{self.config.encode()}"
+
+    @classmethod
+    def from_env(cls, text: str) -> tuple[WorldFds, int]:
+        try:
+            world_id, rank, size, memfd, bells, config = text.split(":")
+            fds = cls(world_id, int(size), int(memfd), [int(b) for b in bells.split(",")],
+                      ChannelConfig.decode(config))
+            return fds, int(rank)
+        except ValueError as exc:
+            raise CmaError(f"malformed {ENV_WORLD}={text!r}: start the program with cma-run") from exc
+
+    def inheritable(self) -> list[int]:
+        return [self.memfd, *self.doorbells]
+
+
+class PeerLink:
+    """What transports may know about one peer (see ``transports.base.Peer``)."""
+
+    def __init__(self, world: World, rank: int) -> None:
+        self.world = world
+        self.rank = rank
+        self.pid = world.pid_of(rank)
+
+    def fetch_fd(self, name: str) -> int:
+        return self.world.fetch_fd(self.rank, name)
+
+    def staging(self, outgoing: bool) -> memoryview:
+        box: Outbox | Inbox | None = (self.world.outboxes if outgoing else self.world.inboxes)[self.rank]
+        assert box is not None
+        return box.staging
+
+
+class World:
+    """One rank's view of a world: the mapping, its rings, doorbells and peers."""
+
+    def __init__(self, fds: WorldFds, rank: int) -> None:
+        if not 0 <= rank < fds.size:
+            raise CmaError(f"rank {rank} outside a world of size {fds.size}")
+        self.fds = fds
+        self.rank = rank
+        self.size = fds.size
+        self.config = fds.config
+        self.mm = _linux.map_shared(fds.memfd, fds.config.segment_bytes(fds.size))
+        header = memoryview(self.mm)[: fds.config.header_bytes(fds.size)].cast("q")
+        self.header = header
+        self.outboxes, self.inboxes = pair_views(self.mm, self.size, rank, fds.config)
+        self.pidfds: list[int] = [-1] * self.size
+        self._exposed: dict[str, Callable[[], int]] = {}
+        self._server: socket.socket | None = None
+        self._server_thread: threading.Thread | None = None
+        self.attached = False
+
+    # -- header words
+
+    def _word(self, rank: int, which: int) -> int:
+        return PREAMBLE_WORDS + rank * RANK_BLOCK_WORDS + which
+
+    def _reach_word(self, rank: int, peer: int) -> int:
+        return PREAMBLE_WORDS + self.size * RANK_BLOCK_WORDS + rank * self.size + peer
+
+    def sleeping_words(self) -> list[int]:
+        return [self._word(r, SLEEPING) for r in range(self.size)]
+
+    def pid_of(self, rank: int) -> int:
+        return self.header[self._word(rank, PID)]
+
+    def reach(self, rank: int, peer: int) -> int:
+        """Bitmask of transports (by registry order) that ``rank`` can use towards ``peer``."""
+        return self.header[self._reach_word(rank, peer)]
+
+    # -- connect time
+
+    def attach(self, publish_reach: Callable[[World], dict[int, int]]) -> None:
+        """Publish this rank, wait for all, probe (``publish_reach``), wait for all again."""
+        self._start_server()
+        self.header[self._word(self.rank, PID)] = os.getpid()
+        self.header[self._word(self.rank, PHASE)] = 1
+        self._await_phase(1)
+        for peer in range(self.size):
+            if peer != self.rank:
+                self.pidfds[peer] = _linux.pidfd_open(self.pid_of(peer))
+        for peer, mask in publish_reach(self).items():
+            self.header[self._reach_word(self.rank, peer)] = mask
+        self.header[self._word(self.rank, PHASE)] = 2
+        self._await_phase(2)
+        self.attached = True
+
+    def _await_phase(self, phase: int) -> None:
+        deadline = time.monotonic() + CONNECT_TIMEOUT
+        pause = 1e-5
+        while True:
+            late = [r for r in range(self.size) if self.header[self._word(r, PHASE)] < phase]
+            if not late:
+                return
+            for r in late:
+                pid = self.pid_of(r)
+                if pid and self.pidfds[r] < 0:
+                    try:
+                        self.pidfds[r] = _linux.pidfd_open(pid)
+                    except PeerGone as exc:
+                        raise PeerGone(f"rank {r} (pid {pid}) exited while connecting") from exc
+                if self.pidfds[r] >= 0 and not _linux.process_alive(self.pidfds[r]):
+                    raise PeerGone(f"rank {r} (pid {pid}) exited while connecting")
+            if time.monotonic() > deadline:
+                raise CmaError(
+                    f"rank {self.rank}: ranks {late} did not connect within {CONNECT_TIMEOUT:.0f} s "
+                    "(every process must use its communicator; CMA_CONNECT_TIMEOUT sets the limit)"
+                )
+            time.sleep(pause)
+            pause = min(pause * 2, 0.005)
+
+    # -- fd exposure (SCM_RIGHTS over an abstract Unix socket, same user and same world only)
+
+    def _address(self, rank: int) -> str:
+        return f"\0cma-{self.fds.world_id}-{rank}"
+
+    def expose_fd(self, name: str, opener: Callable[[], int]) -> None:
+        self._exposed[name] = opener
+
+    def _start_server(self) -> None:
+        if self._server is not None:
+            return
+        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            server.bind(self._address(self.rank))
+        except OSError as exc:
+            server.close()
+            raise CmaError(
+                f"rank {self.rank} of world {self.fds.world_id} is already attached in another "
+                "process: each end of a communicator is used by one process"
+            ) from exc
+        server.listen(max(4, self.size))
+        self._server = server
+        self._server_thread = threading.Thread(target=self._serve, name="cma-fd-server", daemon=True)
+        self._server_thread.start()
+
+    def _serve(self) -> None:
+        server = self._server
+        assert server is not None
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return  # closed
+            with conn:
+                try:
+                    self._answer(conn)
+                except OSError:
+                    pass  # the asker went away; nothing to clean up
+
+    def _answer(self, conn: socket.socket) -> None:
+        pid, uid, _ = _linux.peer_credentials(conn)
+        name = conn.recv(256).decode()
+        peers = {self.pid_of(r) for r in range(self.size) if r != self.rank}
+        if uid != os.getuid() or pid not in peers:
+            conn.sendall(b"refused: not a process of this world owned by the same user")
+            return
+        opener = self._exposed.get(name)
+        if opener is None:
+            conn.sendall(b"refused: nothing exposed under " + name.encode())
+            return
+        fd = opener()
+        try:
+            socket.send_fds(conn, [b"ok"], [fd])
+        finally:
+            os.close(fd)
+
+    def fetch_fd(self, peer: int, name: str) -> int:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(CONNECT_TIMEOUT)
+            try:
+                sock.connect(self._address(peer))
+                sock.sendall(name.encode())
+                msg, fds, _, _ = socket.recv_fds(sock, 256, 1)
+            except OSError as exc:
+                raise PeerGone(f"rank {peer} did not answer a request for its {name!r} fd: {exc}") from exc
+            if not fds:
+                reason = msg.decode(errors="replace") or "connection closed"
+                raise CmaError(f"rank {peer} did not pass its {name!r} fd: {reason}")
+            return fds[0]
+
+    # -- waking and sleeping
+
+    def notify(self, peer: int) -> None:
+        if self.header[self._word(peer, SLEEPING)]:
+            _linux.ring_doorbell(self.fds.doorbells[peer])
+
+    def sleep(self, timeout_ms: int) -> list[int]:
+        """Block on this rank's doorbell and the peers' pidfds; returns the peers that exited.
+
+        The caller has set its sleeping flag and re-checked its rings already. The timeout
+        bounds the rare lost wake-up: a sender's load of our flag may pass its own store
+        of the head (x86 store-load reordering), and Python has no fence to prevent it.
+        """
+        bell = self.fds.doorbells[self.rank]
+        live = [fd for fd in self.pidfds if fd >= 0]
+        ready = _linux.wait_readable([bell, *live], timeout_ms)
+        if bell in ready:
+            _linux.drain_doorbell(bell)
+        return [r for r, fd in enumerate(self.pidfds) if fd >= 0 and fd in ready]
+
+    def set_sleeping(self, flag: int) -> None:
+        self.header[self._word(self.rank, SLEEPING)] = flag
+
+    def peer_alive(self, peer: int) -> bool:
+        fd = self.pidfds[peer]
+        return fd < 0 or _linux.process_alive(fd)
+
+    # -- teardown
+
+    def close(self) -> None:
+        if self._server is not None:
+            try:
+                self._server.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self._server.close()
+            self._server = None
+            if self._server_thread is not None:
+                self._server_thread.join(timeout=5)
+        for i, fd in enumerate(self.pidfds):
+            if fd >= 0:
+                os.close(fd)
+                self.pidfds[i] = -1
+        for box in [*self.outboxes, *self.inboxes]:
+            if box is not None:
+                for view in (box.words, box.ctl, box.data, box.staging):
+                    view.release()
+        self.header.release()
+        try:
+            self.mm.close()
+        except BufferError:
+            pass  # a user still holds a view into the segment; the mapping dies with it
+
+
+_world_comm: Any = None
+ENV_TRANSPORT = "CMA_TRANSPORT"
+
+
+def world_comm() -> Any:
+    """The ``COMM_WORLD`` of this process: from ``cma-run``'s environment, else a world of one."""
+    global _world_comm
+    if _world_comm is None:
+        from .comm import AUTO, Comm
+
+        text = os.environ.get(ENV_WORLD)
+        if text:
+            fds, rank = WorldFds.from_env(text)
+        else:
+            fds, rank = WorldFds.create(1), 0
+        _world_comm = Comm(fds, rank, os.environ.get(ENV_TRANSPORT, AUTO))
+    return _world_comm

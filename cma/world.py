@@ -64,11 +64,12 @@ class WorldFds:
         return cls(world_id, size, memfd, doorbells, config)
 
     def close(self) -> None:
+        """Close the fds (once: a second call must not close numbers reused since)."""
         for fd in [self.memfd, *self.doorbells]:
-            try:
+            if fd >= 0:
                 os.close(fd)
-            except OSError:
-                pass
+        self.memfd = -1
+        self.doorbells = []
 
     def to_env(self, rank: int) -> str:
         bells = ",".join(map(str, self.doorbells))

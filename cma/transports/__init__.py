@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from .base import Copies, Region, Registry, Transport, TransportStats
+from .cma import CmaTransport
 from .shm import ShmTransport
+from .vmfd import VmfdTransport
 
 REGISTRY = Registry()
 REGISTRY.add(ShmTransport)
+REGISTRY.add(CmaTransport)
+REGISTRY.add(VmfdTransport)
 
 __all__ = ["Copies", "REGISTRY", "Region", "Registry", "Transport", "TransportStats"]

@@ -1,0 +1,771 @@
+"""``cma-bench``: OSU-style latency and bandwidth of every cma transport beside baselines.
+
+::
+
+    cma-bench                                  # = cma-bench latency --quick: every
+                                               #   transport and baseline, 8 B .. 64 MiB
+    cma-bench latency --transport shm,cma --min-size 4K --max-size 16M --json out.json
+    cma-bench bw --transport all --plot bw.png
+    cma-bench bibw --cold                      # fresh receive buffers: page faults included
+    cma-bench latency --format mpi4py          # rows like ``python -m mpi4py.bench pingpong``
+    mpiexec -n 2 cma-bench latency             # adds plain mpi4py and cma.mpi.Comm(COMM_WORLD)
+
+Without mpiexec every peer is a child process this command starts (spawn) for each
+series and ends before the next one. Under mpiexec, rank 0 prints and runs the local
+series (with its own child processes) while the other ranks wait without spinning; the
+MPI series (``mpi4py``, ``cma.mpi``) run between ranks 0 and 1.
+
+Every number is measured in this run: times with ``time.perf_counter_ns`` per iteration
+(latency) or per window (bw, bibw), copies from both processes' ``comm.stats()`` over the
+timed loop only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import multiprocessing
+import os
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from . import _benchutil as util
+from ._benchutil import Series, SizeResult
+from .errors import TransportUnavailable
+
+TAG_DATA = 1
+TAG_ACK = 2
+TAG_STATS = 3
+TAG_CTRL = 4
+
+# A peer that has not exited this long after its last message is stuck: it is killed.
+JOIN_TIMEOUT = 10.0
+
+Bytes = npt.NDArray[np.uint8]
+OnSize = Callable[[int, "SizePlan"], None]
+
+
+# ---------------------------------------------------------------- the multiprocessing.Pipe baseline
+
+
+class _Done:
+    def Wait(self) -> bool:
+        return True
+
+
+class _DeferredRecv:
+    def __init__(self, conn: Connection, buf: Bytes) -> None:
+        self.conn = conn
+        self.buf = buf
+
+    def Wait(self) -> bool:
+        self.conn.recv_bytes_into(self.buf)
+        return True
+
+
+class PipeComm:
+    """A ``multiprocessing.Pipe`` end dressed as a size-2 communicator: what a Python user
+    without cma would write (``send_bytes`` / ``recv_bytes_into``).
+
+    Tags are ignored because the benchmarks send in a fixed order. ``Isend`` writes at
+    once (the kernel buffers the pipe) and ``Irecv`` reads when waited on, which is enough
+    for latency and bw; a bidirectional window would fill both pipe buffers and block.
+    """
+
+    def __init__(self, conn: Connection, rank: int) -> None:
+        self.conn = conn
+        self.rank = rank
+
+    def Send(self, buf: Bytes, dest: int, tag: int = 0) -> None:
+        self.conn.send_bytes(buf.data)
+
+    def Recv(self, buf: Bytes, source: int = -1, tag: int = -1) -> None:
+        self.conn.recv_bytes_into(buf)
+
+    def Isend(self, buf: Bytes, dest: int, tag: int = 0) -> _Done:
+        self.conn.send_bytes(buf.data)
+        return _Done()
+
+    def Irecv(self, buf: Bytes, source: int = -1, tag: int = -1) -> _DeferredRecv:
+        return _DeferredRecv(self.conn, buf)
+
+    def Barrier(self) -> None:
+        self.conn.send_bytes(b"\0")
+        self.conn.recv_bytes()
+
+    def send(self, obj: object, dest: int, tag: int = 0) -> None:
+        self.conn.send(obj)
+
+    def recv(self, source: int = -1, tag: int = -1) -> Any:
+        return self.conn.recv()
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def mp_pipe_pair() -> tuple[PipeComm, PipeComm]:
+    a, b = multiprocessing.Pipe(duplex=True)
+    return PipeComm(a, 0), PipeComm(b, 1)
+
+
+# ---------------------------------------------------------------- one side of a benchmark
+
+
+def _wait_each(requests: Sequence[Any]) -> None:
+    for request in requests:
+        request.Wait()
+
+
+class Endpoint:
+    """A communicator of any flavour plus the few things the kernels need to drive it.
+
+    Flavours: ``cma`` (a ``cma.Pipe`` end), ``mpi`` (an mpi4py Intracomm), ``cma.mpi``
+    (``cma.mpi.Comm``) and ``pipe`` (``PipeComm``).
+    """
+
+    def __init__(self, comm: Any, flavor: str) -> None:
+        self.comm = comm
+        self.rank = int(comm.rank)
+        self.has_stats = callable(getattr(comm, "stats", None)) and callable(
+            getattr(comm, "reset_stats", None))
+        self.waitall: Callable[[Sequence[Any]], object]
+        if flavor == "cma":
+            import cma
+
+            self.waitall = cma.Request.Waitall
+        elif flavor == "mpi":
+            from mpi4py import MPI
+
+            self.waitall = MPI.Request.Waitall
+        else:
+            self.waitall = _wait_each
+
+    def stats(self) -> dict[str, dict[str, float]] | None:
+        return self.comm.stats() if self.has_stats else None
+
+
+@dataclass(frozen=True)
+class SizePlan:
+    size: int
+    iterations: int
+    warmup: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything both sides must agree on; pickled to the peer process."""
+
+    kind: str  # "latency", "bw", "bibw" or "memcpy"
+    sizes: tuple[SizePlan, ...]
+    window: int
+    cold: bool
+
+
+def build_plan(kind: str, sizes: Sequence[int], *, window: int, cold: bool, quick: bool,
+               iterations: int | None, warmup: int | None) -> Plan:
+    plans = []
+    for size in sizes:
+        iters, warm = util.counts_for(kind, size, window=window, quick=quick,
+                                      iterations=iterations, warmup=warmup)
+        plans.append(SizePlan(size, iters, warm))
+    return Plan(kind, tuple(plans), window, cold)
+
+
+def _touched(size: int, value: int) -> Bytes:
+    """A buffer whose every page has been written, so no page fault lands in the timing."""
+    return np.full(size, value, dtype=np.uint8)
+
+
+def _fresh(size: int) -> Bytes:
+    """A buffer whose pages were never touched: the first write to each page faults.
+
+    A private anonymous mapping of its own, because malloc would hand back pages an
+    earlier iteration already touched.
+    """
+    region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return np.frombuffer(region, dtype=np.uint8)
+
+
+@dataclass
+class _Buffers:
+    send: Bytes
+    recv: Bytes
+    ack: Bytes
+
+
+# Fresh receive buffers are mapped this many bytes at a time, between untimed barriers,
+# so that neither mmap nor munmap lands inside a timed sample on either rank.
+COLD_POOL_BYTES = 128 * util.MIB
+# A bw/bibw iteration needs a window of fresh buffers at once; above this, refuse.
+COLD_WINDOW_LIMIT = 1 * util.GIB
+
+
+def _receive_buffers(ep: Endpoint, bufs: _Buffers, n: int, count: int, per_iteration: int,
+                     cold: bool) -> Iterator[list[Bytes]]:
+    """Per iteration, ``count`` buffers to receive into: the warm one, or never-touched ones.
+
+    ``per_iteration`` is the most any rank receives per iteration; both ranks derive the
+    batch length from it so that they reach the barriers between batches together.
+    """
+    if not cold:
+        warm = [bufs.recv] * count
+        for _ in range(n):
+            yield warm
+        return
+    size = bufs.recv.nbytes
+    batch = max(1, COLD_POOL_BYTES // (per_iteration * size))
+    mapped: list[list[list[Bytes]]] = []  # batches still mapped, oldest first
+    for start in range(0, n, batch):
+        # The caller holds the last buffers of the latest batch until it takes the next
+        # one, so only the batches before that one are unmapped here.
+        del mapped[:-1]
+        mapped.append([[_fresh(size) for _ in range(count)]
+                       for _ in range(min(batch, n - start))])
+        # (a cma communicator counts this barrier's few bytes in the timed loop's stats)
+        ep.comm.Barrier()
+        yield from mapped[-1]
+
+
+def _pingpong(ep: Endpoint, bufs: _Buffers, n: int, cold: bool, window: int) -> list[int]:
+    send, recv, sbuf = ep.comm.Send, ep.comm.Recv, bufs.send
+    peer = 1 - ep.rank
+    clock = time.perf_counter_ns
+    samples = []
+    for (rbuf,) in _receive_buffers(ep, bufs, n, 1, 1, cold):
+        if ep.rank == 0:
+            t0 = clock()
+            send(sbuf, peer, TAG_DATA)
+            recv(rbuf, peer, TAG_DATA)
+            samples.append(clock() - t0)
+        else:
+            recv(rbuf, peer, TAG_DATA)
+            send(sbuf, peer, TAG_DATA)
+    return samples
+
+
+def _bandwidth(ep: Endpoint, bufs: _Buffers, n: int, cold: bool, window: int) -> list[int]:
+    """OSU bw: rank 0 posts ``window`` Isends, rank 1 ``window`` Irecvs, then a 1-byte ack."""
+    comm, waitall, sbuf = ep.comm, ep.waitall, bufs.send
+    peer = 1 - ep.rank
+    clock = time.perf_counter_ns
+    samples = []
+    receives = 0 if ep.rank == 0 else window
+    for targets in _receive_buffers(ep, bufs, n, receives, window, cold):
+        if ep.rank == 0:
+            t0 = clock()
+            waitall([comm.Isend(sbuf, peer, TAG_DATA) for _ in range(window)])
+            comm.Recv(bufs.ack, peer, TAG_ACK)
+            samples.append(clock() - t0)
+        else:
+            waitall([comm.Irecv(target, peer, TAG_DATA) for target in targets])
+            comm.Send(bufs.ack, peer, TAG_ACK)
+    return samples
+
+
+def _bibandwidth(ep: Endpoint, bufs: _Buffers, n: int, cold: bool, window: int) -> list[int]:
+    """OSU bibw: both ranks post ``window`` Irecvs and ``window`` Isends, then wait for all."""
+    comm, waitall, sbuf = ep.comm, ep.waitall, bufs.send
+    peer = 1 - ep.rank
+    clock = time.perf_counter_ns
+    samples = []
+    for targets in _receive_buffers(ep, bufs, n, window, window, cold):
+        t0 = clock()
+        requests = [comm.Irecv(target, peer, TAG_DATA) for target in targets]
+        requests += [comm.Isend(sbuf, peer, TAG_DATA) for _ in range(window)]
+        waitall(requests)
+        samples.append(clock() - t0)
+    return samples
+
+
+KERNELS = {"latency": _pingpong, "bw": _bandwidth, "bibw": _bibandwidth}
+
+
+def _run_size(ep: Endpoint, plan: Plan, sp: SizePlan) -> SizeResult | None:
+    """One size on one rank; rank 0 gets the result, rank 1 sends it its stats, others idle."""
+    comm = ep.comm
+    kernel = KERNELS[plan.kind]
+    active = ep.rank < 2
+    comm.Barrier()
+    if active:
+        bufs = _Buffers(_touched(sp.size, 0x5A), _touched(sp.size, 0), _touched(1, 1))
+        kernel(ep, bufs, sp.warmup, plan.cold, plan.window)
+    # After this barrier no message of the warm-up is left to process, so resetting
+    # the counters right away makes them cover exactly the timed loop.
+    comm.Barrier()
+    if not active:
+        return None
+    if ep.has_stats:
+        comm.reset_stats()
+    samples = kernel(ep, bufs, sp.iterations, plan.cold, plan.window)
+    own = ep.stats()
+    if ep.rank == 1:
+        comm.send(own, 0, tag=TAG_STATS)
+        return None
+    peer = comm.recv(source=1, tag=TAG_STATS)
+    return SizeResult(
+        size=sp.size, iterations=sp.iterations, warmup=sp.warmup,
+        messages_per_sample=util.messages_per_sample(plan.kind, plan.window),
+        samples_ns=samples, stats=[s for s in (own, peer) if s is not None],
+    )
+
+
+def run_plan(ep: Endpoint, plan: Plan, on_size: OnSize | None = None) -> list[SizeResult]:
+    """Run every size of ``plan`` on this rank; only rank 0's list is non-empty."""
+    results = []
+    for index, sp in enumerate(plan.sizes):
+        if on_size is not None:
+            on_size(index, sp)
+        result = _run_size(ep, plan, sp)
+        if result is not None:
+            results.append(result)
+    return results
+
+
+def run_memcpy(plan: Plan, on_size: OnSize | None = None) -> list[SizeResult]:
+    """The ceiling: ``np.copyto`` of the same size inside one process."""
+    results = []
+    clock = time.perf_counter_ns
+    for index, sp in enumerate(plan.sizes):
+        if on_size is not None:
+            on_size(index, sp)
+        src, dst = _touched(sp.size, 0x5A), _touched(sp.size, 0)
+        samples = []
+        for i in range(sp.warmup + sp.iterations):
+            if plan.cold:
+                dst = _fresh(sp.size)
+            t0 = clock()
+            np.copyto(dst, src)
+            if i >= sp.warmup:
+                samples.append(clock() - t0)
+        results.append(SizeResult(sp.size, sp.iterations, sp.warmup, 1, samples))
+    return results
+
+
+# ---------------------------------------------------------------- peer processes
+
+
+def _peer_main(comm: Any, flavor: str, plan: Plan) -> None:
+    # Ctrl-C reaches the whole process group; the parent handles it and ends this process.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        run_plan(Endpoint(comm, flavor), plan)
+    finally:
+        comm.close()
+
+
+def _close(comm: Any) -> None:
+    try:
+        comm.close()
+    except Exception as exc:  # cleanup must go on; say what failed
+        print(f"cma-bench: closing {type(comm).__name__}: {exc}", file=sys.stderr)
+
+
+def run_with_peer(pair: tuple[Any, Any], flavor: str, plan: Plan,
+                  on_size: OnSize | None = None) -> list[SizeResult]:
+    """Run ``plan`` with rank 0 here and rank 1 in a spawned child; always end the child."""
+    local, remote = pair
+    proc = multiprocessing.get_context("spawn").Process(
+        target=_peer_main, args=(remote, flavor, plan), name="cma-bench-peer", daemon=True)
+    ok = False
+    try:
+        proc.start()
+        if flavor == "pipe":
+            # The child holds its own copy now; dropping ours turns the child's death
+            # into EOF here instead of a receive that waits forever.
+            remote.close()
+        results = run_plan(Endpoint(local, flavor), plan, on_size)
+        ok = True
+        return results
+    finally:
+        _close(local)
+        if ok:
+            proc.join(JOIN_TIMEOUT)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+        if ok and proc.exitcode:
+            print(f"cma-bench: peer process exited with code {proc.exitcode}", file=sys.stderr)
+        _close(remote)
+
+
+def serve_echo(comm: Any, flavor: str = "cma") -> None:
+    """Echo server for round-trip benchmarks (``bench/``), run as rank 1 in a child process.
+
+    Commands come from rank 0 with ``send(obj, tag=TAG_CTRL)``: ``(size, count)`` echoes
+    ``count`` messages of ``size`` bytes, then answers with this process's stats over them;
+    ``None`` ends the server.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    ep = Endpoint(comm, flavor)
+    try:
+        while (command := comm.recv(source=0, tag=TAG_CTRL)) is not None:
+            size, count = command
+            buf = _touched(size, 0)
+            if ep.has_stats:
+                comm.reset_stats()
+            for _ in range(count):
+                comm.Recv(buf, 0, TAG_DATA)
+                comm.Send(buf, 0, TAG_DATA)
+            comm.send(ep.stats(), 0, tag=TAG_STATS)
+    finally:
+        comm.close()
+
+
+# ---------------------------------------------------------------- MPI
+
+
+# Set by mpiexec/mpirun (MPICH hydra, Open MPI, PMIx); checked first so that a plain run
+# never initialises MPI just to learn that it is alone.
+_LAUNCHER_VARS = ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS")
+
+
+def mpi_world() -> Any | None:
+    """MPI.COMM_WORLD when started by mpiexec with at least 2 ranks and mpi4py installed."""
+    if not any(name in os.environ for name in _LAUNCHER_VARS):
+        return None
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        return None
+    world = MPI.COMM_WORLD
+    return world if world.Get_size() >= 2 else None
+
+
+def _wait_for_rank0(world: Any) -> None:
+    """Ranks other than 0 wait here while rank 0 runs local series: a sleeping poll,
+    because MPI_Barrier spins and would take a core from the measurement."""
+    request = world.Ibarrier()
+    while not request.Test():
+        time.sleep(0.005)
+
+
+# ---------------------------------------------------------------- series selection
+
+
+@dataclass
+class SeriesSpec:
+    """How to run one series: ``local`` ones run on rank 0 (with a child peer where needed),
+    ``world`` ones between MPI ranks 0 and 1 with every rank taking part."""
+
+    name: str
+    family: str
+    where: str
+    run: Callable[[Plan, OnSize | None], list[SizeResult]]
+    skip: str = ""
+
+
+BASELINES = ("memcpy", "mp-pipe", "mpi4py")
+
+
+def _split(text: str) -> list[str]:
+    return [] if text.strip() == "none" else [t.strip() for t in text.split(",") if t.strip()]
+
+
+def select_series(kind: str, transports: str, baselines: str,
+                  world: Any | None) -> tuple[list[SeriesSpec], list[Series]]:
+    """The series to run in order, and the ones reported as not run (with the reason)."""
+    specs: list[SeriesSpec] = []
+    not_run: list[Series] = []
+    wanted_baselines = _split(baselines)
+    unknown = sorted(set(wanted_baselines) - set(BASELINES))
+    if unknown:
+        raise ValueError(f"unknown baseline {', '.join(unknown)}: choose from "
+                         f"{', '.join(BASELINES)} or none")
+    for name in BASELINES:
+        if name not in wanted_baselines:
+            continue
+        if name == "memcpy":
+            specs.append(SeriesSpec(name, "baseline", "local", run_memcpy))
+        elif name == "mp-pipe":
+            specs.append(SeriesSpec(
+                name, "baseline", "local",
+                lambda plan, on_size: run_with_peer(mp_pipe_pair(), "pipe", plan, on_size),
+                skip="bibw needs sends that do not block; multiprocessing.Pipe has none"
+                if kind == "bibw" else ""))
+        elif world is not None:
+            specs.append(SeriesSpec(
+                name, "baseline", "world",
+                lambda plan, on_size: run_plan(Endpoint(world, "mpi"), plan, on_size)))
+        else:
+            not_run.append(Series(name, "baseline", "skipped", _mpi_hint()))
+    for name in _transport_names(transports, world):
+        if name == "cma.mpi":
+            specs.append(SeriesSpec(name, "transport", "world", _run_cma_mpi(world)))
+        else:
+            specs.append(SeriesSpec(name, "transport", "local", _run_cma_pipe(name)))
+    return specs, not_run
+
+
+def _mpi_hint() -> str:
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        return "mpi4py is not installed (pip install 'cma-ipc[mpi]')"
+    return "not under mpiexec with 2 or more ranks (try: mpiexec -n 2 cma-bench ...)"
+
+
+def _transport_names(text: str, world: Any | None) -> list[str]:
+    wanted = _split(text)
+    if not wanted:
+        return []
+    import cma
+
+    available = [*cma.transport_names(), "auto"] + (["cma.mpi"] if world is not None else [])
+    if wanted == ["all"]:
+        return available
+    unknown = [name for name in wanted if name not in available]
+    if unknown:
+        raise ValueError(f"transport {', '.join(unknown)} not available here: choose from "
+                         f"{', '.join(available)}, all or none")
+    return wanted
+
+
+def _run_cma_pipe(name: str) -> Callable[[Plan, OnSize | None], list[SizeResult]]:
+    def run(plan: Plan, on_size: OnSize | None) -> list[SizeResult]:
+        import cma
+
+        return run_with_peer(cma.Pipe(transport=name), "cma", plan, on_size)
+
+    return run
+
+
+def _run_cma_mpi(world: Any) -> Callable[[Plan, OnSize | None], list[SizeResult]]:
+    def run(plan: Plan, on_size: OnSize | None) -> list[SizeResult]:
+        from cma import mpi as cma_mpi
+
+        comm = cma_mpi.Comm(world)
+        try:
+            return run_plan(Endpoint(comm, "cma.mpi"), plan, on_size)
+        finally:
+            if hasattr(comm, "close"):
+                comm.close()
+
+    return run
+
+
+def run_series(spec: SeriesSpec, plan: Plan, world: Any | None,
+               progress: util.Progress | None, position: str) -> Series:
+    """Run one series on this rank; a series that cannot run is reported, not fatal."""
+    series = Series(spec.name, spec.family)
+    rank = world.Get_rank() if world is not None else 0
+    if spec.skip:
+        series.status, series.reason = "skipped", spec.skip
+        return series
+
+    def on_size(index: int, sp: SizePlan) -> None:
+        if progress is not None:
+            progress.update(f"{position} {spec.name}: {plan.kind} {util.format_size(sp.size)} "
+                            f"({index + 1}/{len(plan.sizes)})")
+
+    if spec.where == "local" and rank != 0:
+        _wait_for_rank0(world)
+        return series
+    start = time.perf_counter()
+    try:
+        series.results = spec.run(plan, on_size)
+    except ImportError as exc:
+        series.status, series.reason = "unavailable", f"cannot import: {exc}"
+    except Exception as exc:
+        if spec.where == "world" and world is not None:
+            # the other ranks are blocked in this series and would wait forever
+            traceback.print_exc()
+            world.Abort(1)
+        # One broken series must not cost the others: report it and go on.
+        series.status = "unavailable" if isinstance(exc, TransportUnavailable) else "failed"
+        series.reason = f"{type(exc).__name__}: {exc}"
+    series.seconds = time.perf_counter() - start
+    if spec.where == "local" and world is not None:
+        world.Ibarrier().Wait()
+    return series
+
+
+# ---------------------------------------------------------------- command line
+
+
+def _size_arg(text: str) -> int:
+    try:
+        return util.parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _count_arg(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}")
+        return value
+
+    return parse
+
+
+DEFAULT_MAX_SIZE = {"latency": 64 * util.MIB, "bw": 4 * util.MIB, "bibw": 4 * util.MIB}
+KIND_HELP = {
+    "latency": "blocking ping-pong; one-way time = round trip / 2 (osu_latency)",
+    "bw": "a window of Isends then a 1-byte ack; the receiver posts Irecvs (osu_bw)",
+    "bibw": "both ranks post a window of Irecvs and Isends at once (osu_bibw)",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--transport", default="all", metavar="LIST",
+        help="comma-separated cma transports (shm,cma,vmfd,auto; cma.mpi under mpiexec), "
+             "'all' (every transport registered here, plus auto) or 'none' (default: all)")
+    common.add_argument(
+        "--baseline", default=",".join(BASELINES), metavar="LIST",
+        help="comma-separated baselines: memcpy (np.copyto in one process), mp-pipe "
+             "(multiprocessing.Pipe), mpi4py (only under mpiexec), or 'none' "
+             f"(default: {','.join(BASELINES)})")
+    common.add_argument("--min-size", type=_size_arg, default=8, metavar="SIZE",
+                        help="smallest message, e.g. 8, 4K, 64KiB, 1M (units binary; default 8)")
+    common.add_argument("--max-size", type=_size_arg, default=None, metavar="SIZE",
+                        help="largest message (default 64MiB for latency, 4MiB for bw/bibw)")
+    common.add_argument("--iterations", type=_count_arg(1), metavar="N",
+                        help="timed iterations at every size (default: by size class, OSU style)")
+    common.add_argument("--warmup", type=_count_arg(0), metavar="N",
+                        help="untimed warm-up iterations at every size")
+    common.add_argument("--quick", action="store_true",
+                        help="about 5-10x fewer iterations: a short but noisier run")
+    common.add_argument("--cold", action="store_true",
+                        help="a never-touched receive buffer every iteration, so first-touch "
+                             "page faults are measured (default: warm, reused buffers)")
+    common.add_argument("--window", type=_count_arg(1), default=64, metavar="N",
+                        help="messages in flight per iteration for bw and bibw (default 64)")
+    common.add_argument("--json", metavar="FILE",
+                        help="write every sample, the parameters and the machine to FILE")
+    common.add_argument("--plot", metavar="FILE.png",
+                        help="draw time and bandwidth against size (needs matplotlib)")
+    common.add_argument("--format", choices=("table", "mpi4py"), default="table",
+                        help="'mpi4py' prints rows like python -m mpi4py.bench pingpong")
+    parser = argparse.ArgumentParser(
+        prog="cma-bench",
+        description="Latency and bandwidth of cma's transports beside memcpy, "
+                    "multiprocessing.Pipe and (under mpiexec) mpi4py. Without a subcommand: "
+                    "latency --quick over every transport, 8 B to 64 MiB.")
+    sub = parser.add_subparsers(dest="kind", metavar="{latency,bw,bibw}")
+    for kind in util.KINDS:
+        sub.add_parser(kind, parents=[common], help=KIND_HELP[kind],
+                       description=KIND_HELP[kind])
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or (args[0].startswith("-") and args[0] not in ("-h", "--help")):
+        args = ["latency", "--quick", *args]
+    parser = build_parser()
+    ns = parser.parse_args(args)
+    if ns.max_size is None:
+        ns.max_size = DEFAULT_MAX_SIZE[ns.kind]
+    try:
+        ns.sizes = util.size_range(ns.min_size, ns.max_size)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if ns.cold and ns.kind != "latency" and ns.window * ns.sizes[-1] > COLD_WINDOW_LIMIT:
+        parser.error(f"--cold maps a fresh buffer for each of the {ns.window} messages of a "
+                     f"window: over {util.format_size(COLD_WINDOW_LIMIT)} at "
+                     f"{util.format_size(ns.sizes[-1])}; lower --max-size or --window")
+    if ns.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            parser.error("--plot needs matplotlib: pip install 'cma-ipc[plot]'")
+    return ns
+
+
+def report(kind: str, series: Sequence[Series], fmt: str) -> str:
+    if fmt == "mpi4py":
+        return util.format_mpi4py(series)
+    parts = [util.format_results(kind, series), util.format_copies(series)]
+    crossing = util.format_crossovers(util.crossovers(*util.compared_series(series)))
+    if crossing:
+        parts.append("crossovers: time per message, differences within 2 standard errors "
+                     "count as ties\n" + crossing)
+    notes = util.format_notes(series)
+    if notes:
+        parts.append("not measured\n" + notes)
+    return "\n\n".join(p for p in parts if p)
+
+
+def write_json(path: str, args: argparse.Namespace, plans: dict[str, Plan],
+               series: Sequence[Series], started: float, argv: Sequence[str]) -> None:
+    doc = {
+        "tool": "cma-bench",
+        "argv": list(argv),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
+        "duration_s": time.time() - started,
+        "parameters": {
+            "kind": args.kind, "sizes": args.sizes, "window": args.window, "cold": args.cold,
+            "quick": args.quick, "iterations": args.iterations, "warmup": args.warmup,
+            "transport": args.transport, "baseline": args.baseline,
+            "samples_ns": "nanoseconds per timed sample: a round trip (latency), a window "
+                          "(bw, bibw) or one copy (memcpy); time per message = sample / "
+                          "messages_per_sample",
+            "plans": {name: asdict(plan) for name, plan in plans.items()},
+        },
+        "machine": util.machine_info(),
+        "series": [util.series_json(s) for s in series],
+        "crossovers": [asdict(c) for c in util.crossovers(*util.compared_series(series))],
+    }
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    world = mpi_world()
+    rank = world.Get_rank() if world is not None else 0
+    try:
+        specs, not_run = select_series(args.kind, args.transport, args.baseline, world)
+    except (ValueError, ImportError, AttributeError) as exc:
+        print(f"cma-bench: {exc}", file=sys.stderr)
+        return 2
+    knobs = dict(window=args.window, cold=args.cold, quick=args.quick,
+                 iterations=args.iterations, warmup=args.warmup)
+    plans = {"messages": build_plan(args.kind, args.sizes, **knobs),
+             "memcpy": build_plan("memcpy", args.sizes, **knobs)}
+    progress = util.Progress() if rank == 0 else None
+    started = time.time()
+    results: list[Series] = []
+    try:
+        for index, spec in enumerate(specs):
+            plan = plans["memcpy" if spec.name == "memcpy" else "messages"]
+            results.append(run_series(spec, plan, world, progress,
+                                      f"[{index + 1}/{len(specs)}]"))
+    except KeyboardInterrupt:
+        if progress is not None:
+            progress.clear()
+        print("cma-bench: interrupted", file=sys.stderr)
+        return 130
+    if progress is not None:
+        progress.clear()
+    if rank != 0:
+        return 0
+    results += not_run
+    text = report(args.kind, results, args.format)
+    print(text, flush=True)
+    if args.format == "mpi4py" and util.format_notes(results):
+        print(util.format_notes(results), file=sys.stderr)
+    if args.json:
+        write_json(args.json, args, plans, results, started,
+                   sys.argv[1:] if argv is None else argv)
+    if args.plot:
+        util.plot(args.kind, results, args.plot)
+    return 1 if any(s.status == "failed" for s in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,362 @@
+"""cma-bench: the pure helpers with fake results, the kernels over an in-process pipe, and
+short end-to-end runs of ``python -m cma.bench``."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cma import _benchutil as util
+from cma import bench
+from cma._benchutil import Series, SizeResult
+
+KIB, MIB, GIB = util.KIB, util.MIB, util.GIB
+
+
+# ---------------------------------------------------------------- sizes
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("8", 8), ("8B", 8), ("4K", 4096), ("4k", 4096), ("64KiB", 65536), ("1M", MIB),
+    ("64MiB", 64 * MIB), ("2G", 2 * GIB), (" 16 kib ", 16 * KIB),
+])
+def test_parse_size(text: str, expected: int) -> None:
+    assert util.parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "K", "4KB", "1MB", "1.5M", "-8", "4X", "0x10"])
+def test_parse_size_refuses(text: str) -> None:
+    with pytest.raises(ValueError, match="bad size"):
+        util.parse_size(text)
+
+
+@pytest.mark.parametrize(("nbytes", "text"), [
+    (8, "8 B"), (4096, "4 KiB"), (64 * MIB, "64 MiB"), (GIB, "1 GiB"), (1536, "1536 B"),
+])
+def test_format_size(nbytes: int, text: str) -> None:
+    assert util.format_size(nbytes) == text
+
+
+def test_size_range() -> None:
+    assert util.size_range(8, 64 * KIB) == [1 << i for i in range(3, 17)]
+    assert util.size_range(5, 20) == [8, 16]
+    assert util.size_range(1, 1) == [1]
+    with pytest.raises(ValueError):
+        util.size_range(0, 8)
+    with pytest.raises(ValueError):
+        util.size_range(64, 8)
+    with pytest.raises(ValueError, match="no power of two"):
+        util.size_range(9, 15)
+
+
+# ---------------------------------------------------------------- counts
+
+
+def test_counts_follow_osu_size_classes() -> None:
+    assert util.counts_for("latency", 8, window=64, quick=False) == (10_000, 1_000)
+    assert util.counts_for("latency", 64 * KIB, window=64, quick=False) == (1_000, 100)
+    assert util.counts_for("bw", 8, window=64, quick=False) == (100, 10)
+    quick = util.counts_for("latency", 8, window=64, quick=True)
+    assert quick[0] < 10_000 and quick[1] < 1_000
+
+
+def test_counts_cap_the_bytes_of_large_sizes() -> None:
+    iters, warm = util.counts_for("latency", 64 * MIB, window=64, quick=False)
+    assert iters * 2 * 64 * MIB <= util.POLICIES[("latency", False)].byte_budget
+    assert iters >= util.POLICIES[("latency", False)].min_iterations
+    assert 1 <= warm <= iters
+    # a window moves 64x the bytes of a message: fewer windows, never below the minimum
+    iters_bw, _ = util.counts_for("bw", 64 * MIB, window=64, quick=True)
+    assert iters_bw == util.POLICIES[("window", True)].min_iterations
+
+
+def test_counts_overrides_win() -> None:
+    assert util.counts_for("latency", 64 * MIB, window=64, quick=True,
+                           iterations=7, warmup=0) == (7, 0)
+
+
+# ---------------------------------------------------------------- results and copies
+
+
+def fake_result(size: int, one_way_us: float, iterations: int = 4,
+                stats: list[dict[str, dict[str, float]]] | None = None) -> SizeResult:
+    rtt_ns = int(one_way_us * 2e3)
+    return SizeResult(size, iterations, 1, 2, [rtt_ns] * iterations, stats or [])
+
+
+def test_size_result_is_per_message() -> None:
+    r = SizeResult(1000, 2, 0, 2, [4000, 6000])  # round trips of 4 and 6 us
+    assert r.mean_us == pytest.approx(2.5)
+    assert r.bandwidth_mbps == pytest.approx(400.0)
+    assert r.summary()["time_us_min"] == pytest.approx(2.0)
+
+
+def counters(nbytes: float, user: float = 0.0, kernel: float = 0.0, syscalls: int = 0,
+             messages: int = 1) -> dict[str, float]:
+    return {"messages": messages, "bytes": nbytes, "user_copies": user,
+            "kernel_copies": kernel, "syscalls": syscalls}
+
+
+def test_copy_summary_adds_both_sides() -> None:
+    size, messages = 4096, 10
+    sender = {"shm": counters(size * messages, user=1.0, syscalls=5)}
+    receiver = {"shm": counters(size * messages, user=1.0, syscalls=15)}
+    c = util.copy_summary([sender, receiver], messages, size)
+    assert c is not None
+    assert (c.user, c.kernel, c.syscalls) == (2.0, 0.0, 2.0)
+    assert c.copied_bytes == 2 * size
+    assert c.via == ("shm",)
+
+
+def test_copy_summary_single_copy_counted_on_one_side() -> None:
+    size, messages = MIB, 4
+    sender = {"cma": counters(size * messages), "eager": counters(64, user=2.0)}
+    receiver = {"cma": counters(size * messages, kernel=1.0, syscalls=4)}
+    c = util.copy_summary([sender, receiver], messages, size)
+    assert c is not None
+    assert c.kernel == 1.0
+    assert c.user == pytest.approx(128 / (size * messages))
+    assert c.syscalls == 1.0
+    assert c.via == ("cma", "eager")
+
+
+def test_copy_summary_without_stats() -> None:
+    assert util.copy_summary([], 10, 8) is None
+
+
+# ---------------------------------------------------------------- crossovers
+
+
+def test_crossover_found_once() -> None:
+    times = {"shm": {8: 1.0, 4096: 2.0, 65536: 30.0, MIB: 400.0},
+             "cma": {8: 1.5, 4096: 3.0, 65536: 20.0, MIB: 200.0}}
+    (c,) = util.crossovers(times)
+    assert (c.leader, c.since, c.overtaker, c.at, c.changes) == ("shm", 8, "cma", 65536, 1)
+    assert util.format_crossovers([c]) == (
+        "shm vs cma: shm faster from 8 B, cma overtakes at 64 KiB")
+
+
+def test_crossover_never() -> None:
+    (c,) = util.crossovers({"a": {8: 1.0, 16: 1.0}, "b": {8: 2.0, 16: 3.0}})
+    assert c.overtaker is None and c.at is None
+    assert util.format_crossovers([c]) == "a vs b: a faster from 8 B, b never overtakes"
+
+
+def test_crossover_back_and_forth_and_ties() -> None:
+    times = {"a": {1: 1.0, 2: 5.0, 4: 5.0, 8: 1.0, 16: 9.0},
+             "b": {1: 2.0, 2: 5.0, 4: 1.0, 8: 2.0, 16: 1.0}}
+    (c,) = util.crossovers(times)
+    # the tie at 2 is no change; b leads at 4, a at 8, b at 16
+    assert (c.leader, c.overtaker, c.at, c.changes) == ("a", "b", 4, 3)
+    assert "the lead changes 3 times" in util.format_crossovers([c])
+
+
+def test_crossover_ignores_differences_within_noise() -> None:
+    times = {"a": {8: 1.0, 16: 1.25, 32: 1.0, 64: 9.0},
+             "b": {8: 1.2, 16: 1.0, 32: 1.2, 64: 3.0}}
+    errors = {"a": {8: 0.1, 16: 0.1, 32: 0.1, 64: 0.1}, "b": {8: 0.1, 16: 0.1, 32: 0.1, 64: 0.1}}
+    assert util.crossovers(times)[0].changes == 3  # taken at face value: noise flips the lead
+    (c,) = util.crossovers(times, errors)  # 0.2-0.25 apart is within 2 x 0.14: ties
+    assert (c.leader, c.since, c.overtaker, c.at) == ("b", 64, None, None)
+    same = {"a": {8: 1.0}, "b": {8: 1.1}}
+    assert util.crossovers(same, {"a": {8: 0.1}, "b": {8: 0.1}}) == []
+
+
+def test_crossovers_every_pair_and_only_common_sizes() -> None:
+    times = {"a": {8: 1.0}, "b": {8: 2.0}, "c": {16: 1.0}}
+    found = util.crossovers(times)
+    assert [(c.first, c.second) for c in found] == [("a", "b")]
+
+
+def test_compared_series_leaves_out_memcpy_and_failures() -> None:
+    means, errors = util.compared_series(fake_series())
+    assert list(means) == ["mp-pipe", "shm"] == list(errors)
+    assert means["shm"][MIB] == pytest.approx(250.0)
+    assert errors["shm"][MIB] == 0.0  # identical fake samples
+
+
+# ---------------------------------------------------------------- tables
+
+
+def fake_series() -> list[Series]:
+    return [
+        Series("memcpy", "baseline", results=[fake_result(8, 0.5), fake_result(MIB, 100.0)]),
+        Series("mp-pipe", "baseline", results=[fake_result(8, 20.0), fake_result(MIB, 1000.0)]),
+        Series("shm", "transport", results=[fake_result(8, 2.0), fake_result(
+            MIB, 250.0, stats=[{"shm": counters(8 * MIB, user=1.0, syscalls=8)},
+                               {"shm": counters(8 * MIB, user=1.0, syscalls=8)}])]),
+        Series("vmfd", "transport", "unavailable", "no /proc/self/mem"),
+    ]
+
+
+def test_results_table_ratios() -> None:
+    text = util.format_results("latency", fake_series())
+    lines = text.splitlines()
+    header = next(line for line in lines if line.startswith("size"))
+    assert header.split() == ["size", "series", "time", "us", "MB/s", "bw/memcpy",
+                              "bw/mp-pipe", "+/-", "us", "iters"]
+    shm_1m = next(line for line in lines if line.split()[:1] == ["shm"]
+                  and "250.0" in line)
+    # bandwidth 1 MiB / 250 us; memcpy took 100 us (0.40), mp-pipe 1000 us (4.00)
+    assert shm_1m.split() == ["shm", "250.0", "4194", "0.40", "4.00", "0.00", "4"]
+    assert "vmfd" not in text  # not measured: reported under "not measured", not here
+
+
+def test_reference_baseline_prefers_mpi4py() -> None:
+    series = fake_series()
+    assert util.reference_baseline(series) is series[1]
+    mpi = Series("mpi4py", "baseline", results=[fake_result(8, 3.0)])
+    assert util.reference_baseline([*series, mpi]) is mpi
+    assert "bw/mpi4py" in util.format_results("latency", [*series, mpi])
+
+
+def test_copies_table() -> None:
+    text = util.format_copies(fake_series())
+    row = text.splitlines()[-1].split()
+    # 1 MiB x 4 round trips = 8 messages: 2 user copies each, 16 syscalls / 8 = 2 per message
+    assert row == ["shm", "1", "MiB", "shm", "2.00", "0.00", "2.00", "2.00", str(2 * MIB)]
+    assert util.format_copies([Series("mp-pipe", "baseline")]) == ""
+
+
+def test_mpi4py_row_format() -> None:
+    assert util.mpi4py_row(8, 2.5e-6, 1e-7, 1000) == (
+        "         8              3.20 | 2.5000000e-06 \u00b1 1.0000e-07     1000")
+    assert util.mpi4py_row(1 << 30, 0.25, 0.0, 10) == (
+        "1073741824           4294.97 | 2.5000000e-01 \u00b1 0.0000e+00       10")
+
+
+def test_mpi4py_blocks() -> None:
+    text = util.format_mpi4py(fake_series())
+    lines = text.splitlines()
+    assert lines[:3] == ["# cma-bench series: memcpy", "# MPI PingPong Test",
+                         "# Size [B]  Bandwidth [MB/s] | Time Mean [s] \u00b1 StdDev [s]  Samples"]
+    assert lines.count("# MPI PingPong Test") == 3  # the unavailable series has no block
+    assert lines[3] == util.mpi4py_row(8, 0.5e-6, 0.0, 4)
+
+
+def test_series_json_keeps_every_sample() -> None:
+    doc = util.series_json(fake_series()[2])
+    big: Any = doc["results"][1]  # type: ignore[index]
+    assert big["samples_ns"] == [500_000] * 4
+    assert big["copies"]["user"] == 2.0
+    json.dumps(util.machine_info())
+
+
+# ---------------------------------------------------------------- command line
+
+
+def test_default_is_quick_latency() -> None:
+    ns = bench.parse_args([])
+    assert (ns.kind, ns.quick, ns.transport) == ("latency", True, "all")
+    assert ns.sizes[0] == 8 and ns.sizes[-1] == 64 * MIB
+    ns = bench.parse_args(["--json", "x.json"])
+    assert (ns.kind, ns.quick, ns.json) == ("latency", True, "x.json")
+    ns = bench.parse_args(["bw", "--min-size", "4K", "--max-size", "1MiB"])
+    assert (ns.kind, ns.quick, ns.sizes[0], ns.sizes[-1]) == ("bw", False, 4096, MIB)
+
+
+@pytest.mark.parametrize("argv", [
+    ["latency", "--min-size", "4KB"],
+    ["latency", "--iterations", "0"],
+    ["bw", "--cold", "--max-size", "64M"],
+    ["latency", "--format", "csv"],
+])
+def test_bad_arguments(argv: list[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        bench.parse_args(argv)
+    assert exc.value.code == 2
+
+
+def test_unknown_baseline() -> None:
+    with pytest.raises(ValueError, match="unknown baseline"):
+        bench.select_series("latency", "none", "memcpy,nccl", None)
+
+
+def test_mpi4py_baseline_needs_mpiexec() -> None:
+    specs, not_run = bench.select_series("bibw", "none", "memcpy,mp-pipe,mpi4py", None)
+    assert [s.name for s in specs] == ["memcpy", "mp-pipe"]
+    assert specs[1].skip  # no non-blocking send on a multiprocessing.Pipe
+    assert [(s.name, s.status) for s in not_run] == [("mpi4py", "skipped")]
+
+
+# ---------------------------------------------------------------- kernels over an in-process pipe
+
+
+@pytest.mark.parametrize("kind", util.KINDS)
+@pytest.mark.parametrize("cold", [False, True])
+def test_kernels_over_threads(kind: str, cold: bool) -> None:
+    """Both ranks of every kernel, as two threads on a multiprocessing.Pipe."""
+    plan = bench.build_plan(kind, [8, 64], window=4, cold=cold, quick=True,
+                            iterations=5, warmup=2)
+    a, b = bench.mp_pipe_pair()
+    peer = threading.Thread(target=bench.run_plan, args=(bench.Endpoint(b, "pipe"), plan))
+    peer.start()
+    seen: list[int] = []
+    results = bench.run_plan(bench.Endpoint(a, "pipe"), plan, lambda i, sp: seen.append(sp.size))
+    peer.join(timeout=30)
+    a.close()
+    b.close()
+    assert seen == [8, 64]
+    assert [(r.size, r.iterations, len(r.samples_ns)) for r in results] == [(8, 5, 5), (64, 5, 5)]
+    assert results[0].messages_per_sample == util.messages_per_sample(kind, 4)
+    assert all(ns > 0 for r in results for ns in r.samples_ns)
+    assert results[0].stats == []
+
+
+def test_memcpy_baseline() -> None:
+    plan = bench.build_plan("memcpy", [8, MIB], window=64, cold=True, quick=True,
+                            iterations=3, warmup=1)
+    results = bench.run_memcpy(plan)
+    assert [(r.size, len(r.samples_ns), r.messages_per_sample) for r in results] == [
+        (8, 3, 1), (MIB, 3, 1)]
+
+
+def test_peer_process_is_ended() -> None:
+    plan = bench.build_plan("latency", [8], window=64, cold=False, quick=True,
+                            iterations=10, warmup=1)
+    before = set(multiprocessing.active_children())
+    results = bench.run_with_peer(bench.mp_pipe_pair(), "pipe", plan)
+    assert len(results[0].samples_ns) == 10
+    assert set(multiprocessing.active_children()) == before
+
+
+# ---------------------------------------------------------------- end to end
+
+
+def run_cli(args: list[str], tmp_path: Path) -> tuple[str, dict[str, Any]]:
+    out = tmp_path / "out.json"
+    proc = subprocess.run([sys.executable, "-m", "cma.bench", *args, "--json", str(out)],
+                          capture_output=True, text=True, timeout=110, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout, json.loads(out.read_text())
+
+
+def test_cli_baselines_only(tmp_path: Path) -> None:
+    stdout, doc = run_cli(["latency", "--transport", "none", "--baseline", "memcpy,mp-pipe",
+                           "--max-size", "4K", "--quick"], tmp_path)
+    assert [s["name"] for s in doc["series"]] == ["memcpy", "mp-pipe"]
+    assert "bw/mp-pipe" in stdout and "mp-pipe" in stdout
+
+
+def test_cli_shm_latency(tmp_path: Path) -> None:
+    stdout, doc = run_cli(["latency", "--transport", "shm", "--min-size", "8",
+                           "--max-size", "64K", "--quick"], tmp_path)
+    assert doc["parameters"]["kind"] == "latency"
+    assert doc["parameters"]["sizes"] == [1 << i for i in range(3, 17)]
+    assert {"kernel", "cpu_model", "nproc", "python", "numpy", "cma"} <= set(doc["machine"])
+    shm = next(s for s in doc["series"] if s["name"] == "shm")
+    assert shm["status"] == "ok", shm["reason"]
+    assert [r["size"] for r in shm["results"]] == doc["parameters"]["sizes"]
+    for r in shm["results"]:
+        assert len(r["samples_ns"]) == r["iterations"]
+        assert len(r["stats"]) == 2  # sender's and receiver's
+        assert r["copies"]["user"] + r["copies"]["kernel"] > 0
+    assert "copies per payload byte" in stdout
+    assert "crossovers" in stdout

@@ -24,6 +24,7 @@ import mmap
 from dataclasses import dataclass
 
 from ._linux import PAGE_SIZE
+from .protocol import ANY_TAG, EAGER, KIND_MASK
 
 HEADER_WORDS = 4
 HEADER_BYTES = HEADER_WORDS * 8
@@ -92,9 +93,14 @@ class Outbox:
     """Producer end of the ring from this rank to one peer."""
 
     __slots__ = ("ctl", "data", "words", "nslots", "mask", "slot_size", "slot_words",
-                 "head", "tail_seen", "staging", "filled")
+                 "head", "tail_seen", "staging", "filled", "peer_sleeping", "eager_bytes",
+                 "other_slots")
 
-    def __init__(self, pair: memoryview, config: ChannelConfig) -> None:
+    def __init__(self, pair: memoryview, config: ChannelConfig, peer_sleeping: memoryview) -> None:
+        self.peer_sleeping = peer_sleeping  # the receiver's "about to sleep" word
+        # eager messages = slots used - other_slots: no per-message counter on the hot path
+        self.eager_bytes = 0
+        self.other_slots = 0
         self.ctl = pair[:PAGE_SIZE].cast("q")
         ring_bytes = config.slots * config.slot_size
         self.data = pair[PAGE_SIZE : PAGE_SIZE + ring_bytes]
@@ -114,24 +120,29 @@ class Outbox:
             self.tail_seen = self.ctl[TAIL]
         return self.nslots - (self.head - self.tail_seen)
 
-    def put_eager(self, kind: int, tag: int, payload: memoryview, n: int) -> bool:
-        """The hot path: one packet of at most eager_limit bytes; False when the ring is full."""
+    def put_eager(self, tag: int, payload: memoryview, n: int) -> int:
+        """The hot path: one EAGER packet of at most eager_limit bytes.
+
+        Returns -1 (nothing written) when the ring is full, else the receiver's sleeping
+        flag: non-zero means the caller must ring its doorbell.
+        """
         h = self.head
         if h - self.tail_seen >= self.nslots:
             self.tail_seen = self.ctl[TAIL]
             if h - self.tail_seen >= self.nslots:
-                return False
+                return -1
         off = (h & self.mask) * self.slot_size
         if n:
             self.data[off + HEADER_BYTES : off + HEADER_BYTES + n] = payload
+            self.eager_bytes += n
         w = off >> 3
         words = self.words
-        words[w] = kind
+        words[w] = EAGER
         words[w + 1] = tag
         words[w + 2] = n
         self.head = h = h + 1
         self.ctl[HEAD] = h
-        return True
+        return self.peer_sleeping[0]
 
     def pieces(self, nbytes: int) -> int:
         return max(1, -(-nbytes // (self.slot_size - HEADER_BYTES)))
@@ -158,7 +169,15 @@ class Outbox:
             self.words[w + 3] = aux
         self.head = h + count
         self.ctl[HEAD] = self.head
+        if kind & KIND_MASK == EAGER:
+            self.eager_bytes += total
+        else:
+            self.other_slots += count
         return True
+
+    @property
+    def eager_messages(self) -> int:
+        return self.head - self.other_slots
 
     def publish_filled(self, count: int) -> None:
         self.filled = count
@@ -172,9 +191,13 @@ class Inbox:
     """Consumer end of the ring from one peer to this rank."""
 
     __slots__ = ("ctl", "data", "words", "nslots", "mask", "slot_size", "tail",
-                 "tail_published", "staging", "drained_count", "half")
+                 "tail_published", "staging", "drained_count", "half", "w", "last_tag",
+                 "eager_bytes", "other_slots")
 
     def __init__(self, pair: memoryview, config: ChannelConfig) -> None:
+        self.last_tag = 0
+        self.eager_bytes = 0
+        self.other_slots = 0
         self.ctl = pair[:PAGE_SIZE].cast("q")
         ring_bytes = config.slots * config.slot_size
         self.data = pair[PAGE_SIZE : PAGE_SIZE + ring_bytes]
@@ -187,6 +210,7 @@ class Inbox:
         self.slot_size = config.slot_size
         self.tail = self.ctl[TAIL]
         self.tail_published = self.tail
+        self.w = self.slot()
         self.drained_count = self.ctl[DRAINED]
 
     def ready(self) -> bool:
@@ -202,10 +226,42 @@ class Inbox:
 
     def release(self) -> None:
         self.tail = t = self.tail + 1
+        self.w = ((t & self.mask) * self.slot_size) >> 3
         if t - self.tail_published >= self.half:
             self.tail_published = t
             self.ctl[TAIL] = t
 
+    def take_eager(self, buf: memoryview, tag: int) -> int:
+        """The hot path: if the oldest packet is an EAGER one matching ``tag`` that fits in
+        ``buf``, copy it there, consume it and return its size (its tag in ``last_tag``).
+
+        -2: the ring is empty; -1: the oldest packet needs the general path.
+        """
+        if self.ctl[HEAD] == self.tail:
+            return -2
+        w = self.w
+        words = self.words
+        t = words[w + 1]
+        if words[w] != EAGER or (t != tag and (tag != ANY_TAG or t < 0)):
+            return -1
+        n = words[w + 2]
+        if n > buf.nbytes:
+            return -1
+        if n:
+            off = (w << 3) + HEADER_BYTES
+            buf[:n] = self.data[off : off + n]
+            self.eager_bytes += n
+        self.last_tag = t
+        self.tail = tail = self.tail + 1
+        self.w = ((tail & self.mask) * self.slot_size) >> 3
+        if tail - self.tail_published >= self.half:
+            self.tail_published = tail
+            self.ctl[TAIL] = tail
+        return n
+
+    @property
+    def eager_messages(self) -> int:
+        return self.tail - self.other_slots
     def publish_tail(self) -> bool:
         """Make consumed slots reusable now; True if anything new was published."""
         if self.tail_published == self.tail:
@@ -222,6 +278,10 @@ class Inbox:
         w = self.slot()
         words = self.words
         kind, tag, n, aux = words[w], words[w + 1], words[w + 2], words[w + 3]
+        if kind & KIND_MASK == EAGER:
+            self.eager_bytes += n
+        else:
+            self.other_slots += 1
         if not kind & MORE:
             return kind, tag, n, aux, self.payload(w, n)
         parts = bytearray()
@@ -232,6 +292,7 @@ class Inbox:
                 pass  # the producer writes every piece before publishing the head
             w = self.slot()
             kind, n = words[w], words[w + 2]
+            self.other_slots += 1
         parts += self.payload(w, n)
         return kind, tag, len(parts), aux, bytes(parts)
 
@@ -243,8 +304,8 @@ class Inbox:
         self.ctl[DRAINED] = count
 
 
-def pair_views(mm: mmap.mmap, size: int, rank: int, config: ChannelConfig
-               ) -> tuple[list[Outbox | None], list[Inbox | None]]:
+def pair_views(mm: mmap.mmap, size: int, rank: int, config: ChannelConfig,
+               sleeping: list[memoryview]) -> tuple[list[Outbox | None], list[Inbox | None]]:
     """The outboxes (this rank -> peer) and inboxes (peer -> this rank), indexed by peer."""
     view = memoryview(mm)
     base = config.header_bytes(size)
@@ -258,6 +319,6 @@ def pair_views(mm: mmap.mmap, size: int, rank: int, config: ChannelConfig
     ins: list[Inbox | None] = [None] * size
     for peer in range(size):
         if peer != rank:
-            outs[peer] = Outbox(pair(rank, peer), config)
+            outs[peer] = Outbox(pair(rank, peer), config, sleeping[peer])
             ins[peer] = Inbox(pair(peer, rank), config)
     return outs, ins

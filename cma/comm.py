@@ -24,14 +24,14 @@ from typing import Any, Literal
 import numpy as np
 
 from . import _linux
-from .channel import HEAD, HEADER_BYTES, ChannelConfig
+from .channel import ChannelConfig, Inbox, Outbox
 from .errors import BufferError, CmaError, InvalidRank, InvalidTag, PeerGone, TransportUnavailable
 from .protocol import (
     ANY_SOURCE,
     ANY_TAG,
     BARRIER_TAG,
     EAGER,
-    OBJECT,
+    KIND_MASK,
     PIPELINE,
     PROC_NULL,
     PULL,
@@ -77,7 +77,7 @@ def _as_bytes_view(mv: memoryview) -> memoryview:
     try:
         return mv.cast("B")
     except TypeError:
-        return memoryview(np.frombuffer(mv, dtype=np.uint8))
+        return np.frombuffer(mv, dtype=np.uint8).data
 
 
 def _spec_view(spec: Sequence[Any]) -> memoryview:
@@ -124,7 +124,7 @@ def _region(mv: memoryview) -> Region:
 
 
 def _allocate(nbytes: int) -> memoryview:
-    return memoryview(np.empty(nbytes, dtype=np.uint8))
+    return np.empty(nbytes, dtype=np.uint8).data
 
 
 def _pieces(segments: Sequence[memoryview], start: int, stop: int) -> list[memoryview]:
@@ -302,12 +302,14 @@ class Comm:
         self._world: World | None = None
         # One-entry view caches: repeated sends/receives of the same array skip the
         # buffer-protocol export (~0.2-0.5 us, the largest cost of a small message).
+        self._lanes: dict[int, Outbox] = {}  # filled at attach; empty means "take the slow path"
+        self._rlanes: dict[int, Inbox] = {}
+        self._only_peer = ANY_SOURCE
         self._send_obj: Any = None
         self._send_view = memoryview(b"")
         self._recv_obj: Any = None
         self._recv_view = memoryview(bytearray())
-        self._eager_msgs = 0
-        self._eager_bytes = 0
+        self._eager_base = (0, 0)  # ring counts at the last reset_stats()
         self._eager_extra = 0
         self._control_syscalls = 0
         _open_comms.add(self)
@@ -357,8 +359,6 @@ class Comm:
         self._setup_policy(names)
         self._outboxes = world.outboxes
         self._inboxes = world.inboxes
-        self._header = world.header
-        self._sleep_words = world.sleeping_words()
         self._peers = [p for p in range(self.size) if p != self.rank]
         self._txq: list[deque[tuple[int, int, int, bytes]]] = [deque() for _ in range(self.size)]
         self._txq_pending = 0
@@ -369,7 +369,14 @@ class Comm:
         self._oversubscribed = self.size > (os.cpu_count() or 1)
         self._matcher = self._engine.matcher
         self._only_peer = 1 - self.rank if self.size == 2 else ANY_SOURCE
-        self._fast_recv = not self._oversubscribed
+        # Fast lanes: peers whose eager messages may bypass the engine right now. A peer
+        # leaves _lanes while packets to it wait in _txq (order), and _rlanes while
+        # packets to ourselves wait in _loopback or ranks outnumber cores (no spinning).
+        self._all_lanes = {p: box for p, box in enumerate(self._outboxes) if box is not None}
+        self._all_rlanes = {p: box for p, box in enumerate(self._inboxes) if box is not None}
+        self._rlane_rank = {box: p for p, box in self._all_rlanes.items()}
+        self._lanes = dict(self._all_lanes)
+        self._rlanes = {} if self._oversubscribed else dict(self._all_rlanes)
         self._attached = True
 
     def _probe_peers(self, world: World) -> dict[int, int]:
@@ -446,14 +453,13 @@ class Comm:
         else:
             mv = self._cached_view(buf, send_view)
         n = mv.nbytes
-        if n <= self._eager_limit and tag >= 0 and dest != self.rank and 0 <= dest < self.size \
-                and not self._txq[dest]:
-            box = self._outboxes[dest]
-            if box.put_eager(EAGER, tag, mv, n):  # type: ignore[union-attr]
-                self._eager_msgs += 1
-                self._eager_bytes += n
-                if self._header[self._sleep_words[dest]]:
-                    self._ring(dest)
+        lane = self._lanes.get(dest)
+        if lane is not None and n <= self._eager_limit and tag >= 0:
+            sleeping = lane.put_eager(tag, mv, n)
+            if sleeping == 0:
+                return
+            if sleeping > 0:
+                self._ring(dest)
                 return
         self._check_dest(dest)
         self._check_tag(tag)
@@ -467,34 +473,20 @@ class Comm:
             mv = self._recv_view
         else:
             mv = self._cached_view(buf, recv_view)
-        src = self._only_peer if source == ANY_SOURCE else source
         matcher = self._matcher
-        if 0 <= src < self.size and src != self.rank and not matcher.posted \
-                and not matcher.unexpected and self._fast_recv:
-            box = self._inboxes[src]
-            ctl = box.ctl  # type: ignore[union-attr]
+        box = self._rlanes.get(self._only_peer if source == ANY_SOURCE else source)
+        if box is not None and not matcher.posted and not matcher.unexpected:
+            n = box.take_eager(mv, tag)
             spins = _FAST_SPINS
-            while spins:
-                if ctl[HEAD] != box.tail:  # type: ignore[union-attr]
-                    words = box.words  # type: ignore[union-attr]
-                    w = box.slot()  # type: ignore[union-attr]
-                    t = words[w + 1]
-                    n = words[w + 2]
-                    if words[w] == EAGER and (t == tag or (tag == ANY_TAG and t >= 0)) \
-                            and n <= mv.nbytes:
-                        if n:
-                            off = (w << 3) + HEADER_BYTES
-                            mv[:n] = box.data[off : off + n]  # type: ignore[union-attr]
-                        box.release()  # type: ignore[union-attr]
-                        self._eager_msgs += 1
-                        self._eager_bytes += n
-                        if status is not None:
-                            status.source = src
-                            status.tag = t
-                            status.count = n
-                        return
-                    break
+            while n == -2 and spins:
                 spins -= 1
+                n = box.take_eager(mv, tag)
+            if n >= 0:
+                if status is not None:
+                    status.source = self._rlane_rank[box]
+                    status.tag = box.last_tag
+                    status.count = n
+                return
         self._check_source(source)
         self._check_tag(tag, wildcard=True)
         if source == PROC_NULL:
@@ -657,8 +649,15 @@ class Comm:
         transports that moved rendezvous messages. ``user_copies``/``kernel_copies`` are
         copied bytes per payload byte, so 1.0 means each byte was copied once here.
         """
-        eager = TransportStats(self._eager_msgs, self._eager_bytes,
-                               self._eager_bytes + self._eager_extra, 0, self._control_syscalls)
+        eager = TransportStats(syscalls=self._control_syscalls)
+        if self._attached:
+            boxes: list[Outbox | Inbox] = [*self._all_lanes.values(), *self._all_rlanes.values()]
+            for box in boxes:
+                eager.messages += box.eager_messages
+                eager.bytes += box.eager_bytes
+            eager.messages -= self._eager_base[0]
+            eager.bytes -= self._eager_base[1]
+        eager.user_copy_bytes = eager.bytes + self._eager_extra
         out = {"eager": eager.as_dict()}
         if self._attached:
             for name, transport in self._transports.items():
@@ -666,8 +665,11 @@ class Comm:
         return out
 
     def reset_stats(self) -> None:
-        self._eager_msgs = self._eager_bytes = self._eager_extra = self._control_syscalls = 0
+        self._eager_extra = self._control_syscalls = 0
+        self._eager_base = (0, 0)
         if self._attached:
+            current = self.stats()["eager"]
+            self._eager_base = (int(current["messages"]), int(current["bytes"]))
             for transport in self._transports.values():
                 transport.stats = TransportStats()
 
@@ -737,6 +739,9 @@ class Comm:
         self._run(actions)
         return op
 
+    def _peer_sleeping(self, peer: int) -> int:
+        return self._all_lanes[peer].peer_sleeping[0]
+
     def _ring(self, peer: int) -> None:
         _linux.ring_doorbell(self._fds.doorbells[peer])
         self._control_syscalls += 1
@@ -744,7 +749,7 @@ class Comm:
     def _transmit(self, dest: int, kind: int, tag: int, aux: int, payload: bytes) -> None:
         if dest == self.rank:
             self._loopback.append((kind, tag, aux, payload))
-            self._fast_recv = False
+            self._rlanes = {}
             return
         queue = self._txq[dest]
         box = self._outboxes[dest]
@@ -752,12 +757,11 @@ class Comm:
         if queue or not box.put(kind, tag, aux, payload):
             queue.append((kind, tag, aux, payload))
             self._txq_pending += 1
+            self._lanes.pop(dest, None)
             return
-        if kind & 0xFF == EAGER:
-            self._eager_msgs += 1
-            self._eager_bytes += len(payload)
+        if kind & KIND_MASK == EAGER:
             self._eager_extra += len(payload)  # the copy into a bytes object before the ring
-        if self._header[self._sleep_words[dest]]:
+        if box.peer_sleeping[0]:
             self._ring(dest)
 
     def _flush(self) -> bool:
@@ -769,12 +773,12 @@ class Comm:
             while queue and box.put(*queue[0]):
                 kind, _, _, payload = queue.popleft()
                 self._txq_pending -= 1
-                if kind & 0xFF == EAGER:
-                    self._eager_msgs += 1
-                    self._eager_bytes += len(payload)
+                if kind & KIND_MASK == EAGER:
                     self._eager_extra += len(payload)
                 moved = True
-            if moved and self._header[self._sleep_words[dest]]:
+            if not queue:
+                self._lanes[dest] = box
+            if moved and box.peer_sleeping[0]:
                 self._ring(dest)
         return moved
 
@@ -799,11 +803,8 @@ class Comm:
         n = len(payload)
         if op.buffer is None:
             op.segments = [memoryview(bytes(payload))]
-            self._eager_extra += n
         elif n:
             op.buffer[:n] = payload
-        self._eager_msgs += 1
-        self._eager_bytes += n
 
     def _completed(self, op: SendOp | RecvOp) -> None:
         if op.mechanism in ("eager", "self") or (isinstance(op, RecvOp) and op.error is not None):
@@ -847,9 +848,10 @@ class Comm:
         engine = self._engine
         if self._loopback:
             while self._loopback:
-                kind, tag, aux, payload = self._loopback.popleft()
-                self._run(engine.packet(self.rank, kind, tag, aux, memoryview(payload)))
-            self._fast_recv = not self._oversubscribed
+                kind, tag, aux, looped = self._loopback.popleft()
+                self._run(engine.packet(self.rank, kind, tag, aux, looped))
+            if not self._oversubscribed:
+                self._rlanes = dict(self._all_rlanes)
             moved = True
         for peer in self._peers:
             if peer == skip:
@@ -861,7 +863,7 @@ class Comm:
                 self._run(engine.packet(peer, kind, tag, aux, payload))
                 box.release()
                 moved = True
-            if box.publish_tail() and self._header[self._sleep_words[peer]]:
+            if box.publish_tail() and self._peer_sleeping(peer):
                 self._ring(peer)
         if self._txq_pending:
             moved = self._flush() or moved
@@ -895,7 +897,7 @@ class Comm:
                     box.publish_filled(pipe.advance())
                     moved = True
                     step = pipe.fill(drained)
-                if moved and self._header[self._sleep_words[peer]]:
+                if moved and self._peer_sleeping(peer):
                     self._ring(peer)
                 if not pipe.finished:
                     break
@@ -924,7 +926,7 @@ class Comm:
                     inbox.publish_drained(pipe.advance())
                     moved = True
                     step = pipe.drain(filled)
-                if moved and self._header[self._sleep_words[peer]]:
+                if moved and self._peer_sleeping(peer):
                     self._ring(peer)
                 if not pipe.finished:
                     break

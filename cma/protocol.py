@@ -26,7 +26,6 @@ from array import array
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Union
 
 from .errors import TruncationError
 from .transports.base import Region
@@ -86,7 +85,7 @@ def decode_rts(payload: bytes | memoryview) -> RtsInfo:
     msgid, offers, nseg = words[0], words[1], words[2]
     sizes = list(words[3 : 3 + nseg])
     addrs = words[3 + nseg : 3 + 2 * nseg]
-    regions = [Region(a, n) for a, n in zip(addrs, sizes)] if len(addrs) == nseg else None
+    regions = [Region(a, n) for a, n in zip(addrs, sizes, strict=True)] if len(addrs) == nseg else None
     return RtsInfo(msgid, offers, sizes, regions)
 
 
@@ -214,7 +213,7 @@ class Complete:
     op: SendOp | RecvOp
 
 
-Action = Union[Transmit, Deliver, Pull, Push, StreamOut, StreamIn, Complete]
+Action = Transmit | Deliver | Pull | Push | StreamOut | StreamIn | Complete
 
 
 # ------------------------------------------------------------------ matching
@@ -409,16 +408,17 @@ class Engine:
 
     # -- packets from peers
 
-    def packet(self, source: int, kind: int, tag: int, aux: int, payload: memoryview) -> list[Action]:
+    def packet(self, source: int, kind: int, tag: int, aux: int, payload: bytes | memoryview
+               ) -> list[Action]:
         base = kind & KIND_MASK
         is_object = bool(kind & OBJECT)
         if base == EAGER:
             op = self.matcher.take_posted(source, tag)
             if op is None:
-                arrival = Arrival(source, tag, is_object, payload.nbytes, payload.tobytes(), None)
+                arrival = Arrival(source, tag, is_object, len(payload), bytes(payload), None)
                 self.matcher.unexpected.append(arrival)
                 return []
-            return self._match(op, Arrival(source, tag, is_object, payload.nbytes, None, None), payload)
+            return self._match(op, Arrival(source, tag, is_object, len(payload), None, None), payload)
         if base == RTS:
             arrival = Arrival(source, tag, is_object, aux, None, decode_rts(payload))
             op = self.matcher.take_posted(source, tag)
@@ -432,7 +432,8 @@ class Engine:
             return self._fin(aux)
         raise ValueError(f"unknown packet kind {kind:#x} from rank {source}")
 
-    def _match(self, op: RecvOp, arrival: Arrival, inline: memoryview | None = None) -> list[Action]:
+    def _match(self, op: RecvOp, arrival: Arrival, inline: bytes | memoryview | None = None
+               ) -> list[Action]:
         op.matched_source = arrival.source
         op.matched_tag = arrival.tag
         op.nbytes = arrival.nbytes

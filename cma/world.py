@@ -23,8 +23,8 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 from dataclasses import dataclass, field
+from typing import Any
 
 from . import _linux
 from .channel import (
@@ -119,7 +119,10 @@ class World:
         self.mm = _linux.map_shared(fds.memfd, fds.config.segment_bytes(fds.size))
         header = memoryview(self.mm)[: fds.config.header_bytes(fds.size)].cast("q")
         self.header = header
-        self.outboxes, self.inboxes = pair_views(self.mm, self.size, rank, fds.config)
+        sleeping = [header[self._word(r, SLEEPING) : self._word(r, SLEEPING) + 1]
+                    for r in range(self.size)]
+        self.outboxes, self.inboxes = pair_views(self.mm, self.size, rank, fds.config, sleeping)
+        self._sleeping_views = sleeping
         self.pidfds: list[int] = [-1] * self.size
         self._exposed: dict[str, Callable[[], int]] = {}
         self._server: socket.socket | None = None
@@ -133,9 +136,6 @@ class World:
 
     def _reach_word(self, rank: int, peer: int) -> int:
         return PREAMBLE_WORDS + self.size * RANK_BLOCK_WORDS + rank * self.size + peer
-
-    def sleeping_words(self) -> list[int]:
-        return [self._word(r, SLEEPING) for r in range(self.size)]
 
     def pid_of(self, rank: int) -> int:
         return self.header[self._word(rank, PID)]
@@ -302,6 +302,8 @@ class World:
             if box is not None:
                 for view in (box.words, box.ctl, box.data, box.staging):
                     view.release()
+        for view in self._sleeping_views:
+            view.release()
         self.header.release()
         try:
             self.mm.close()

@@ -16,7 +16,6 @@ Styles:
 
 from __future__ import annotations
 
-from abc import ABC
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, NamedTuple, Protocol
@@ -91,7 +90,7 @@ class TransportStats:
         }
 
 
-class Transport(ABC):  # noqa: B024 - the abstract surface is the optional methods below
+class Transport:
     """One copy mechanism. Subclasses set the class attributes and the methods of their styles."""
 
     name: ClassVar[str]

@@ -13,10 +13,10 @@ A communicator is used by one thread at a time (like MPI_THREAD_SERIALIZED).
 
 from __future__ import annotations
 
+import operator
 import os
 import pickle
 import time
-import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -60,11 +60,15 @@ AUTO_ORDER = ["cma", "vmfd", "shm"]
 # cma-bench on the project machine; docs/transports.md has the run. Override per Comm.
 AUTO_THRESHOLDS = {"cma": 0, "vmfd": 0, "shm": 0}
 
-SPIN_SECONDS = float(os.environ.get("CMA_SPIN_US", "100")) * 1e-6
+SPIN_SECONDS = float(os.environ.get("CMA_SPIN_US", "200")) * 1e-6
+# A sender of at least this many bytes sleeps at once until the peer answers: the
+# peer's copy takes longer than a wake-up, and a spinning sender would take the core
+# that the peer's copy threads need.
+SLEEP_AT_ONCE_BYTES = 1 << 20
 SLEEP_MS = 10
 _FAST_SPINS = 4000
 
-_open_comms: weakref.WeakSet[Comm] = weakref.WeakSet()
+_NOTHING = object()  # what the view caches hold before the first call (never a user buffer)
 
 
 # ------------------------------------------------------------------ buffers
@@ -107,7 +111,9 @@ def send_view(buf: Any) -> memoryview:
         return _spec_view(buf)
     try:
         mv = memoryview(buf)
-    except TypeError as exc:
+    except (TypeError, ValueError) as exc:
+        if isinstance(buf, np.ndarray) and buf.dtype != object and buf.flags.c_contiguous:
+            return buf.reshape(-1).view(np.uint8).data  # dtypes without a PEP 3118 code
         raise BufferError(f"{type(buf).__name__} does not support the buffer protocol") from exc
     return _as_bytes_view(mv)
 
@@ -226,7 +232,7 @@ class Request:
 
     def _result(self) -> Any:
         op = self._op
-        if self._object and isinstance(op, RecvOp):
+        if self._object and isinstance(op, RecvOp) and op.matched_source != PROC_NULL:
             return self._comm._unpickle(op)
         return None
 
@@ -305,14 +311,13 @@ class Comm:
         self._lanes: dict[int, Outbox] = {}  # filled at attach; empty means "take the slow path"
         self._rlanes: dict[int, Inbox] = {}
         self._only_peer = ANY_SOURCE
-        self._send_obj: Any = None
+        self._send_obj: Any = _NOTHING
         self._send_view = memoryview(b"")
-        self._recv_obj: Any = None
+        self._recv_obj: Any = _NOTHING
         self._recv_view = memoryview(bytearray())
         self._eager_base = (0, 0)  # ring counts at the last reset_stats()
         self._eager_extra = 0
         self._control_syscalls = 0
-        _open_comms.add(self)
 
     # -- mpi4py-style accessors
 
@@ -348,9 +353,13 @@ class Comm:
         world = World(self._fds, self.rank)
         self._world = world
         names = list(REGISTRY.classes) if self._transport_name == AUTO else [self._transport_name]
-        options = self._transport_options
+        # push concerns every transport (set up for RPUT); other options belong to the one named
+        options = dict(self._transport_options)
+        push = bool(options.pop("push", False))
+        self._prefer_push = push
         self._transports: dict[str, Transport] = {
-            name: REGISTRY.classes[name](world, **(options if self._transport_name != AUTO else {}))
+            name: REGISTRY.classes[name](world, push=push,
+                                         **(options if self._transport_name != AUTO else {}))
             for name in names
         }
         self._reasons: dict[int, dict[str, str]] = {}
@@ -415,7 +424,7 @@ class Comm:
             thresholds=self._thresholds if forced is None else {},
             forced=forced,
             staged={n for n in names if "staged" in REGISTRY.classes[n].styles},
-            push=bool(self._transport_options.get("push", False)) if forced else False,
+            push=self._prefer_push,
         )
         for p in range(self.size):
             if p == self.rank:
@@ -454,15 +463,15 @@ class Comm:
             mv = self._cached_view(buf, send_view)
         n = mv.nbytes
         lane = self._lanes.get(dest)
-        if lane is not None and n <= self._eager_limit and tag >= 0:
+        if lane is not None and n <= self._eager_limit and type(tag) is int and tag >= 0:
             sleeping = lane.put_eager(tag, mv, n)
             if sleeping == 0:
                 return
             if sleeping > 0:
                 self._ring(dest)
                 return
-        self._check_dest(dest)
-        self._check_tag(tag)
+        dest = self._check_dest(dest)
+        tag = self._check_tag(tag)
         if dest == PROC_NULL:
             return
         self._wait(self._start_send([mv], dest, tag, False))
@@ -475,7 +484,8 @@ class Comm:
             mv = self._cached_view(buf, recv_view)
         matcher = self._matcher
         box = self._rlanes.get(self._only_peer if source == ANY_SOURCE else source)
-        if box is not None and not matcher.posted and not matcher.unexpected:
+        if box is not None and type(tag) is int and tag >= ANY_TAG and not matcher.posted \
+                and not matcher.unexpected:
             n = box.take_eager(mv, tag)
             spins = _FAST_SPINS
             while n == -2 and spins:
@@ -487,8 +497,8 @@ class Comm:
                     status.tag = box.last_tag
                     status.count = n
                 return
-        self._check_source(source)
-        self._check_tag(tag, wildcard=True)
+        source = self._check_source(source)
+        tag = self._check_tag(tag, wildcard=True)
         if source == PROC_NULL:
             if status is not None:
                 status._fill(PROC_NULL, ANY_TAG, 0)
@@ -509,8 +519,8 @@ class Comm:
     def Isend(self, buf: Any, dest: int, tag: int = 0) -> Request:
         if not self._attached:
             self._attach()
-        self._check_dest(dest)
-        self._check_tag(tag)
+        dest = self._check_dest(dest)
+        tag = self._check_tag(tag)
         if dest == PROC_NULL:
             return Request(self, None)
         return Request(self, self._start_send([send_view(buf)], dest, tag, False))
@@ -519,8 +529,8 @@ class Comm:
         if not self._attached:
             self._attach()
         mv = recv_view(buf)
-        self._check_source(source)
-        self._check_tag(tag, wildcard=True)
+        source = self._check_source(source)
+        tag = self._check_tag(tag, wildcard=True)
         if source == PROC_NULL:
             return Request(self, _null_recv())
         op, actions = self._engine.recv(source, tag, mv)
@@ -555,8 +565,8 @@ class Comm:
     def isend(self, obj: Any, dest: int, tag: int = 0) -> Request:
         if not self._attached:
             self._attach()
-        self._check_dest(dest)
-        self._check_tag(tag)
+        dest = self._check_dest(dest)
+        tag = self._check_tag(tag)
         if dest == PROC_NULL:
             return Request(self, None)
         return Request(self, self._start_send(self._pickle(obj), dest, tag, True))
@@ -569,8 +579,8 @@ class Comm:
         """Receive an object of any size (``buf`` is accepted for mpi4py compatibility, unused)."""
         if not self._attached:
             self._attach()
-        self._check_source(source)
-        self._check_tag(tag, wildcard=True)
+        source = self._check_source(source)
+        tag = self._check_tag(tag, wildcard=True)
         if source == PROC_NULL:
             return Request(self, _null_recv(), is_object=True)
         op, actions = self._engine.recv(source, tag, None)
@@ -591,8 +601,8 @@ class Comm:
                status: Status | None = None) -> bool:
         if not self._attached:
             self._attach()
-        self._check_source(source)
-        self._check_tag(tag, wildcard=True)
+        source = self._check_source(source)
+        tag = self._check_tag(tag, wildcard=True)
         if source == PROC_NULL:
             if status is not None:
                 status._fill(PROC_NULL, ANY_TAG, 0)
@@ -609,8 +619,8 @@ class Comm:
               status: Status | None = None) -> Literal[True]:
         if not self._attached:
             self._attach()
-        self._check_source(source)
-        self._check_tag(tag, wildcard=True)
+        source = self._check_source(source)
+        tag = self._check_tag(tag, wildcard=True)
         if source != PROC_NULL:
             self._wait_until(lambda: self._engine.probe(source, tag) is not None,
                              None if source == ANY_SOURCE else source)
@@ -679,7 +689,7 @@ class Comm:
         if self._closed:
             return
         self._closed = True
-        self._send_obj = self._recv_obj = None
+        self._send_obj = self._recv_obj = _NOTHING
         if self._attached:
             for transport in self._transports.values():
                 for link in self._links:
@@ -715,20 +725,25 @@ class Comm:
                 self._recv_obj, self._recv_view = buf, mv
         return mv
 
-    def _check_dest(self, dest: int) -> None:
-        if dest != PROC_NULL and not (isinstance(dest, int) and 0 <= dest < self.size):
+    def _check_dest(self, dest: Any) -> int:
+        rank = _as_int(dest)
+        if rank is None or (rank != PROC_NULL and not 0 <= rank < self.size):
             raise InvalidRank(f"destination rank {dest!r} is not in 0..{self.size - 1} (or PROC_NULL)")
+        return rank
 
-    def _check_source(self, source: int) -> None:
-        if source not in (ANY_SOURCE, PROC_NULL) and not (
-                isinstance(source, int) and 0 <= source < self.size):
+    def _check_source(self, source: Any) -> int:
+        rank = _as_int(source)
+        if rank is None or (rank not in (ANY_SOURCE, PROC_NULL) and not 0 <= rank < self.size):
             raise InvalidRank(
                 f"source rank {source!r} is not in 0..{self.size - 1} (or ANY_SOURCE, PROC_NULL)")
+        return rank
 
-    def _check_tag(self, tag: int, wildcard: bool = False) -> None:
-        if not isinstance(tag, int) or (tag < 0 and not (wildcard and tag == ANY_TAG)):
+    def _check_tag(self, tag: Any, wildcard: bool = False) -> int:
+        value = _as_int(tag)
+        if value is None or (value < 0 and not (wildcard and value == ANY_TAG)):
             what = "a non-negative int" + (" or ANY_TAG" if wildcard else "")
             raise InvalidTag(f"tag {tag!r} must be {what}")
+        return value
 
     # -- the general path
 
@@ -940,26 +955,33 @@ class Comm:
         if op.done:
             return
         peer = op.dest if isinstance(op, SendOp) else op.source
-        self._wait_until(lambda: op.done, None if peer == ANY_SOURCE else peer)
+        first_spin = 0.0 if isinstance(op, SendOp) and op.nbytes >= SLEEP_AT_ONCE_BYTES \
+            else SPIN_SECONDS
+        self._wait_until(lambda: op.done, None if peer == ANY_SOURCE else peer, first_spin)
 
-    def _wait_until(self, done: Callable[[], bool], peer: int | None) -> None:
+    def _wait_until(self, done: Callable[[], bool], peer: int | None,
+                    first_spin: float = SPIN_SECONDS) -> None:
         """Progress until ``done()``: spin for a bounded time, then sleep on the doorbell.
 
         ``peer`` is the rank whose exit makes waiting pointless (None: any rank may answer).
+        ``first_spin`` bounds the spin before the first sleep; once anything moves the
+        usual SPIN_SECONDS applies.
         """
         world = self._world
         assert world is not None
         deadline = 0.0
+        spin = first_spin
         yield_cpu = self._oversubscribed
         while not done():
             if self._progress():
                 deadline = 0.0
+                spin = SPIN_SECONDS
                 continue
             if yield_cpu:
                 os.sched_yield()
             now = time.perf_counter()
             if not deadline:
-                deadline = now + SPIN_SECONDS
+                deadline = now + spin
                 continue
             if now < deadline:
                 continue
@@ -990,6 +1012,16 @@ class Comm:
             raise PeerGone(f"rank {peer} exited before completing this operation")
         if peer is None and self._dead.issuperset(self._peers):
             raise PeerGone("every other rank has exited; nothing can complete this operation")
+
+
+def _as_int(value: Any) -> int | None:
+    """Integers and integer-likes such as NumPy's (as mpi4py accepts); None for anything else."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 def _null_recv() -> RecvOp:

@@ -97,8 +97,10 @@ class Transport:
     copies: ClassVar[Copies]
     styles: ClassVar[frozenset[str]]
 
-    def __init__(self, host: Host, **options: object) -> None:
+    def __init__(self, host: Host, *, push: bool = False, **options: object) -> None:
+        """``push``: the protocol may ask this transport to write (RPUT), so set up for it."""
         self.host = host
+        self.push = push
         self.stats = TransportStats()
         if options:
             raise TypeError(f"{self.name}: unknown options {sorted(options)}")

@@ -137,8 +137,7 @@ class VmfdTransport(Transport):
         Off by default: a read-only fd is all pulling needs, and an O_RDWR one lets its
         holder change this process's memory, so it is handed out only when asked for.
         """
-        super().__init__(host, **options)
-        self.push = push
+        super().__init__(host, push=push, **options)
         self._peers: dict[int, _PeerMemory] = {}
         self._own: list[int] = []
         self._expose(host, "mem-ro", writable=False)

@@ -190,8 +190,9 @@ class CmaTransport(Transport):
     copies: ClassVar[Copies] = Copies(user=0, kernel=1)
     styles: ClassVar[frozenset[str]] = frozenset({"pull", "push"})
 
-    def __init__(self, host: Host, *, threads: int | None = None, **options: object) -> None:
-        super().__init__(host, **options)
+    def __init__(self, host: Host, *, push: bool = False, threads: int | None = None,
+                 **options: object) -> None:
+        super().__init__(host, push=push, **options)
         if threads is None:
             threads = min(2, _linux.usable_cpus())
         if threads < 1:

@@ -1,0 +1,26 @@
+"""Rank 1 dies (os._exit) while rank 0 waits in Recv from it: the job must fail, not hang.
+
+Under ``mpiexec -disable-auto-cleanup`` nothing but cma.mpi notices: rank 0 raises
+cma.mpi.PeerGoneError (an MPI.Exception), and ``python -m mpi4py`` aborts the job.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+import cma.mpi
+
+comm = cma.mpi.Comm(MPI.COMM_WORLD)
+if comm.rank < 2:
+    assert comm.cma is not None and {0, 1} <= set(comm.node_ranks), comm
+comm.Barrier()
+if comm.rank == 1:
+    time.sleep(0.5)  # let rank 0 settle into its wait
+    os._exit(3)
+if comm.rank == 0:
+    comm.Recv(np.empty(4), 1, 0)
+comm.Barrier()  # the other ranks wait here until the job is torn down

@@ -1,0 +1,166 @@
+"""cma.mpi under a real mpiexec: each test runs a program of tests/mpi_programs.
+
+The programs are written as mpi4py programs and check themselves (assert); each rank
+prints "OK <rank> [<mode>]" at the end. They run under ``python -m mpi4py`` so that an
+uncaught exception in one rank aborts the whole job instead of leaving it hanging.
+Pretend nodes (CMA_MPI_NODES, CMA_MPI_RANKS_PER_NODE) give one machine on-node and
+off-node peers at once.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("mpi4py", reason="mpi4py is not installed (pip install 'cma-ipc[mpi]')")
+
+
+def _find_mpiexec() -> str | None:
+    beside_python = Path(sys.executable).parent / "mpiexec"  # the mpich wheel puts it there
+    return str(beside_python) if beside_python.exists() else shutil.which("mpiexec")
+
+
+_mpiexec = _find_mpiexec()
+if _mpiexec is None:
+    pytest.skip("no mpiexec found (pip install mpich)", allow_module_level=True)
+MPIEXEC: str = _mpiexec
+
+ROOT = Path(__file__).resolve().parent.parent
+PROGRAMS = ROOT / "tests" / "mpi_programs"
+RUN_TIMEOUT = 120  # the backstop; a healthy run takes a few seconds
+MODES = "cma|mixed|mpi-only|disabled"
+
+pytestmark = pytest.mark.timeout(RUN_TIMEOUT + 30)
+
+
+def _launcher_flags() -> list[str]:
+    """Open MPI needs these for more ranks than cores and for root; MPICH needs nothing."""
+    version = subprocess.run([MPIEXEC, "--version"], capture_output=True, text=True, timeout=30)
+    if "Open MPI" in version.stdout + version.stderr or "OpenRTE" in version.stdout:
+        return ["--oversubscribe", "--allow-run-as-root"]
+    return []
+
+
+FLAGS = _launcher_flags()
+IS_HYDRA = not FLAGS
+
+
+def _remove_orphan_segments(names: set[str]) -> None:
+    """Unlink MPICH's shared-memory files that a killed job left and nobody maps any more."""
+    mapped: set[str] = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            mapped.update(line.split("/dev/shm/")[1].split()[0]
+                          for line in maps.read_text().splitlines() if "/dev/shm/" in line)
+        except (OSError, IndexError):
+            continue  # the process exited meanwhile
+    for name in names - mapped:
+        Path("/dev/shm", name).unlink(missing_ok=True)
+
+
+def mpirun(n: int, program: str, *args: str, env: dict[str, str] | None = None,
+           flags: tuple[str, ...] = ()) -> tuple[int, str, float]:
+    """(exit code, stdout + stderr, seconds) of ``mpiexec -n N python -m mpi4py program``.
+
+    A job that did not end cleanly (aborted, killed) leaves MPICH's segments in /dev/shm;
+    those that appeared during this run and are mapped by no process are removed.
+    """
+    shm_before = set(os.listdir("/dev/shm"))
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("CMA_MPI_")}
+    environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), environ.get("PYTHONPATH")]))
+    environ.update(env or {})
+    command = [MPIEXEC, *FLAGS, *flags, "-n", str(n), sys.executable, "-m", "mpi4py",
+               str(PROGRAMS / program), *args]
+    start = time.monotonic()
+    proc = subprocess.Popen(command, env=environ, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=RUN_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # mpiexec and every rank it started
+        out, _ = proc.communicate()
+        pytest.fail(f"mpiexec -n {n} {program} {' '.join(args)} hung:\n{out}")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        if proc.returncode != 0:
+            _remove_orphan_segments({name for name in set(os.listdir("/dev/shm")) - shm_before
+                                     if name.startswith("mpich_shm_")})
+    return proc.returncode, out, time.monotonic() - start
+
+
+def modes(out: str) -> dict[int, str]:
+    return {int(r): m for r, m in re.findall(rf"OK (\d+) ({MODES})", out)}
+
+
+def expect_ok(n: int, program: str, *args: str, env: dict[str, str] | None = None
+              ) -> dict[int, str]:
+    code, out, _ = mpirun(n, program, *args, env=env)
+    assert code == 0, out
+    found = modes(out) if program == "p2p.py" else {
+        int(r): "" for r in re.findall(r"OK (\d+)", out)}
+    assert sorted(found) == list(range(n)), out
+    return found
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_one_node(n: int) -> None:
+    assert set(expect_ok(n, "p2p.py").values()) == {"cma"}
+
+
+@pytest.mark.parametrize("transport", ["shm", "vmfd"])
+def test_one_node_transport(transport: str) -> None:
+    assert set(expect_ok(3, "p2p.py", transport).values()) == {"cma"}
+
+
+def test_disabled() -> None:
+    found = expect_ok(3, "p2p.py", env={"CMA_MPI_DISABLE": "1"})
+    assert set(found.values()) == {"disabled"}
+
+
+@pytest.mark.parametrize(("env", "n", "expected"), [
+    ({"CMA_MPI_RANKS_PER_NODE": "1"}, 2, ["mpi-only"] * 2),
+    ({"CMA_MPI_RANKS_PER_NODE": "2"}, 3, ["mixed", "mixed", "mpi-only"]),
+    ({"CMA_MPI_NODES": "0,1,1,0"}, 4, ["mixed"] * 4),
+    ({"CMA_MPI_NODES": "0,1,2,1"}, 4, ["mpi-only", "mixed", "mpi-only", "mixed"]),
+])
+def test_pretend_nodes(env: dict[str, str], n: int, expected: list[str]) -> None:
+    found = expect_ok(n, "p2p.py", env=env)
+    assert [found[r] for r in range(n)] == expected
+
+
+@pytest.mark.parametrize("nodes", ["0,0,1,1", "0,1,1,0"])
+@pytest.mark.parametrize("transport", ["auto", "shm"])
+def test_mixed_traffic(nodes: str, transport: str) -> None:
+    expect_ok(4, "mixed.py", transport, env={"CMA_MPI_NODES": nodes})
+
+
+@pytest.mark.parametrize("env", [{}, {"CMA_MPI_NODES": "0,0,1,1"}], ids=["one-node", "mixed"])
+@pytest.mark.parametrize("cleanup", [True, False], ids=["mpiexec-cleans-up", "no-cleanup"])
+def test_rank_dies(env: dict[str, str], cleanup: bool) -> None:
+    """Rank 1 exits while rank 0 waits in Recv from it: the job fails, well before the backstop.
+
+    Without mpiexec's clean-up only cma.mpi can notice; rank 0 must raise PeerGoneError.
+    """
+    if not cleanup and not IS_HYDRA:
+        pytest.skip("-disable-auto-cleanup is an option of MPICH's hydra")
+    flags = () if cleanup else ("-disable-auto-cleanup",)
+    code, out, seconds = mpirun(4, "dies.py", env=env, flags=flags)
+    assert code != 0, out
+    assert seconds < RUN_TIMEOUT / 2, out
+    if not cleanup:
+        assert "PeerGoneError: rank 1 exited before completing this operation" in out, out
+
+
+def test_bad_pretend_nodes() -> None:
+    code, out, _ = mpirun(3, "p2p.py", env={"CMA_MPI_NODES": "0,1"})
+    assert code != 0 and "CMA_MPI_NODES='0,1' must list a node number" in out, out

@@ -441,6 +441,17 @@ class Comm:
         self._engine = Engine(self.rank, self._eager_limit, policy, PULL | PUSH | PIPELINE,
                               allocate=_allocate, region_of=_region)
 
+    def attach(self) -> None:
+        """Connect now instead of at the first operation (every rank must attach)."""
+        if not self._attached:
+            self._attach()
+
+    def progress(self) -> bool:
+        """Move whatever can move without blocking; True if anything did."""
+        if not self._attached:
+            self._attach()
+        return self._progress()
+
     def transports(self) -> dict[int, dict[str, Any]]:
         """Per peer: the transports usable with it, which one large messages use, and why not others."""
         if not self._attached:

@@ -345,7 +345,7 @@ def _bootstrap(comm: MPI.Intracomm, transport: str, options: dict[str, Any]
             try:
                 fds = _share_world(node, members)
                 cma = CmaComm(fds, node.Get_rank(), transport, **options)
-                cma.transports()  # attaches now: a rank that never talks on-node must not stall the others
+                cma.attach()  # now: a rank that never talks on-node must not stall the others
             except (CmaError, OSError, ValueError) as exc:
                 error = f"rank {rank}: {exc}"
         machine = shared.Get_size()
@@ -1132,8 +1132,8 @@ class Comm(MPI.Intracomm):
         pause = PAUSE_MIN
         while not done():
             if cma is not None:
-                cma.Iprobe(CMA_ANY_SOURCE, _ANY_TAG)  # cma progresses inside its calls
-            _mpi_iprobe(self, _ANY_SOURCE, _ANY_TAG)  # and so does MPI
+                cma.progress()
+            _mpi_iprobe(self, _ANY_SOURCE, _ANY_TAG)  # MPI progresses inside its calls
             if self._deferred:
                 self._advance()
             now = time.perf_counter()

@@ -901,21 +901,21 @@ class Comm:
         """Advance PIPELINE transfers: fill free staging slots, drain filled ones."""
         moved = False
         config = self._fds.config
-        frag = config.frag_size
+        slot_bytes = config.frag_size
         for peer, queue in list(self._out_streams.items()):
             box = self._outboxes[peer]
             assert box is not None
             while queue:
                 op, pipe = queue[0]
                 if pipe is None:
-                    pipe = Pipeline(op.nbytes, frag, config.stage_slots, box.filled)
+                    pipe = Pipeline.for_message(op.nbytes, slot_bytes, config.stage_slots, box.filled)
                     queue[0] = (op, pipe)
                 transport = self._transports.get(op.mechanism) or self._transports["shm"]
                 drained = box.drained()
                 step = pipe.fill(drained)
                 while step is not None:
                     slot, start, stop = step
-                    target = box.staging[slot * frag : slot * frag + (stop - start)]
+                    target = box.staging[slot * slot_bytes : slot * slot_bytes + (stop - start)]
                     at = 0
                     for piece in _pieces(op.segments, start, stop):
                         transport.stage(target[at : at + piece.nbytes], piece)
@@ -937,14 +937,15 @@ class Comm:
             while rqueue:
                 rop, pipe = rqueue[0]
                 if pipe is None:
-                    pipe = Pipeline(rop.nbytes, frag, config.stage_slots, inbox.drained_count)
+                    pipe = Pipeline.for_message(rop.nbytes, slot_bytes, config.stage_slots,
+                                                inbox.drained_count)
                     rqueue[0] = (rop, pipe)
                 transport = self._transports.get(rop.mechanism) or self._transports["shm"]
                 filled = inbox.filled()
                 step = pipe.drain(filled)
                 while step is not None:
                     slot, start, stop = step
-                    source = inbox.staging[slot * frag : slot * frag + (stop - start)]
+                    source = inbox.staging[slot * slot_bytes : slot * slot_bytes + (stop - start)]
                     at = 0
                     for piece in _pieces(rop.segments, start, stop):
                         transport.drain(source[at : at + piece.nbytes], piece)

@@ -262,6 +262,8 @@ class Pipeline:
     it once the sender has filled it.
     """
 
+    MIN_FRAGMENT = 64 << 10
+
     def __init__(self, nbytes: int, frag: int, slots: int, first: int) -> None:
         self.nbytes = nbytes
         self.frag = frag
@@ -269,6 +271,14 @@ class Pipeline:
         self.first = first
         self.count = -(-nbytes // frag)
         self.next = 0  # next fragment index to fill (sender) or drain (receiver)
+
+    @classmethod
+    def for_message(cls, nbytes: int, slot_bytes: int, slots: int, first: int) -> Pipeline:
+        """Fragments small enough that every slot is in use (so both sides copy at once)
+        yet at least MIN_FRAGMENT (per-fragment overhead) and at most a slot."""
+        spread = -(-nbytes // slots)
+        frag = min(slot_bytes, max(cls.MIN_FRAGMENT, -(-spread // 4096) * 4096))
+        return cls(nbytes, frag, slots, first)
 
     @property
     def finished(self) -> bool:

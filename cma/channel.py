@@ -7,11 +7,15 @@ One memfd-backed segment holds everything a world of N ranks shares:
     per ordered pair (i -> j), page aligned:
         control page    head (written by i), tail (by j), staging filled (by i), drained (by j),
                         each on its own cache line so the two sides never write the same line
-        slots           ``slots`` packets of ``slot_size`` bytes: 4 header words + payload
+        ring            ``ring_bytes`` of packets, each taking only its own size
         staging         ``stage_slots`` fragments of ``frag_size`` bytes for the PIPELINE protocol
 
-A packet is four int64 words (kind, tag, nbytes, aux) and a payload. A packet larger
-than one slot spans consecutive slots, every piece but the last flagged MORE.
+A packet is four int64 words (kind, tag, nbytes, aux) and its payload, rounded up to
+64 bytes, laid end to end; a packet that would cross the end of the ring is preceded
+by a PAD packet filling the rest. ``head`` and ``tail`` are running byte counts.
+Variable sizes keep small messages within a few cache lines and let an eager message
+of up to ``eager_limit`` bytes take one contiguous stretch.
+
 Publishing is a plain store to ``head``: on x86-64 stores become visible in program
 order, so the payload is visible before the head that announces it. The consumer
 publishes ``tail`` only every half ring (and whenever it goes idle), which keeps
@@ -26,11 +30,12 @@ from dataclasses import dataclass
 from ._linux import PAGE_SIZE
 from .protocol import ANY_TAG, EAGER, KIND_MASK
 
-HEADER_WORDS = 4
-HEADER_BYTES = HEADER_WORDS * 8
-MORE = 0x200  # packet continues in the next slot
+HEADER_BYTES = 32
+PAD = 0x7F  # packet kind: skip to the start of the ring
+MORE = 0x200  # flag: the packet's payload continues in the next packet (a split control packet)
+ALIGN = 64
 
-# control page word offsets (64-byte cache lines apart, 128 to defeat adjacent-line prefetch)
+# control page word offsets (128 bytes apart, to defeat adjacent-line prefetch)
 HEAD = 0
 TAIL = 16
 FILLED = 32
@@ -48,29 +53,31 @@ def _round_up(n: int, to: int) -> int:
     return -(-n // to) * to
 
 
+def packet_bytes(nbytes: int) -> int:
+    return (HEADER_BYTES + nbytes + ALIGN - 1) & ~(ALIGN - 1)
+
+
 @dataclass(frozen=True)
 class ChannelConfig:
-    """Sizes of the shared segment. ``eager_limit`` is the largest inline payload.
+    """Sizes of the shared segment.
 
-    64 KiB: on the project machine an eager 64 KiB message costs ~5 us one way while
-    the cheapest rendezvous (RTS, one kernel copy, FIN) costs ~40 us, most of it the
-    per-call price of process_vm_readv / preadv from Python (see docs/transports.md).
+    ``eager_limit`` is the largest message sent inline; 256 KiB: on the project machine
+    (a 2-vCPU VM) one-way ping-pong of 128 KiB took 8.5 us eager, 46 us through the
+    shm pipeline and 56 us through cma; of 256 KiB, 15 / 59 / 73 us. A rendezvous pays
+    a handshake in Python and, for cma, the pinning of a running peer's pages, where two
+    cache-warm memcpys cost a few us (docs/transports.md). ``ring_bytes`` (a power of
+    two, at least 4 x eager_limit) bounds what is in flight per direction.
     """
 
-    eager_limit: int = 65536
-    slots: int = 64
+    eager_limit: int = 256 << 10
+    ring_bytes: int = 4 << 20
     frag_size: int = 1 << 20
     stage_slots: int = 4
 
     @property
-    def slot_size(self) -> int:
-        return _round_up(self.eager_limit + HEADER_BYTES, 64)
-
-    @property
     def pair_bytes(self) -> int:
-        ring = _round_up(self.slots * self.slot_size, PAGE_SIZE)
         staging = _round_up(self.stage_slots * self.frag_size, PAGE_SIZE)
-        return PAGE_SIZE + ring + staging
+        return PAGE_SIZE + self.ring_bytes + staging
 
     def header_bytes(self, size: int) -> int:
         words = PREAMBLE_WORDS + size * RANK_BLOCK_WORDS + size * size
@@ -80,109 +87,113 @@ class ChannelConfig:
         return self.header_bytes(size) + size * (size - 1) * self.pair_bytes
 
     def encode(self) -> str:
-        return f"{self.eager_limit},{self.slots},{self.frag_size},{self.stage_slots}"
+        return f"{self.eager_limit},{self.ring_bytes},{self.frag_size},{self.stage_slots}"
 
     @classmethod
     def decode(cls, text: str) -> ChannelConfig:
-        eager, slots, frag, stage = (int(x) for x in text.split(","))
-        return cls(eager, slots, frag, stage)
+        eager, ring, frag, stage = (int(x) for x in text.split(","))
+        return cls(eager, ring, frag, stage)
 
     def validate(self) -> None:
-        if self.eager_limit < 0 or self.slots < 2 or self.slots & (self.slots - 1):
-            raise ValueError("slots must be a power of two >= 2 and eager_limit >= 0")
+        ring = self.ring_bytes
+        if ring < PAGE_SIZE or ring & (ring - 1):
+            raise ValueError(f"ring_bytes must be a power of two >= {PAGE_SIZE}")
+        if not 0 <= self.eager_limit <= ring // 4:
+            raise ValueError("eager_limit must be between 0 and ring_bytes / 4")
         if self.frag_size < PAGE_SIZE or self.stage_slots < 1:
             raise ValueError(f"frag_size must be >= {PAGE_SIZE} and stage_slots >= 1")
+
+    @property
+    def max_packet(self) -> int:
+        """The largest control packet payload (half the ring, so one always fits eventually)."""
+        return self.ring_bytes // 2 - HEADER_BYTES
 
 
 class Outbox:
     """Producer end of the ring from this rank to one peer."""
 
-    __slots__ = ("ctl", "data", "words", "nslots", "mask", "slot_size", "slot_words",
-                 "head", "tail_seen", "staging", "filled", "peer_sleeping", "eager_bytes",
-                 "other_slots")
+    __slots__ = ("ctl", "data", "words", "size", "mask", "head", "tail_seen", "staging",
+                 "filled", "peer_sleeping", "eager_bytes", "eager_count")
 
     def __init__(self, pair: memoryview, config: ChannelConfig, peer_sleeping: memoryview) -> None:
         self.peer_sleeping = peer_sleeping  # the receiver's "about to sleep" word
-        # eager messages = slots used - other_slots: no per-message counter on the hot path
         self.eager_bytes = 0
-        self.other_slots = 0
+        self.eager_count = 0
         self.ctl = pair[:PAGE_SIZE].cast("q")
-        ring_bytes = config.slots * config.slot_size
-        self.data = pair[PAGE_SIZE : PAGE_SIZE + ring_bytes]
+        self.size = config.ring_bytes
+        self.mask = config.ring_bytes - 1
+        self.data = pair[PAGE_SIZE : PAGE_SIZE + self.size]
         self.words = self.data.cast("q")
-        staging_at = PAGE_SIZE + _round_up(ring_bytes, PAGE_SIZE)
+        staging_at = PAGE_SIZE + self.size
         self.staging = pair[staging_at : staging_at + config.stage_slots * config.frag_size]
-        self.nslots = config.slots
-        self.mask = config.slots - 1
-        self.slot_size = config.slot_size
-        self.slot_words = config.slot_size // 8
         self.head = self.ctl[HEAD]
         self.tail_seen = self.ctl[TAIL]
         self.filled = self.ctl[FILLED]
 
-    def free_slots(self) -> int:
-        if self.head - self.tail_seen >= self.nslots:
+    def _reserve(self, need: int) -> int:
+        """Byte offset where a packet of ``need`` bytes goes (after padding), or -1 if full."""
+        h = self.head
+        pos = h & self.mask
+        pad = self.size - pos if pos + need > self.size else 0
+        if h + pad + need - self.tail_seen > self.size:
             self.tail_seen = self.ctl[TAIL]
-        return self.nslots - (self.head - self.tail_seen)
+            if h + pad + need - self.tail_seen > self.size:
+                return -1
+        if pad:
+            self.words[pos >> 3] = PAD
+            self.head = h + pad
+            return 0
+        return pos
 
     def put_eager(self, tag: int, payload: memoryview, n: int) -> int:
         """The hot path: one EAGER packet of at most eager_limit bytes.
 
-        Returns -1 (nothing written) when the ring is full, else the receiver's sleeping
+        Returns -1 (nothing published) when the ring is full, else the receiver's sleeping
         flag: non-zero means the caller must ring its doorbell.
         """
+        need = (HEADER_BYTES + ALIGN - 1 + n) & -ALIGN
         h = self.head
-        if h - self.tail_seen >= self.nslots:
-            self.tail_seen = self.ctl[TAIL]
-            if h - self.tail_seen >= self.nslots:
+        pos = h & self.mask
+        size = self.size
+        if pos + need > size or h + need - self.tail_seen > size:
+            pos = self._reserve(need)  # wraps, or finds the ring full
+            if pos < 0:
                 return -1
-        off = (h & self.mask) * self.slot_size
+            h = self.head
         if n:
-            self.data[off + HEADER_BYTES : off + HEADER_BYTES + n] = payload
+            self.data[pos + HEADER_BYTES : pos + HEADER_BYTES + n] = payload
             self.eager_bytes += n
-        w = off >> 3
+        w = pos >> 3
         words = self.words
         words[w] = EAGER
         words[w + 1] = tag
         words[w + 2] = n
-        self.head = h = h + 1
+        self.eager_count += 1
+        self.head = h = h + need
         self.ctl[HEAD] = h
         return self.peer_sleeping[0]
 
-    def pieces(self, nbytes: int) -> int:
-        return max(1, -(-nbytes // (self.slot_size - HEADER_BYTES)))
-
     def put(self, kind: int, tag: int, aux: int, payload: bytes | memoryview) -> bool:
-        """Any packet, spanning slots if needed; False (nothing written) when it does not fit yet."""
-        total = len(payload)
-        room = self.slot_size - HEADER_BYTES
-        count = self.pieces(total)
-        if count > self.nslots:
-            raise ValueError(f"control packet of {total} bytes exceeds the ring ({self.nslots} slots)")
-        if self.free_slots() < count:
+        """Any packet up to ``max_packet`` bytes; False (nothing published) when it does not fit yet."""
+        n = len(payload)
+        if HEADER_BYTES + n > self.size // 2:
+            raise ValueError(f"control packet of {n} bytes exceeds half the ring ({self.size} bytes)")
+        need = packet_bytes(n)
+        pos = self._reserve(need)
+        if pos < 0:
             return False
-        h = self.head
-        view = memoryview(payload)
-        for i in range(count):
-            piece = view[i * room : (i + 1) * room]
-            off = ((h + i) & self.mask) * self.slot_size
-            self.data[off + HEADER_BYTES : off + HEADER_BYTES + len(piece)] = piece
-            w = off >> 3
-            self.words[w] = kind | (MORE if i < count - 1 else 0)
-            self.words[w + 1] = tag
-            self.words[w + 2] = len(piece)
-            self.words[w + 3] = aux
-        self.head = h + count
-        self.ctl[HEAD] = self.head
+        self.data[pos + HEADER_BYTES : pos + HEADER_BYTES + n] = payload
+        w = pos >> 3
+        self.words[w] = kind
+        self.words[w + 1] = tag
+        self.words[w + 2] = n
+        self.words[w + 3] = aux
         if kind & KIND_MASK == EAGER:
-            self.eager_bytes += total
-        else:
-            self.other_slots += count
+            self.eager_bytes += n
+            self.eager_count += 1
+        self.head += need
+        self.ctl[HEAD] = self.head
         return True
-
-    @property
-    def eager_messages(self) -> int:
-        return self.head - self.other_slots
 
     def publish_filled(self, count: int) -> None:
         self.filled = count
@@ -195,43 +206,44 @@ class Outbox:
 class Inbox:
     """Consumer end of the ring from one peer to this rank."""
 
-    __slots__ = ("ctl", "data", "words", "nslots", "mask", "slot_size", "tail",
-                 "tail_published", "staging", "drained_count", "half", "w", "last_tag",
-                 "eager_bytes", "other_slots")
+    __slots__ = ("ctl", "data", "words", "size", "mask", "tail", "tail_published", "staging",
+                 "drained_count", "half", "last_tag", "eager_bytes", "eager_count", "pending")
 
     def __init__(self, pair: memoryview, config: ChannelConfig) -> None:
         self.last_tag = 0
         self.eager_bytes = 0
-        self.other_slots = 0
+        self.eager_count = 0
+        self.pending = 0  # size of the packet returned by take(), consumed by release()
         self.ctl = pair[:PAGE_SIZE].cast("q")
-        ring_bytes = config.slots * config.slot_size
-        self.data = pair[PAGE_SIZE : PAGE_SIZE + ring_bytes]
+        self.size = config.ring_bytes
+        self.half = config.ring_bytes // 2
+        self.mask = config.ring_bytes - 1
+        self.data = pair[PAGE_SIZE : PAGE_SIZE + self.size]
         self.words = self.data.cast("q")
-        staging_at = PAGE_SIZE + _round_up(ring_bytes, PAGE_SIZE)
+        staging_at = PAGE_SIZE + self.size
         self.staging = pair[staging_at : staging_at + config.stage_slots * config.frag_size]
-        self.nslots = config.slots
-        self.half = config.slots // 2
-        self.mask = config.slots - 1
-        self.slot_size = config.slot_size
         self.tail = self.ctl[TAIL]
         self.tail_published = self.tail
-        self.w = self.slot()
         self.drained_count = self.ctl[DRAINED]
 
+    def _position(self) -> int:
+        """Offset of the oldest packet, skipping padding; -1 when the ring is empty."""
+        t = self.tail
+        if self.ctl[HEAD] == t:
+            return -1
+        pos = t & self.mask
+        if self.words[pos >> 3] == PAD:
+            self.tail = t = t + self.size - pos
+            if self.ctl[HEAD] == t:
+                return -1
+            return 0
+        return pos
+
     def ready(self) -> bool:
-        return self.ctl[HEAD] != self.tail
+        return self._position() >= 0
 
-    def slot(self) -> int:
-        """Word index of the header of the oldest unconsumed packet."""
-        return ((self.tail & self.mask) * self.slot_size) >> 3
-
-    def payload(self, w: int, n: int) -> memoryview:
-        off = (w << 3) + HEADER_BYTES
-        return self.data[off : off + n]
-
-    def release(self) -> None:
-        self.tail = t = self.tail + 1
-        self.w = ((t & self.mask) * self.slot_size) >> 3
+    def _advance(self, need: int) -> None:
+        self.tail = t = self.tail + need
         if t - self.tail_published >= self.half:
             self.tail_published = t
             self.ctl[TAIL] = t
@@ -242,64 +254,64 @@ class Inbox:
 
         -2: the ring is empty; -1: the oldest packet needs the general path.
         """
-        if self.ctl[HEAD] == self.tail:
+        tail = self.tail
+        if self.ctl[HEAD] == tail:
             return -2
-        w = self.w
+        pos = tail & self.mask
         words = self.words
+        w = pos >> 3
+        if words[w] != EAGER:
+            if words[w] != PAD:
+                return -1
+            pos = self._position()
+            if pos < 0:
+                return -2
+            tail = self.tail
+            w = pos >> 3
+            if words[w] != EAGER:
+                return -1
         t = words[w + 1]
-        if words[w] != EAGER or (t != tag and (tag != ANY_TAG or t < 0)):
+        if t != tag and (tag != ANY_TAG or t < 0):
             return -1
         n = words[w + 2]
         if n > buf.nbytes:
             return -1
         if n:
-            off = (w << 3) + HEADER_BYTES
-            buf[:n] = self.data[off : off + n]
+            buf[:n] = self.data[pos + HEADER_BYTES : pos + HEADER_BYTES + n]
             self.eager_bytes += n
+        self.eager_count += 1
         self.last_tag = t
-        self.tail = tail = self.tail + 1
-        self.w = ((tail & self.mask) * self.slot_size) >> 3
+        self.tail = tail = tail + ((HEADER_BYTES + ALIGN - 1 + n) & -ALIGN)
         if tail - self.tail_published >= self.half:
             self.tail_published = tail
             self.ctl[TAIL] = tail
         return n
 
-    @property
-    def eager_messages(self) -> int:
-        return self.tail - self.other_slots
+    def take(self) -> tuple[int, int, int, int, memoryview]:
+        """The oldest packet (the ring must be ready): kind, tag, nbytes, aux, payload.
+
+        The payload is a view into the ring, valid until ``release()``.
+        """
+        pos = self._position()
+        w = pos >> 3
+        words = self.words
+        kind, tag, n, aux = words[w], words[w + 1], words[w + 2], words[w + 3]
+        if kind & KIND_MASK == EAGER:
+            self.eager_bytes += n
+            self.eager_count += 1
+        self.pending = packet_bytes(n)
+        return kind, tag, n, aux, self.data[pos + HEADER_BYTES : pos + HEADER_BYTES + n]
+
+    def release(self) -> None:
+        self._advance(self.pending)
+
     def publish_tail(self) -> bool:
-        """Make consumed slots reusable now; True if anything new was published."""
+        """Make consumed space reusable now; True if anything new was published."""
         if self.tail_published == self.tail:
             return False
         self.tail_published = self.tail
         self.ctl[TAIL] = self.tail
         return True
-
-    def take(self) -> tuple[int, int, int, int, memoryview | bytes]:
-        """Consume one whole packet (joining MORE pieces): kind, tag, nbytes, aux, payload.
-
-        The payload of a single-slot packet is a view valid until the next release.
-        """
-        w = self.slot()
-        words = self.words
-        kind, tag, n, aux = words[w], words[w + 1], words[w + 2], words[w + 3]
-        if kind & KIND_MASK == EAGER:
-            self.eager_bytes += n
-        else:
-            self.other_slots += 1
-        if not kind & MORE:
-            return kind, tag, n, aux, self.payload(w, n)
-        parts = bytearray()
-        while kind & MORE:
-            parts += self.payload(w, n)
-            self.release()
-            while not self.ready():
-                pass  # the producer writes every piece before publishing the head
-            w = self.slot()
-            kind, n = words[w], words[w + 2]
-            self.other_slots += 1
-        parts += self.payload(w, n)
-        return kind, tag, len(parts), aux, bytes(parts)
 
     def filled(self) -> int:
         return self.ctl[FILLED]

@@ -24,7 +24,7 @@ from typing import Any, Literal
 import numpy as np
 
 from . import _linux
-from .channel import ChannelConfig, Inbox, Outbox
+from .channel import MORE, ChannelConfig, Inbox, Outbox
 from .errors import BufferError, CmaError, InvalidRank, InvalidTag, PeerGone, TransportUnavailable
 from .protocol import (
     ANY_SOURCE,
@@ -60,11 +60,14 @@ AUTO_ORDER = ["cma", "vmfd", "shm"]
 # cma-bench on the project machine; docs/transports.md has the run. Override per Comm.
 AUTO_THRESHOLDS = {"cma": 0, "vmfd": 0, "shm": 0}
 
-SPIN_SECONDS = float(os.environ.get("CMA_SPIN_US", "200")) * 1e-6
-# A sender of at least this many bytes sleeps at once until the peer answers: the
-# peer's copy takes longer than a wake-up, and a spinning sender would take the core
-# that the peer's copy threads need.
-SLEEP_AT_ONCE_BYTES = 1 << 20
+# How long a blocked call spins before it sleeps. Waking a sleeping process costs from
+# ~10 us to several hundred on the project's VM (an idle vCPU must be woken), so a
+# wait that a peer will end soon should spin rather than sleep.
+SPIN_SECONDS = float(os.environ.get("CMA_SPIN_US", "1000")) * 1e-6
+# A sender of a large rendezvous message spins for about as long as the peer's copy
+# takes at this rate, yielding the CPU as it spins: the peer's copy threads need it.
+SLOWEST_COPY_BYTES_PER_S = 1e9
+YIELD_FROM_BYTES = 1 << 20
 SLEEP_MS = 10
 _FAST_SPINS = 4000
 
@@ -76,6 +79,9 @@ _NOTHING = object()  # what the view caches hold before the first call (never a 
 def _as_bytes_view(mv: memoryview) -> memoryview:
     if mv.format == "B" and mv.ndim == 1:
         return mv
+    if "O" in mv.format:
+        raise BufferError("an array of Python objects holds pointers into its own process: "
+                          "send it with the lowercase send() (pickled) instead")
     if not mv.c_contiguous:
         raise BufferError("buffer is not C-contiguous: pass a contiguous copy (np.ascontiguousarray)")
     try:
@@ -375,6 +381,7 @@ class Comm:
         self._out_streams: dict[int, deque[tuple[SendOp, Pipeline | None]]] = {}
         self._in_streams: dict[int, deque[tuple[RecvOp, Pipeline | None]]] = {}
         self._dead: set[int] = set()
+        self._partial: dict[int, bytearray] = {}  # pieces of a split control packet, per peer
         self._oversubscribed = self.size > (os.cpu_count() or 1)
         self._matcher = self._engine.matcher
         self._only_peer = 1 - self.rank if self.size == 2 else ANY_SOURCE
@@ -674,7 +681,7 @@ class Comm:
         if self._attached:
             boxes: list[Outbox | Inbox] = [*self._all_lanes.values(), *self._all_rlanes.values()]
             for box in boxes:
-                eager.messages += box.eager_messages
+                eager.messages += box.eager_count
                 eager.bytes += box.eager_bytes
             eager.messages -= self._eager_base[0]
             eager.bytes -= self._eager_base[1]
@@ -776,6 +783,15 @@ class Comm:
         if dest == self.rank:
             self._loopback.append((kind, tag, aux, payload))
             self._rlanes = {}
+            return
+        limit = self._fds.config.max_packet
+        if len(payload) > limit:
+            # A control packet larger than the ring (an RTS listing thousands of buffers)
+            # goes in pieces; the receiver joins them (see _progress).
+            pieces = range(0, len(payload), limit)
+            for start in pieces:
+                more = MORE if start + limit < len(payload) else 0
+                self._transmit(dest, kind | more, tag, aux, payload[start : start + limit])
             return
         queue = self._txq[dest]
         box = self._outboxes[dest]
@@ -886,6 +902,16 @@ class Comm:
             assert box is not None
             while box.ready():
                 kind, tag, n, aux, payload = box.take()
+                if kind & MORE or peer in self._partial:
+                    joined = self._partial.setdefault(peer, bytearray())
+                    joined += payload
+                    box.release()
+                    moved = True
+                    if kind & MORE:
+                        continue
+                    del self._partial[peer]
+                    self._run(engine.packet(peer, kind, tag, aux, bytes(joined)))
+                    continue
                 self._run(engine.packet(peer, kind, tag, aux, payload))
                 box.release()
                 moved = True
@@ -967,27 +993,24 @@ class Comm:
         if op.done:
             return
         peer = op.dest if isinstance(op, SendOp) else op.source
-        first_spin = 0.0 if isinstance(op, SendOp) and op.nbytes >= SLEEP_AT_ONCE_BYTES \
-            else SPIN_SECONDS
-        self._wait_until(lambda: op.done, None if peer == ANY_SOURCE else peer, first_spin)
+        large = isinstance(op, SendOp) and op.nbytes >= YIELD_FROM_BYTES
+        spin = max(SPIN_SECONDS, op.nbytes / SLOWEST_COPY_BYTES_PER_S) if large else SPIN_SECONDS
+        self._wait_until(lambda: op.done, None if peer == ANY_SOURCE else peer, spin, large)
 
     def _wait_until(self, done: Callable[[], bool], peer: int | None,
-                    first_spin: float = SPIN_SECONDS) -> None:
-        """Progress until ``done()``: spin for a bounded time, then sleep on the doorbell.
+                    spin: float = SPIN_SECONDS, yield_cpu: bool = False) -> None:
+        """Progress until ``done()``: spin for ``spin`` seconds, then sleep on the doorbell.
 
         ``peer`` is the rank whose exit makes waiting pointless (None: any rank may answer).
-        ``first_spin`` bounds the spin before the first sleep; once anything moves the
-        usual SPIN_SECONDS applies.
+        ``yield_cpu``: call sched_yield while spinning (always so when ranks outnumber cores).
         """
         world = self._world
         assert world is not None
         deadline = 0.0
-        spin = first_spin
-        yield_cpu = self._oversubscribed
+        yield_cpu = yield_cpu or self._oversubscribed
         while not done():
             if self._progress():
                 deadline = 0.0
-                spin = SPIN_SECONDS
                 continue
             if yield_cpu:
                 os.sched_yield()

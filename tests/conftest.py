@@ -1,0 +1,193 @@
+"""Shared fixtures of the multi-process tests.
+
+``peer`` is a long-lived child process (one per transport per module) at rank 1 of a
+``cma.Pipe``; the test process is rank 0. The child runs a command loop: it receives
+``(function, args)`` as an object message, runs ``function(comm, *args)`` and answers
+``("ok", result)`` or ``("error", traceback)``. Functions travel by reference, so they
+must be module-level functions of an importable module (the test modules are).
+
+After every test the peer is asked whether anything is left unreceived on either side;
+a test that failed gets a fresh peer, so one failure does not cascade.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import traceback
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+import cma
+
+TRANSPORTS = [*cma.transport_names(), "auto"]
+CMD_TAG = 1_000_001
+RESULT_TAG = 1_000_002
+JOIN_TIMEOUT = 10.0
+FOREIGN_SHM_PREFIXES = ("mpich_shm_",)
+
+
+class PeerError(AssertionError):
+    """The peer's function raised; the message is its traceback."""
+
+
+def _peer_loop(comm: cma.Comm) -> None:
+    while True:
+        func, args = comm.recv(source=0, tag=CMD_TAG)
+        if func is None:
+            break
+        try:
+            out = ("ok", func(comm, *args))
+        except BaseException as exc:  # noqa: BLE001 - reported to the test process
+            out = ("error", "".join(traceback.format_exception(exc)))
+        comm.send(out, dest=0, tag=RESULT_TAG)
+    comm.close()
+
+
+def _pending(comm: cma.Comm) -> bool:
+    """True when a user message (any source, any non-negative tag) waits unreceived."""
+    return comm.Iprobe(cma.ANY_SOURCE, cma.ANY_TAG)
+
+
+def stop_process(proc: mp.process.BaseProcess, timeout: float = JOIN_TIMEOUT) -> None:
+    """Join ``proc``; kill it if it is still alive after ``timeout`` seconds."""
+    try:
+        proc.join(timeout)
+    finally:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)
+
+
+class Peer:
+    """The test process's handle on the child at rank 1."""
+
+    def __init__(self, transport: str, context: str = "fork", **options: Any) -> None:
+        self.transport = transport
+        self.broken = False
+        self.comm, child_end = cma.Pipe(transport=transport, **options)
+        self.proc = mp.get_context(context).Process(
+            target=_peer_loop, args=(child_end,), name=f"cma-peer-{transport}", daemon=True)
+        try:
+            self.proc.start()
+        finally:
+            child_end.close()  # the child has its own copies of the fds now
+
+    @property
+    def pid(self) -> int:
+        assert self.proc.pid is not None
+        return self.proc.pid
+
+    def start(self, func: Callable[..., Any], *args: Any) -> None:
+        """Have the peer run ``func(comm, *args)``; collect the outcome with ``result()``."""
+        self.comm.send((func, args), dest=1, tag=CMD_TAG)
+
+    def result(self) -> Any:
+        status, value = self.comm.recv(source=1, tag=RESULT_TAG)
+        if status == "error":
+            raise PeerError(f"the peer raised:\n{value}")
+        return value
+
+    def call(self, func: Callable[..., Any], *args: Any) -> Any:
+        self.start(func, *args)
+        return self.result()
+
+    def check_clean(self) -> None:
+        child_pending = self.call(_pending)
+        assert not child_pending, "the peer has a message left unreceived"
+        assert not _pending(self.comm), "the test process has a message left unreceived"
+
+    def stop(self) -> None:
+        try:
+            if self.broken:
+                self.proc.kill()  # it may be stuck in the middle of anything
+            elif self.proc.is_alive():
+                self.comm.send((None, ()), dest=1, tag=CMD_TAG)
+            stop_process(self.proc, JOIN_TIMEOUT)
+        finally:
+            if self.proc.is_alive():
+                self.proc.kill()
+                self.proc.join(5)
+            self.comm.close()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    outcome = yield
+    report = outcome.get_result()
+    setattr(item, f"rep_{report.when}", report)
+
+
+@pytest.fixture(scope="module", params=TRANSPORTS)
+def transport(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def _peer_slot(transport: str) -> Iterator[dict[str, Peer | None]]:
+    slot: dict[str, Peer | None] = {"peer": None}
+    try:
+        yield slot
+    finally:
+        if slot["peer"] is not None:
+            slot["peer"].stop()
+
+
+@pytest.fixture
+def peer(_peer_slot: dict[str, Peer | None], transport: str,
+         request: pytest.FixtureRequest) -> Iterator[Peer]:
+    current = _peer_slot["peer"]
+    if current is None or current.broken or not current.proc.is_alive():
+        if current is not None:
+            current.broken = True
+            current.stop()
+            _peer_slot["peer"] = None
+        current = Peer(transport)
+        try:
+            current.call(_pending)  # both ends attach here
+        except cma.errors.TransportUnavailable as exc:
+            current.broken = True
+            current.stop()
+            pytest.skip(f"transport {transport!r} is not usable on this machine: {exc}")
+        except BaseException:
+            current.broken = True
+            current.stop()
+            raise
+        _peer_slot["peer"] = current
+    yield current
+    report = getattr(request.node, "rep_call", None)
+    if report is None or report.failed:
+        current.broken = True
+        return
+    try:
+        current.check_clean()
+    except BaseException:
+        current.broken = True
+        raise
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_leftovers() -> Iterator[None]:
+    """Nothing left in /dev/shm and no child process left running by the whole session."""
+    before = set(os.listdir("/dev/shm"))
+    yield
+    children = mp.active_children()
+    for child in children:
+        child.kill()
+        child.join(5)
+    # MPICH (used by concurrently running mpi4py tests on this machine) names its segments
+    # mpich_shm_*; cma itself must never leave anything in /dev/shm.
+    leaked = {name for name in set(os.listdir("/dev/shm")) - before
+              if not name.startswith(FOREIGN_SHM_PREFIXES)}
+    assert not children, f"child processes left running: {children}"
+    assert not leaked, f"entries left in /dev/shm: {sorted(leaked)}"
+
+
+def mem_available() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0

@@ -1,0 +1,1190 @@
+"""Comm, Request and Status across processes, over every registered transport and "auto".
+
+Most tests talk to the long-lived ``peer`` (see conftest.py): the test process is rank 0,
+the peer rank 1 runs the ``op_*`` functions below on request. Tests that need a process
+to die or a fresh communicator start their own short-lived child.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing as mp
+import os
+import time
+
+import numpy as np
+import pytest
+from conftest import JOIN_TIMEOUT, Peer, mem_available, stop_process
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import cma
+from cma.errors import BufferError as CmaBufferError
+from cma.errors import InvalidRank, InvalidTag, PeerGone, TruncationError
+from cma.protocol import BARRIER_TAG
+from cma.transports import REGISTRY
+
+EAGER = cma.ChannelConfig().eager_limit  # the default configuration of cma.Pipe
+FRAG = cma.ChannelConfig().frag_size
+MiB = 1 << 20
+FIXTURE_HC = [HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+
+
+def digest(buf) -> str:
+    arr = buf if isinstance(buf, np.ndarray) else np.frombuffer(buf, np.uint8)
+    return hashlib.sha256(np.ascontiguousarray(arr).reshape(-1).view(np.uint8)).hexdigest()
+
+
+def pattern(nbytes: int, seed: int = 0) -> np.ndarray:
+    return np.frombuffer(np.random.default_rng(seed).bytes(nbytes), np.uint8).copy()
+
+
+def array_of(kind: str, nbytes: int, seed: int) -> np.ndarray:
+    """An array of ``kind`` holding about ``nbytes`` random bytes."""
+    dtype = np.dtype("float64" if kind == "2d" else kind)
+    count = nbytes // dtype.itemsize
+    raw = pattern(count * dtype.itemsize, seed)
+    arr = raw.view(dtype)
+    if kind == "2d":
+        cols = 3
+        arr = arr[: count - count % cols].reshape(-1, cols)
+    assert arr.flags.c_contiguous
+    return arr
+
+
+def same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and \
+        np.ascontiguousarray(a).view(np.uint8).tobytes() == \
+        np.ascontiguousarray(b).view(np.uint8).tobytes()
+
+
+# ------------------------------------------------------------------ what the peer runs
+
+
+def op_echo(comm, shape, dtype, tag, recv_mode, send_mode):
+    buf = np.empty(shape, dtype)
+    st = cma.Status()
+    if recv_mode == "Recv":
+        comm.Recv(buf, source=0, tag=tag, status=st)
+    else:
+        comm.Irecv(buf, source=0, tag=tag).Wait(st)
+    got = digest(buf)
+    if send_mode == "Send":
+        comm.Send(buf, dest=0, tag=tag)
+    else:
+        comm.Isend(buf, dest=0, tag=tag).Wait()
+    return got, (st.Get_source(), st.Get_tag(), st.Get_count())
+
+
+def op_echo_object(comm, tag):
+    st = cma.Status()
+    obj = comm.recv(source=0, tag=tag, status=st)
+    comm.send(obj, dest=0, tag=tag)
+    return _describe(obj), st.Get_count()
+
+
+def _describe(obj):
+    if isinstance(obj, np.ndarray):
+        return ("ndarray", str(obj.dtype), obj.shape, digest(obj))
+    if isinstance(obj, dict):
+        return {k: _describe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj).__name__, [_describe(v) for v in obj]
+    return type(obj).__name__, repr(obj)[:200]
+
+
+def op_send(comm, arrays, tag):
+    for arr in arrays:
+        comm.Send(arr, dest=0, tag=tag)
+
+
+def op_send_object(comm, obj, tag):
+    comm.send(obj, dest=0, tag=tag)
+
+
+def op_send_tags(comm, items):
+    """Send ``(tag, nbytes, seed)`` buffers in order, all with Isend, then wait for them."""
+    reqs = [comm.Isend(pattern(n, seed), dest=0, tag=tag) for tag, n, seed in items]
+    cma.Request.Waitall(reqs)
+
+
+def op_recv_into(comm, capacity, tag, spec=None):
+    """Receive one buffer (TruncationError reported, not raised); return what arrived."""
+    buf = np.zeros(capacity, np.uint8)
+    st = cma.Status()
+    target = buf if spec is None else [buf.view(spec[1]), spec[0], spec[1]]
+    try:
+        comm.Recv(target, source=0, tag=tag, status=st)
+    except TruncationError as exc:
+        return ("truncated", exc.source, exc.tag, exc.nbytes, exc.capacity)
+    return ("ok", st.Get_count(), st.Get_count(spec[1]) if spec else None, digest(buf),
+            digest(buf[: st.Get_count()]))
+
+
+def op_recv_bytes(comm, capacity, tag):
+    buf = bytearray(capacity)
+    st = cma.Status()
+    comm.Recv(buf, source=0, tag=tag, status=st)
+    return bytes(buf[: st.Get_count()])
+
+
+def op_sendrecv(comm, nbytes, seed, kind):
+    out = pattern(nbytes, seed)
+    if kind == "buffer":
+        buf = np.empty(nbytes + 10, np.uint8)
+        st = cma.Status()
+        comm.Sendrecv(out, 0, 12, buf, 0, 11, st)
+        return digest(buf[: st.Get_count()])
+    obj = comm.sendrecv({"from": 1, "data": out}, dest=0, sendtag=12, source=0, recvtag=11)
+    return digest(obj["data"])
+
+
+def op_requests(comm):
+    a = pattern(100, 1)
+    b = pattern(300_000, 2)
+    reqs = [comm.Isend(a, 0, 1), comm.Isend(b, 0, 2), comm.isend({"c": 3}, 0, 3)]
+    inbox = np.empty(200_000, np.uint8)
+    reqs.append(comm.Irecv(inbox, 0, 4))
+    cma.Request.Waitall(reqs)
+    return digest(inbox)
+
+
+def op_waitany_partner(comm):
+    comm.Send(pattern(50_000, 7), 0, 22)
+    comm.recv(source=0, tag=23)  # the test saw Waitany return
+    comm.Send(pattern(10, 8), 0, 21)
+
+
+def op_barrier(comm, delay, times):
+    for _ in range(times):
+        time.sleep(delay)
+        comm.Barrier()
+
+
+def op_stats(comm, nbytes, eager_sizes):
+    comm.reset_stats()
+    big = np.empty(nbytes, np.uint8)
+    comm.Recv(big, 0, 1)
+    small = np.empty(EAGER, np.uint8)
+    for _ in eager_sizes:
+        comm.Recv(small, 0, 2)
+    return comm.stats(), digest(big)
+
+
+def op_recv_one(comm, nbytes, tag):
+    buf = np.empty(nbytes, np.uint8)
+    comm.Recv(buf, source=0, tag=tag)
+    return digest(buf)
+
+
+def op_collect(comm, seconds):
+    """Receive whatever arrives within ``seconds``: (tag, nbytes) in order."""
+    got = []
+    buf = np.empty(1 << 20, np.uint8)
+    st = cma.Status()
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if comm.Iprobe(0, cma.ANY_TAG):
+            comm.Recv(buf, 0, cma.ANY_TAG, st)
+            got.append((st.tag, st.count))
+        else:
+            time.sleep(0.005)
+    return got
+
+
+def op_probe_partner(comm, sizes, tag):
+    for i, n in enumerate(sizes):
+        comm.Send(pattern(n, i), 0, tag)
+
+
+def op_huge(comm, nbytes):
+    buf = np.empty(nbytes, np.uint8)
+    comm.Recv(buf, source=0, tag=5)
+    ok = check_counting(buf)
+    del buf
+    return ok
+
+
+def fill_counting(buf: np.ndarray) -> None:
+    """uint64 0, 1, 2, ... then bytes i % 251 in the tail: cheap at any size, and position-aware."""
+    words = buf.nbytes // 8
+    step = 1 << 23
+    w = buf[: words * 8].view(np.uint64)
+    for lo in range(0, words, step):
+        hi = min(words, lo + step)
+        w[lo:hi] = np.arange(lo, hi, dtype=np.uint64)
+    tail = buf[words * 8 :]
+    tail[:] = np.arange(tail.size) % 251
+
+
+def check_counting(buf: np.ndarray) -> bool:
+    words = buf.nbytes // 8
+    step = 1 << 23
+    w = buf[: words * 8].view(np.uint64)
+    for lo in range(0, words, step):
+        hi = min(words, lo + step)
+        if not np.array_equal(w[lo:hi], np.arange(lo, hi, dtype=np.uint64)):
+            return False
+    tail = buf[words * 8 :]
+    return bool(np.array_equal(tail, np.arange(tail.size) % 251))
+
+
+# ------------------------------------------------------------------ the issue's example
+
+
+def issue_child(comm):
+    # The issue has np.empty here; its sum then covers 7 MiB never written, which holds
+    # garbage (NaN, say) in a forked child that reuses freed heap. Zeros keep the sum exact.
+    buf = np.zeros(1 << 20)
+    st = cma.Status()
+    comm.Recv(buf, source=0, tag=7, status=st)
+    comm.send({"sum": float(buf.sum()), "arr": buf[:10],
+               "status": (st.Get_source(), st.Get_tag(), st.Get_count(), st.Get_count("d")),
+               "tail_untouched": not buf[1 << 17 :].any()},
+              dest=0, tag=8)
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_issue_example(transport, context):
+    a, b = cma.Pipe(transport=transport)
+    p = mp.get_context(context).Process(target=issue_child, args=(b,))
+    try:
+        p.start()
+        b.close()
+        a.Send(np.arange(1 << 17, dtype=float), dest=1, tag=7)
+        reply = a.recv(source=1, tag=8)
+        p.join(JOIN_TIMEOUT)
+        assert p.exitcode == 0
+    finally:
+        stop_process(p)
+        a.close()
+    n = 1 << 17
+    assert reply["sum"] == float(n * (n - 1) // 2)
+    assert reply["arr"].dtype == np.float64
+    assert np.array_equal(reply["arr"], np.arange(10, dtype=float))
+    # Get_count is what was received (1 MiB), not the size of the receive buffer (8 MiB)
+    assert reply["status"] == (0, 7, 1 << 20, 1 << 17)
+    assert reply["tail_untouched"], "the receive wrote past the message"
+
+
+# ------------------------------------------------------------------ round trips
+
+EDGE_SIZES = sorted({0, 1, 7, 8, 8191, 8192, 8193, EAGER - 1, EAGER, EAGER + 1, FRAG - 1, FRAG,
+                     FRAG + 1, 4 * FRAG + 12345, 20 * MiB})
+KINDS = ["uint8", "int32", "float64", "complex128", "2d"]
+MODES = ["Send", "Isend"]
+RMODES = ["Recv", "Irecv"]
+
+
+def roundtrip(peer: Peer, kind: str, nbytes: int, tag: int, modes: tuple[str, str, str, str],
+              seed: int = 0) -> None:
+    send_mode, child_recv, child_send, recv_mode = modes
+    comm = peer.comm
+    arr = array_of(kind, nbytes, seed)
+    peer.start(op_echo, arr.shape, arr.dtype.str, tag, child_recv, child_send)
+    back = np.empty(arr.shape, arr.dtype)
+    st = cma.Status()
+    if send_mode == "Send":
+        comm.Send(arr, dest=1, tag=tag)
+        req = None
+    else:
+        req = comm.Isend(arr, dest=1, tag=tag)
+    if recv_mode == "Recv":
+        comm.Recv(back, source=1, tag=tag, status=st)
+    else:
+        comm.Irecv(back, source=1, tag=tag).Wait(st)
+    if req is not None:
+        req.Wait()
+    child_digest, child_status = peer.result()
+    assert child_digest == digest(arr), "the peer received different bytes"
+    assert child_status == (0, tag, arr.nbytes)
+    assert (st.source, st.tag, st.Get_count()) == (1, tag, arr.nbytes)
+    assert same_bytes(back, arr)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=FIXTURE_HC)
+@given(
+    nbytes=st.one_of(st.sampled_from(EDGE_SIZES), st.integers(0, 3 * FRAG),
+                     st.integers(0, 20 * MiB)),
+    kind=st.sampled_from(KINDS),
+    tag=st.integers(0, 2**31 - 1),
+    modes=st.tuples(st.sampled_from(MODES), st.sampled_from(RMODES), st.sampled_from(MODES),
+                    st.sampled_from(RMODES)),
+    seed=st.integers(0, 1000),
+)
+def test_roundtrip_property(peer, nbytes, kind, tag, modes, seed):
+    roundtrip(peer, kind, nbytes, tag, modes, seed)
+
+
+def test_roundtrip_edge_sizes(peer):
+    for i, nbytes in enumerate(EDGE_SIZES):
+        modes = (MODES[i % 2], RMODES[(i // 2) % 2], MODES[(i + 1) % 2], RMODES[i % 2])
+        roundtrip(peer, "uint8", nbytes, i, modes, seed=i)
+
+
+def test_roundtrip_every_dtype(peer):
+    for i, kind in enumerate(KINDS):
+        for nbytes in (EAGER - 8, 3 * FRAG + 8):
+            roundtrip(peer, kind, nbytes, 100 + i, ("Send", "Recv", "Isend", "Irecv"), seed=i)
+
+
+@pytest.mark.parametrize("dtype", ["M8[us]", "m8[s]", ">i4", "f2", "?",
+                                   "i4,f8"])  # no PEP 3118 code / byte order / structured
+def test_roundtrip_other_dtypes(peer, dtype):
+    comm = peer.comm
+    for nbytes in (1000, 3 * EAGER):
+        dt = np.dtype(dtype)
+        arr = pattern(nbytes - nbytes % dt.itemsize, nbytes).view(dt)
+        if dt == np.bool_:
+            arr = arr.view(np.uint8) % 2 == 1
+        peer.start(op_echo, arr.shape, dt.str if dt.names is None else dt.descr, 7, "Recv",
+                   "Send")
+        comm.Send(arr, dest=1, tag=7)
+        back = np.empty_like(arr)
+        comm.Recv(back, source=1, tag=7)
+        child_digest, _ = peer.result()
+        assert child_digest == digest(arr)
+        assert same_bytes(back, arr)
+
+
+def object_array_rank0(comm):
+    outcome = []
+    for call in (lambda: comm.Send(np.array([1, "a"], dtype=object), dest=1, tag=5),
+                 lambda: comm.Irecv(np.empty(2, dtype=object), source=1, tag=6)):
+        try:
+            call()
+            outcome.append("accepted")
+        except CmaBufferError:
+            outcome.append("BufferError")
+    comm.send("done", dest=1, tag=7)
+    return outcome
+
+
+def object_array_rank1(comm):
+    return comm.recv(source=0, tag=7)
+
+
+def test_object_dtype_arrays_are_refused():
+    """An object array holds pointers into its own process: sending or receiving its raw
+    bytes is meaningless (and receiving them would corrupt the receiver's refcounts)."""
+    outcome, _ = run_pair("shm", None, object_array_rank0, object_array_rank1, timeout=20)
+    assert outcome == ["BufferError", "BufferError"]
+
+
+def test_many_messages_keep_the_pipeline_counts_in_step(peer):
+    """Rendezvous messages of odd sizes back to back: staging counts carry across messages."""
+    comm = peer.comm
+    sizes = [FRAG + 3, 5, 2 * FRAG - 1, EAGER + 1, 3 * FRAG + 17]
+    arrays = [pattern(n, i) for i, n in enumerate(sizes)]
+    peer.start(op_send, arrays, 9)
+    for arr in arrays:
+        back = np.empty(arr.size, np.uint8)
+        comm.Recv(back, 1, 9)
+        assert same_bytes(back, arr)
+    peer.result()
+
+
+# ------------------------------------------------------------------ object messages
+
+OBJECTS = {
+    "small-dict": {"a": np.arange(10, dtype=np.int16), "b": 3.5, "c": "text"},
+    "large-dict": {
+        "small": np.arange(100, dtype=np.float32),
+        "at-limit": pattern(EAGER, 1),
+        "above-limit": pattern(EAGER + 1, 2),
+        "big": np.random.default_rng(3).standard_normal((700, 900)),
+        "complex": (np.arange(50_000) * (1 + 2j)).astype(np.complex64),
+        "fortran": np.asfortranarray(np.arange(60_000, dtype=np.int64).reshape(200, 300)),
+        "strided": np.arange(40_000, dtype=np.int32)[::2],
+        "empty": np.empty((0, 4), dtype=np.float64),
+        "scalar": np.array(7, dtype=np.uint16),
+    },
+    "nested-lists": [[1, 2, [3, [4, [5, None]]]], ["x" * 20_000], [(1, 2), {"k": [b"v"]}]],
+    "bytes-small": b"\x00\x01 hello",
+    "bytes-large": bytes(range(256)) * 5000,
+    "bytearray-large": bytearray(pattern(3 * FRAG, 4).tobytes()),
+    "many-arrays": [np.full(EAGER + 8, i % 256, dtype=np.uint8) for i in range(1100)],
+    "none": None,
+}
+
+
+def assert_same_object(got, want):
+    assert type(got) is type(want)
+    if isinstance(want, np.ndarray):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert np.array_equal(got, want)
+        if want.flags.f_contiguous and not want.flags.c_contiguous:
+            assert got.flags.f_contiguous, "memory order lost"
+    elif isinstance(want, dict):
+        assert got.keys() == want.keys()
+        for k in want:
+            assert_same_object(got[k], want[k])
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want)
+        for g, w in zip(got, want, strict=True):
+            assert_same_object(g, w)
+    else:
+        assert got == want
+
+
+@pytest.mark.parametrize("name", list(OBJECTS))
+def test_object_round_trip(peer, name):
+    obj = OBJECTS[name]
+    comm = peer.comm
+    peer.start(op_echo_object, 30)
+    comm.send(obj, dest=1, tag=30)
+    st = cma.Status()
+    back = comm.recv(source=1, tag=30, status=st)
+    seen, count = peer.result()
+    assert seen == _describe(obj), "the peer unpickled something else"
+    assert_same_object(back, obj)
+    # Get_count of an object message: the pickle stream plus its out-of-band buffers
+    assert st.source == 1 and st.tag == 30 and st.Get_count() > 0 and count > 0
+
+
+def test_object_nonblocking(peer):
+    comm = peer.comm
+    obj = OBJECTS["large-dict"]
+    peer.start(op_echo_object, 31)
+    rreq = comm.irecv(source=1, tag=31)
+    sreq = comm.isend(obj, dest=1, tag=31)
+    results = cma.Request.waitall([sreq, rreq])
+    assert results[0] is None
+    assert_same_object(results[1], obj)
+    peer.result()
+
+
+# ------------------------------------------------------------------ buffers
+
+
+def test_buffer_spec_typechar(peer):
+    comm = peer.comm
+    data = np.random.default_rng(5).standard_normal(3000)
+    peer.start(op_echo, data.shape, "d", 40, "Recv", "Send")
+    back = np.zeros(3000)
+    comm.Send([data, "d"], dest=1, tag=40)
+    comm.Recv([back, "d"], source=1, tag=40)
+    peer.result()
+    assert np.array_equal(back, data)
+
+
+def test_buffer_spec_count(peer):
+    comm = peer.comm
+    data = np.arange(100, dtype=np.int32)
+    peer.start(op_recv_into, 400, 41, (50, "i"))
+    comm.Send([data, 10, "i"], dest=1, tag=41)  # only the first 10 elements go
+    status, count, count_i, _, got = peer.result()
+    assert (status, count, count_i) == ("ok", 40, 10)
+    assert got == digest(data[:10])
+    # a [buf, count, typechar] receive spec limits the capacity: 60 ints do not fit 50
+    peer.start(op_recv_into, 400, 41, (50, "i"))
+    comm.Send([data, 60, "i"], dest=1, tag=41)
+    assert peer.result() == ("truncated", 0, 41, 240, 200)
+
+
+@pytest.mark.parametrize("kind", ["bytes", "bytearray", "memoryview", "memoryview-2d"])
+@pytest.mark.parametrize("nbytes", [100, 3 * EAGER + 12])
+def test_bytes_like_buffers(peer, kind, nbytes):
+    comm = peer.comm
+    raw = pattern(nbytes, nbytes).tobytes()
+    if kind == "bytes":
+        buf = raw
+    elif kind == "bytearray":
+        buf = bytearray(raw)
+    elif kind == "memoryview":
+        buf = memoryview(bytearray(raw))
+    else:
+        buf = memoryview(np.frombuffer(raw, np.uint8).reshape(-1, 4).copy())
+    peer.start(op_recv_bytes, nbytes + 5, 42)
+    comm.Send(buf, dest=1, tag=42)
+    assert peer.result() == raw
+    # and back, into a bytearray, a memoryview of one and a writable NumPy array
+    for target in (bytearray(nbytes), memoryview(bytearray(nbytes)), np.zeros(nbytes, np.uint8)):
+        peer.start(op_send, [np.frombuffer(raw, np.uint8)], 43)
+        comm.Recv(target, source=1, tag=43)
+        peer.result()
+        assert bytes(target) == raw
+
+
+# ------------------------------------------------------------------ matching and status
+
+
+@pytest.mark.parametrize("nbytes", [0, 800, EAGER, 2 * EAGER, 2 * FRAG + 8])
+def test_any_source_any_tag_status(peer, nbytes):
+    comm = peer.comm
+    peer.start(op_send_tags, [(77, nbytes, 1), (78, nbytes, 2)])
+    buf = np.zeros(nbytes // 8 + 2)
+    st = cma.Status()
+    comm.Recv(buf, source=cma.ANY_SOURCE, tag=cma.ANY_TAG, status=st)
+    assert (st.Get_source(), st.Get_tag(), st.Get_count()) == (1, 77, nbytes)
+    assert st.Get_count("d") == nbytes // 8 and st.Get_count(np.float64) == nbytes // 8
+    assert st.Get_elements("B") == nbytes
+    assert buf.view(np.uint8)[:nbytes].tobytes() == pattern(nbytes, 1).tobytes()
+    st2 = cma.Status()
+    comm.Irecv(buf, source=cma.ANY_SOURCE, tag=cma.ANY_TAG).Wait(st2)
+    assert (st2.source, st2.tag, st2.count) == (1, 78, nbytes)
+    peer.result()
+
+
+def test_non_overtaking_many_messages(peer):
+    comm = peer.comm
+    sizes = [(i * 7919) % 20_000 if i % 5 else 3 * EAGER + i for i in range(150)]
+    peer.start(op_send_tags, [(5, n, i) for i, n in enumerate(sizes)])
+    buf = np.empty(4 * EAGER, np.uint8)
+    st = cma.Status()
+    for i, n in enumerate(sizes):
+        comm.Recv(buf, source=1, tag=5, status=st)
+        assert st.count == n
+        assert buf[:n].tobytes() == pattern(n, i).tobytes(), f"message {i} out of order"
+    peer.result()
+
+
+def test_non_overtaking_preposted_receives(peer):
+    comm = peer.comm
+    sizes = [10, 20_000, 0, EAGER, EAGER + 1, 5, 3 * EAGER, 3]
+    bufs = [np.zeros(4 * EAGER, np.uint8) for _ in sizes]
+    reqs = [comm.Irecv(b, source=cma.ANY_SOURCE, tag=cma.ANY_TAG) for b in bufs]
+    peer.start(op_send_tags, [(6, n, i) for i, n in enumerate(sizes)])
+    statuses = [cma.Status() for _ in sizes]
+    cma.Request.Waitall(reqs, statuses)
+    for i, n in enumerate(sizes):
+        assert statuses[i].count == n
+        assert bufs[i][:n].tobytes() == pattern(n, i).tobytes()
+    peer.result()
+
+
+def test_receive_for_later_tag_leaves_earlier_unexpected(peer):
+    comm = peer.comm
+    peer.start(op_send_tags, [(1, 100, 1), (2, 200_000, 2), (1, 300, 3)])
+    buf = np.empty(200_000, np.uint8)
+    st = cma.Status()
+    comm.Recv(buf, 1, 2, st)
+    assert st.count == 200_000 and buf.tobytes() == pattern(200_000, 2).tobytes()
+    comm.Recv(buf, 1, cma.ANY_TAG, st)
+    assert (st.tag, st.count) == (1, 100)
+    comm.Recv(buf, 1, 1, st)
+    assert (st.tag, st.count) == (1, 300)
+    peer.result()
+
+
+@pytest.mark.parametrize("nbytes", [100, 3 * FRAG])
+def test_probe_then_receive(peer, nbytes):
+    comm = peer.comm
+    assert not comm.Iprobe(1, 60)
+    peer.start(op_probe_partner, [nbytes], 60)
+    st = cma.Status()
+    assert comm.Probe(source=1, tag=60, status=st) is True
+    assert (st.source, st.tag, st.Get_count()) == (1, 60, nbytes)
+    st2 = cma.Status()
+    assert comm.Iprobe(cma.ANY_SOURCE, cma.ANY_TAG, st2)
+    assert (st2.source, st2.tag, st2.count) == (1, 60, nbytes)
+    assert not comm.Iprobe(1, 61)
+    assert comm.Probe(cma.ANY_SOURCE, cma.ANY_TAG) is True  # still there
+    buf = np.empty(nbytes, np.uint8)
+    comm.Recv(buf, 1, 60)
+    assert buf.tobytes() == pattern(nbytes, 0).tobytes()
+    peer.result()
+    assert not comm.Iprobe(1, 60)
+
+
+def test_iprobe_eventually_true(peer):
+    comm = peer.comm
+    peer.start(op_probe_partner, [10], 62)
+    deadline = time.monotonic() + 20
+    st = cma.Status()
+    while not comm.Iprobe(1, 62, st):
+        assert time.monotonic() < deadline, "Iprobe never saw the message"
+        time.sleep(0.001)
+    assert st.count == 10
+    comm.Recv(bytearray(10), 1, 62)
+    peer.result()
+
+
+# ------------------------------------------------------------------ truncation
+
+
+@pytest.mark.parametrize("nbytes", [1000, EAGER, 2 * EAGER, 2 * FRAG + 1])
+@pytest.mark.parametrize("how", ["Recv", "Irecv"])
+def test_truncation_at_receiver(peer, nbytes, how):
+    comm = peer.comm
+    peer.start(op_send_tags, [(3, nbytes, 1), (3, 16, 2)])
+    small = np.zeros(nbytes // 2, np.uint8)
+    with pytest.raises(TruncationError) as info:
+        if how == "Recv":
+            comm.Recv(small, source=1, tag=3)
+        else:
+            comm.Irecv(small, source=1, tag=3).Wait()
+    err = info.value
+    assert (err.source, err.tag, err.nbytes, err.capacity) == (1, 3, nbytes, nbytes // 2)
+    # consumed: the next receive gets the next message
+    buf = np.zeros(100, np.uint8)
+    st = cma.Status()
+    comm.Recv(buf, source=1, tag=3, status=st)
+    assert st.count == 16 and buf[:16].tobytes() == pattern(16, 2).tobytes()
+    peer.result()
+
+
+@pytest.mark.parametrize("nbytes", [1000, 2 * EAGER, 2 * FRAG + 1])
+def test_truncation_releases_the_sender(peer, nbytes):
+    comm = peer.comm
+    data = pattern(nbytes, 4)
+    peer.start(op_recv_into, nbytes - 1, 4)
+    comm.Send(data, dest=1, tag=4)  # returns although the receiver could not take it
+    assert peer.result() == ("truncated", 0, 4, nbytes, nbytes - 1)
+    peer.start(op_recv_into, nbytes, 4)
+    comm.Send(data, dest=1, tag=4)
+    status, count, _, _, got = peer.result()
+    assert (status, count, got) == ("ok", nbytes, digest(data))
+
+
+# ------------------------------------------------------------------ errors
+
+ERROR_CASES = {
+    "Send-dest-2": (InvalidRank, lambda c: c.Send(np.zeros(4), dest=2)),
+    "Send-dest-negative": (InvalidRank, lambda c: c.Send(np.zeros(4), dest=-5)),
+    "Send-dest-large-buffer": (InvalidRank, lambda c: c.Send(np.zeros(EAGER), dest=7)),
+    "Isend-dest": (InvalidRank, lambda c: c.Isend(np.zeros(4), dest=2)),
+    "send-dest": (InvalidRank, lambda c: c.send({"a": 1}, dest=3)),
+    "isend-dest": (InvalidRank, lambda c: c.isend({"a": 1}, dest=-7)),
+    "Recv-source": (InvalidRank, lambda c: c.Recv(np.zeros(4), source=2)),
+    "Recv-source-negative": (InvalidRank, lambda c: c.Recv(np.zeros(4), source=-9)),
+    "Irecv-source": (InvalidRank, lambda c: c.Irecv(np.zeros(4), source=5)),
+    "recv-source": (InvalidRank, lambda c: c.recv(source=2)),
+    "Probe-source": (InvalidRank, lambda c: c.Probe(source=2)),
+    "Iprobe-source": (InvalidRank, lambda c: c.Iprobe(source=2)),
+    "Send-tag": (InvalidTag, lambda c: c.Send(np.zeros(4), dest=1, tag=-5)),
+    "Send-tag-any": (InvalidTag, lambda c: c.Send(np.zeros(4), dest=1, tag=cma.ANY_TAG)),
+    "Send-tag-large-buffer": (InvalidTag, lambda c: c.Send(np.zeros(EAGER), dest=1, tag=-3)),
+    "Send-tag-float": (InvalidTag, lambda c: c.Send(np.zeros(4), dest=1, tag=1.5)),
+    "Isend-tag": (InvalidTag, lambda c: c.Isend(np.zeros(4), dest=1, tag=-2)),
+    "send-tag": (InvalidTag, lambda c: c.send(1, dest=1, tag=-1)),
+    "Recv-tag": (InvalidTag, lambda c: c.Recv(np.zeros(4), source=1, tag=-5)),
+    "Irecv-tag": (InvalidTag, lambda c: c.Irecv(np.zeros(4), source=1, tag=-5)),
+    "recv-tag": (InvalidTag, lambda c: c.recv(source=1, tag=-3)),
+    "Probe-tag": (InvalidTag, lambda c: c.Probe(source=1, tag=-4)),
+    "Send-noncontiguous": (CmaBufferError, lambda c: c.Send(np.arange(100.0)[::2], dest=1)),
+    "Send-noncontiguous-2d": (CmaBufferError,
+                              lambda c: c.Send(np.zeros((50, 50))[:, :10], dest=1)),
+    "Isend-noncontiguous": (CmaBufferError, lambda c: c.Isend(np.arange(100.0)[::3], dest=1)),
+    "Send-not-a-buffer": (CmaBufferError, lambda c: c.Send(12345, dest=1)),
+    "Recv-bytes": (CmaBufferError, lambda c: c.Recv(b"0123456789", source=1)),
+    "Irecv-bytes": (CmaBufferError, lambda c: c.Irecv(b"0123456789", source=1)),
+    "Recv-readonly-array": (CmaBufferError, lambda c: c.Recv(_readonly(), source=1)),
+    "Recv-noncontiguous": (CmaBufferError, lambda c: c.Recv(np.zeros(100)[::2], source=1)),
+    "Sendrecv-readonly": (CmaBufferError,
+                          lambda c: c.Sendrecv(b"", cma.PROC_NULL, 0, b"readonly", 1, 0)),
+    "spec-too-long": (CmaBufferError, lambda c: c.Send([np.zeros(4), 10, "d"], dest=1)),
+    "spec-bad-type": (CmaBufferError, lambda c: c.Send([np.zeros(4), 2, "no-such"], dest=1)),
+    "spec-bad-length": (CmaBufferError, lambda c: c.Send([np.zeros(4), 1, "d", 0], dest=1)),
+}
+
+
+def _readonly() -> np.ndarray:
+    arr = np.zeros(10)
+    arr.flags.writeable = False
+    return arr
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("case", list(ERROR_CASES))
+def test_error_raised_at_once(peer, case):
+    exc_type, call = ERROR_CASES[case]
+    t0 = time.monotonic()
+    with pytest.raises(exc_type):
+        call(peer.comm)
+    assert time.monotonic() - t0 < 2.0
+    assert not peer.comm.Iprobe()
+
+
+def test_negative_tag_receive_cannot_take_an_internal_message(peer):
+    """A Recv with an invalid (negative) tag must raise, even with a barrier packet waiting."""
+    comm = peer.comm
+    peer.start(op_barrier, 0.0, 1)
+    time.sleep(0.3)  # the peer's barrier packet is in our ring now
+    with pytest.raises(InvalidTag):
+        comm.Recv(bytearray(8), source=1, tag=BARRIER_TAG)
+    comm.Barrier()
+    peer.result()
+
+
+def test_numpy_integer_tag_treated_alike_at_any_size(peer):
+    """np.int64 tags: eager and rendezvous sends must agree (mpi4py accepts any __index__)."""
+    comm = peer.comm
+    peer.start(op_collect, 1.5)
+    outcome = []
+    sizes = (16, 2 * EAGER)
+    for n in sizes:
+        try:
+            comm.Send(np.zeros(n, np.uint8), dest=1, tag=np.int64(3))
+            outcome.append("sent")
+        except InvalidTag:
+            outcome.append("InvalidTag")
+    got = peer.result()
+    assert got == [(3, n) for n, o in zip(sizes, outcome, strict=True) if o == "sent"]
+    assert outcome[0] == outcome[1], f"eager and rendezvous disagree: {outcome}"
+
+
+# ------------------------------------------------------------------ PROC_NULL
+
+
+def test_proc_null(peer):
+    comm = peer.comm
+    null = cma.PROC_NULL
+    comm.Send(np.ones(10), dest=null, tag=3)
+    comm.Send(np.ones(100_000), dest=null)
+    comm.Isend(np.ones(10), dest=null).Wait()
+    comm.send({"x": 1}, dest=null)
+    assert comm.isend({"x": 1}, dest=null).wait() is None
+    buf = np.full(4, 9.0)
+    st = cma.Status()
+    comm.Recv(buf, source=null, tag=5, status=st)
+    assert (st.source, st.tag, st.Get_count()) == (null, cma.ANY_TAG, 0)
+    assert np.array_equal(buf, np.full(4, 9.0))
+    st = cma.Status()
+    comm.Irecv(buf, source=null).Wait(st)
+    assert st.source == null and st.count == 0
+    st = cma.Status()
+    assert comm.Iprobe(source=null, status=st) and st.source == null
+    assert comm.Probe(source=null) is True
+    comm.Sendrecv(np.ones(3), null, 0, buf, null, 0)
+    st = cma.Status()
+    comm.recv(source=null, status=st)
+    assert (st.source, st.count) == (null, 0)
+    # nothing reached the peer (checked after the test by the peer fixture)
+
+
+def test_object_receive_from_proc_null_is_none(peer):
+    """As in mpi4py: ``comm.recv(source=MPI.PROC_NULL)`` returns None."""
+    comm = peer.comm
+    assert comm.recv(source=cma.PROC_NULL) is None
+    assert comm.irecv(source=cma.PROC_NULL).wait() is None
+    assert cma.Request.waitall([comm.irecv(source=cma.PROC_NULL)]) == [None]
+
+
+# ------------------------------------------------------------------ combined calls
+
+
+@pytest.mark.parametrize("nbytes", [100, 3 * FRAG + 5])
+def test_sendrecv(peer, nbytes):
+    comm = peer.comm
+    peer.start(op_sendrecv, nbytes, 2, "buffer")
+    out = pattern(nbytes, 1)
+    buf = np.empty(nbytes + 10, np.uint8)
+    st = cma.Status()
+    comm.Sendrecv(out, 1, 11, buf, 1, 12, st)
+    assert (st.source, st.tag, st.count) == (1, 12, nbytes)
+    assert buf[:nbytes].tobytes() == pattern(nbytes, 2).tobytes()
+    assert peer.result() == digest(out)
+
+
+@pytest.mark.parametrize("nbytes", [100, 3 * FRAG + 5])
+def test_sendrecv_objects(peer, nbytes):
+    comm = peer.comm
+    peer.start(op_sendrecv, nbytes, 2, "object")
+    out = pattern(nbytes, 1)
+    st = cma.Status()
+    obj = comm.sendrecv({"from": 0, "data": out}, dest=1, sendtag=11, source=1, recvtag=12,
+                        status=st)
+    assert obj["from"] == 1 and obj["data"].tobytes() == pattern(nbytes, 2).tobytes()
+    assert (st.source, st.tag) == (1, 12)
+    assert peer.result() == digest(out)
+
+
+def test_waitall_and_waitall_objects(peer):
+    comm = peer.comm
+    peer.start(op_requests)
+    a, b = np.empty(100, np.uint8), np.empty(300_000, np.uint8)
+    out = pattern(200_000, 9)
+    reqs = [comm.Irecv(a, 1, 1), comm.Irecv(b, 1, 2), comm.Isend(out, 1, 4)]
+    statuses = [cma.Status() for _ in reqs]
+    assert cma.Request.Waitall(reqs, statuses) is True
+    assert [(s.source, s.tag, s.count) for s in statuses[:2]] == [(1, 1, 100), (1, 2, 300_000)]
+    assert a.tobytes() == pattern(100, 1).tobytes() and b.tobytes() == pattern(300_000, 2).tobytes()
+    assert cma.Request.waitall([comm.irecv(source=1, tag=3)]) == [{"c": 3}]
+    assert peer.result() == digest(out)
+
+
+def test_testall(peer):
+    comm = peer.comm
+    a, b = np.empty(100, np.uint8), np.empty(300_000, np.uint8)
+    reqs = [comm.Irecv(a, 1, 1), comm.Irecv(b, 1, 2), comm.irecv(source=1, tag=3)]
+    assert cma.Request.Testall(reqs) is False  # nothing sent yet
+    assert cma.Request.testall(reqs) == (False, None)
+    peer.start(op_requests)
+    sreq = comm.Isend(pattern(200_000, 9), 1, 4)
+    deadline = time.monotonic() + 60
+    while True:
+        flag, results = cma.Request.testall(reqs)
+        if flag:
+            break
+        assert time.monotonic() < deadline, "testall never completed"
+    assert results == [None, None, {"c": 3}]
+    assert cma.Request.Testall(reqs) is True
+    sreq.Wait()
+    assert b.tobytes() == pattern(300_000, 2).tobytes()
+    peer.result()
+
+
+def test_waitany(peer):
+    comm = peer.comm
+    small, big = np.empty(10, np.uint8), np.empty(50_000, np.uint8)
+    reqs = [comm.Irecv(small, 1, 21), comm.Irecv(big, 1, 22)]
+    peer.start(op_waitany_partner)
+    st = cma.Status()
+    assert cma.Request.Waitany(reqs, st) == 1
+    assert (st.tag, st.count) == (22, 50_000)
+    assert big.tobytes() == pattern(50_000, 7).tobytes()
+    comm.send("go", dest=1, tag=23)
+    reqs[0].Wait()
+    assert small.tobytes() == pattern(10, 8).tobytes()
+    peer.result()
+    # waitany over object receives returns the index and the object
+    peer.start(op_echo_object, 24)
+    r = [comm.irecv(source=1, tag=25), comm.irecv(source=1, tag=24)]
+    comm.send([1, 2, 3], dest=1, tag=24)
+    assert cma.Request.waitany(r) == (1, [1, 2, 3])
+    peer.result()
+    peer.call(op_send_object, "late", 25)
+    assert r[0].wait() == "late"
+
+
+@pytest.mark.parametrize("who_is_late", ["peer", "us"])
+def test_barrier(peer, who_is_late):
+    comm = peer.comm
+    delay = 0.3
+    if who_is_late == "peer":
+        peer.start(op_barrier, delay, 1)
+        t0 = time.monotonic()
+        comm.Barrier()
+        assert time.monotonic() - t0 >= delay * 0.8, "Barrier returned before the peer entered"
+    else:
+        peer.start(op_barrier, 0.0, 1)
+        time.sleep(delay)
+        comm.Barrier()
+    peer.result()
+    peer.start(op_barrier, 0.0, 20)
+    for _ in range(20):
+        comm.barrier()
+    peer.result()
+
+
+# ------------------------------------------------------------------ statistics
+
+
+def test_stats_count_copies(peer, transport):
+    comm = peer.comm
+    nbytes = 4 * FRAG + 100
+    eager_sizes = [100, 200, EAGER]
+    data = pattern(nbytes, 1)
+    peer.start(op_stats, nbytes, eager_sizes)
+    comm.reset_stats()
+    comm.Send(data, 1, 1)
+    comm.Send(np.zeros(eager_sizes[0], np.uint8), 1, 2)  # eager fast path
+    comm.Isend(np.zeros(eager_sizes[1], np.uint8), 1, 2).Wait()  # through the engine
+    comm.Send(bytes(eager_sizes[2]), 1, 2)
+    mine = comm.stats()
+    theirs, got = peer.result()
+    assert got == digest(data)
+    for side in (mine, theirs):
+        assert side["eager"]["messages"] == 3
+        assert side["eager"]["bytes"] == sum(eager_sizes)
+    if transport == "shm":
+        for side in (mine, theirs):
+            assert side["shm"]["messages"] == 1
+            assert side["shm"]["bytes"] == nbytes
+            assert side["shm"]["user_copies"] == 1.0
+            assert side["shm"]["kernel_copies"] == 0.0
+    elif transport != "auto":
+        # a single-copy transport: the receiver copied, and counted it
+        assert theirs[transport]["messages"] == 1 and theirs[transport]["bytes"] == nbytes
+        assert theirs[transport]["user_copies"] == 0.0
+
+
+# ------------------------------------------------------------------ liveness
+
+
+def gone_child(comm, mode):
+    comm.send("ready", dest=0, tag=1)
+    if mode == "rendezvous":
+        comm.Isend(np.ones(4 * FRAG, np.uint8), dest=0, tag=2)
+    time.sleep(0.3)
+    os._exit(0)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["Recv", "Recv-any-source", "Irecv-Wait", "recv", "Probe",
+                                  "Send-rendezvous", "Recv-rendezvous-in-flight"])
+def test_peer_exit_raises_peer_gone(transport, mode):
+    """Waiting on a peer that exits (os._exit) raises PeerGone instead of hanging."""
+    a, b = cma.Pipe(transport=transport)
+    child_mode = "rendezvous" if mode.endswith("in-flight") else "idle"
+    p = mp.get_context("fork").Process(target=gone_child, args=(b, child_mode))
+    try:
+        p.start()
+        b.close()
+        assert a.recv(source=1, tag=1) == "ready"
+        t0 = time.monotonic()
+        buf = np.empty(8 * FRAG, np.uint8)
+        with pytest.raises(PeerGone):
+            if mode == "Recv":
+                a.Recv(buf, source=1, tag=2)
+            elif mode == "Recv-any-source":
+                a.Recv(buf, source=cma.ANY_SOURCE, tag=2)
+            elif mode == "Irecv-Wait":
+                a.Irecv(buf, source=1, tag=2).Wait()
+            elif mode == "recv":
+                a.recv(source=1, tag=2)
+            elif mode == "Probe":
+                a.Probe(source=1, tag=2)
+            elif mode == "Send-rendezvous":
+                a.Send(buf, dest=1, tag=2)  # nobody will ever receive it
+            else:
+                time.sleep(0.6)  # the peer has exited; its RTS waits in our ring
+                a.Recv(buf, source=1, tag=2)
+        assert time.monotonic() - t0 < 10
+    finally:
+        stop_process(p)
+        a.close()
+
+
+def rput_child(comm):
+    buf = np.zeros(5 * FRAG, np.uint8)
+    st = cma.Status()
+    comm.Recv(buf, 0, 1, st)
+    first = digest(buf[: st.count])
+    obj = comm.recv(source=0, tag=2)
+    try:
+        comm.Recv(np.zeros(10, np.uint8), 0, 3)
+        truncated = None
+    except TruncationError as exc:
+        truncated = exc.nbytes
+    comm.send((first, st.count, _describe(obj), truncated), 0, 4)
+
+
+PUSH_TRANSPORTS = [n for n, cls in REGISTRY.classes.items() if "push" in cls.styles]
+
+
+@pytest.mark.parametrize("name", PUSH_TRANSPORTS)
+def test_rput_end_to_end(name):
+    """push=True makes the receiver answer CTS and the sender write (RPUT)."""
+    a, b = cma.Pipe(transport=name, push=True)
+    p = mp.get_context("fork").Process(target=rput_child, args=(b,))
+    try:
+        p.start()
+        b.close()
+        data = pattern(4 * FRAG + 3, 1)
+        obj = [np.full(EAGER + 808, i % 256, np.uint8) for i in range(1100)]
+        a.Send(data, 1, 1)
+        a.send(obj, 1, 2)
+        a.Send(data, 1, 3)  # truncated at the receiver, yet this returns
+        mine = a.stats()[name]  # before the (large) reply adds a received message
+        first, count, seen, truncated = a.recv(source=1, tag=4)
+        p.join(JOIN_TIMEOUT)
+        assert p.exitcode == 0
+        assert (first, count) == (digest(data), data.nbytes)
+        assert seen == _describe(obj)
+        assert truncated == data.nbytes
+        # the sender wrote (RPUT), with the transport's copies; the truncated one moved nothing
+        assert mine["messages"] == 2, "the sender did not write: RPUT was not used"
+        assert mine["bytes"] >= data.nbytes + sum(x.nbytes for x in obj)  # + pickle stream
+        assert mine["kernel_copies"] == REGISTRY.classes[name].copies.kernel
+    finally:
+        stop_process(p)
+        a.close()
+
+
+def _cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_idle_blocked_receiver_uses_little_cpu(peer):
+    comm = peer.comm
+    peer.start(op_recv_one, 100, 90)
+    time.sleep(0.2)  # into the Recv, past any spinning
+    cpu0, t0 = _cpu_seconds(peer.pid), time.monotonic()
+    time.sleep(1.5)
+    cpu1, t1 = _cpu_seconds(peer.pid), time.monotonic()
+    data = pattern(100, 3)
+    comm.Send(data, 1, 90)
+    assert peer.result() == digest(data)
+    share = (cpu1 - cpu0) / (t1 - t0)
+    assert share < 0.3, f"a receiver blocked for {t1 - t0:.1f} s used {share:.0%} of a core"
+
+
+# ------------------------------------------------------------------ first use, odd buffers
+
+
+def first_use_child(comm, call):
+    if call == "Recv":
+        comm.Send(b"", dest=0, tag=5)
+    comm.recv(source=0, tag=1)
+
+
+@pytest.mark.parametrize("call", ["Send", "Recv"])
+def test_none_buffer_on_first_use(call):
+    """``None`` as the buffer of the very first call: an empty message or BufferError."""
+    a, b = cma.Pipe(transport="shm")
+    p = mp.get_context("fork").Process(target=first_use_child, args=(b, call))
+    try:
+        p.start()
+        b.close()
+        try:
+            if call == "Send":
+                a.Send(None, dest=1, tag=0)
+            else:
+                a.Recv(None, source=1, tag=5)
+        except CmaBufferError:
+            pass
+        except AttributeError as exc:
+            pytest.fail(f"{call}(None) as the first call raised AttributeError: {exc}")
+        a.send("bye", dest=1, tag=1)
+        p.join(JOIN_TIMEOUT)
+        assert p.exitcode == 0
+    finally:
+        stop_process(p, 2.0)
+        a.close()
+
+
+# ------------------------------------------------------------------ other channel configurations
+
+
+def _rank_main(func, comm, conn):
+    try:
+        conn.send(("ok", func(comm)))
+    except BaseException as exc:  # noqa: BLE001 - reported to the test
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+    finally:
+        conn.close()
+
+
+def run_pair(transport, config, func0, func1, timeout=30.0):
+    """Run rank 0 and rank 1 of a fresh Pipe in two children; a hang fails, never blocks."""
+    ctx = mp.get_context("fork")
+    a, b = cma.Pipe(transport=transport, config=config)
+    procs, conns = [], []
+    try:
+        for func, comm in ((func0, a), (func1, b)):
+            recv_end, send_end = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=_rank_main, args=(func, comm, send_end))
+            proc.start()
+            send_end.close()
+            procs.append(proc)
+            conns.append(recv_end)
+        a.close()
+        b.close()
+        results = []
+        deadline = time.monotonic() + timeout
+        for rank, conn in enumerate(conns):
+            if not conn.poll(max(0.0, deadline - time.monotonic())):
+                for proc in procs:
+                    proc.kill()
+                pytest.fail(f"rank {rank} did not finish within {timeout} s (deadlock)")
+            results.append(conn.recv())
+        for status, value in results:
+            assert status == "ok", value
+        return [value for _, value in results]
+    finally:
+        for proc in procs:
+            stop_process(proc, 5.0)
+
+
+SMALL_RING = cma.ChannelConfig(eager_limit=1024, ring_bytes=4096, frag_size=4096, stage_slots=2)
+
+
+def small_ring_rank0(comm):
+    for i in range(60):  # more eager messages than the 4 KiB ring holds
+        comm.Send(np.full(100, i, np.uint8), dest=1, tag=1)
+    for n in (1025, 4096, 4097, 50_000):  # rendezvous, through 2 staging slots of 4 KiB
+        comm.Send(pattern(n, n), dest=1, tag=2)
+    # 100 out-of-band buffers: an RTS of 1.6 KB, 40 % of the ring
+    comm.send([np.full(2000, i, np.uint8) for i in range(100)], dest=1, tag=3)
+    return comm.recv(source=1, tag=4)
+
+
+def small_ring_rank1(comm):
+    buf = np.empty(50_000, np.uint8)
+    st = cma.Status()
+    for i in range(60):
+        comm.Recv(buf, source=0, tag=1, status=st)
+        assert st.count == 100 and (buf[:100] == i).all()
+    for n in (1025, 4096, 4097, 50_000):
+        comm.Recv(buf, source=0, tag=2, status=st)
+        assert st.count == n and buf[:n].tobytes() == pattern(n, n).tobytes()
+    obj = comm.recv(source=0, tag=3)
+    assert all((a == i).all() for i, a in enumerate(obj))
+    comm.send(len(obj), dest=0, tag=4)
+    return True
+
+
+def test_small_ring_configuration(transport):
+    """A 4 KiB ring: full rings, wrap-around padding, queued packets, small staging."""
+    assert run_pair(transport, SMALL_RING, small_ring_rank0, small_ring_rank1,
+                    timeout=10) == [100, True]
+
+
+def big_packet_rank0(comm):
+    for k in range(40):
+        for i in range(k):
+            comm.Send(np.full(10, i, np.uint8), dest=1, tag=1)
+        # 100 out-of-band buffers: an RTS of 1.6 KB
+        comm.send([np.full(2000, i, np.uint8) for i in range(100)], dest=1, tag=2)
+        assert comm.recv(source=1, tag=3) == k
+    return True
+
+
+def big_packet_rank1(comm):
+    buf = np.empty(10, np.uint8)
+    for k in range(40):
+        for _ in range(k):
+            comm.Recv(buf, source=0, tag=1)
+        obj = comm.recv(source=0, tag=2)
+        assert len(obj) == 100
+        comm.send(k, dest=0, tag=3)
+    return True
+
+
+def test_large_control_packet_after_eager_messages(transport):
+    """k small eager messages, then a control packet of 40 % of the ring, for k = 0 .. 39.
+
+    The sender must notice that the receiver freed what the eager messages took even
+    when the ring never looked full, whatever the position of the wrap-around.
+    """
+    assert run_pair(transport, SMALL_RING, big_packet_rank0, big_packet_rank1,
+                    timeout=10) == [True, True]
+
+
+def many_buffers_rank0(comm):
+    # 700 out-of-band buffers: an RTS of 11 KB, larger than the whole 4 KiB ring
+    comm.send([np.full(1500, i % 256, np.uint8) for i in range(700)], dest=1, tag=1)
+    return True
+
+
+def many_buffers_rank1(comm):
+    obj = comm.recv(source=0, tag=1)
+    return len(obj) == 700 and all((a == i % 256).all() for i, a in enumerate(obj))
+
+
+def test_object_with_more_buffers_than_the_ring_holds(transport):
+    """Any object can be sent, whatever the ring size (DESIGN: any size, > 1024 iovecs)."""
+    assert run_pair(transport, SMALL_RING, many_buffers_rank0, many_buffers_rank1,
+                    timeout=10) == [True, True]
+
+
+# ------------------------------------------------------------------ huge messages
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_message_larger_than_2gib(peer):
+    if mem_available() < 12 << 30:
+        pytest.skip(f"needs 12 GiB of MemAvailable, have {mem_available() / 2**30:.1f} GiB")
+    nbytes = 2**31 + 12345
+    buf = np.empty(nbytes, np.uint8)
+    fill_counting(buf)
+    peer.start(op_huge, nbytes)
+    peer.comm.Send(buf, dest=1, tag=5)
+    del buf
+    assert peer.result() is True, "the peer received different bytes"
+

@@ -1,0 +1,1036 @@
+"""Unit tests of the sans-IO protocol engine (cma.protocol): no processes, no syscalls.
+
+Two (or three) ``Engine``s talk through a hand-cranked ``Net``: ``Transmit`` actions are
+queued per ordered pair and fed to the destination's ``packet()`` when the test pumps;
+``Pull``/``Push`` are executed as plain memory copies between fake address spaces
+(``FakeMemory`` hands out made-up addresses for bytearray-backed buffers);
+``StreamOut``/``StreamIn`` are carried through a fake staging area with ``Pipeline``.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cma.errors import TruncationError
+from cma.protocol import (
+    ANY_SOURCE,
+    ANY_TAG,
+    BARRIER_TAG,
+    CTS,
+    EAGER,
+    FIN,
+    KIND_MASK,
+    OBJECT,
+    PIPELINE,
+    PULL,
+    PUSH,
+    RTS,
+    Complete,
+    Deliver,
+    Engine,
+    Matcher,
+    Pipeline,
+    Policy,
+    Pull,
+    Push,
+    RecvOp,
+    SendOp,
+    StreamIn,
+    StreamOut,
+    Transmit,
+    decode_cts,
+    decode_rts,
+    encode_cts,
+    encode_rts,
+    source_matches,
+    tag_matches,
+)
+from cma.transports.base import Region
+
+ALL = PULL | PUSH | PIPELINE
+LIMIT = 64  # eager limit used by most tests: small, so rendezvous sizes are cheap
+
+
+# ------------------------------------------------------------------ fakes
+
+
+class FakeMemory:
+    """Buffers with made-up addresses: one address space per rank would be no different."""
+
+    STRIDE = 1 << 40
+
+    def __init__(self) -> None:
+        self.buffers: dict[int, tuple[int, bytearray]] = {}  # id(obj) -> (base, obj)
+        self._next = 1 << 44
+
+    def buffer(self, data: bytes | int) -> memoryview:
+        obj = bytearray(data)
+        self.buffers[id(obj)] = (self._next, obj)
+        self._next += self.STRIDE
+        return memoryview(obj)
+
+    def allocate(self, nbytes: int) -> memoryview:
+        return self.buffer(nbytes)
+
+    def region_of(self, mv: memoryview) -> Region:
+        obj = mv.obj
+        base, owner = self.buffers[id(obj)]
+        assert owner is obj, "region_of called on a buffer FakeMemory did not hand out"
+        offset = 0
+        if mv.nbytes:
+            offset = (np.frombuffer(mv, np.uint8).__array_interface__["data"][0]
+                      - np.frombuffer(owner, np.uint8).__array_interface__["data"][0])
+        return Region(base + offset, mv.nbytes)
+
+    def resolve(self, region: Region) -> memoryview:
+        for base, obj in self.buffers.values():
+            if base <= region.addr and region.addr + region.nbytes <= base + len(obj):
+                return memoryview(obj)[region.addr - base : region.addr - base + region.nbytes]
+        if region.nbytes == 0:
+            return memoryview(b"")
+        raise AssertionError(f"region {region} is not inside any known buffer")
+
+
+def concat(views: list[memoryview]) -> bytes:
+    return b"".join(bytes(v) for v in views)
+
+
+def scatter(data: bytes, views: list[memoryview]) -> None:
+    at = 0
+    for v in views:
+        v[:] = data[at : at + v.nbytes]
+        at += v.nbytes
+    assert at == len(data)
+
+
+@dataclass
+class PairStream:
+    """Staging area and running counts of one ordered pair, as in the shared segment."""
+
+    staging: bytearray
+    filled: int = 0
+    drained: int = 0
+    out: deque = field(default_factory=deque)  # (SendOp, Pipeline | None)
+    into: deque = field(default_factory=deque)  # (RecvOp, Pipeline | None)
+
+
+class Net:
+    """N engines and the wires between them, pumped by hand."""
+
+    def __init__(self, n: int = 2, eager_limit: int = LIMIT, policies: list[Policy] | None = None,
+                 offers: int = ALL, frag: int = 16, slots: int = 3) -> None:
+        self.mem = FakeMemory()
+        self.engines = [
+            Engine(r, eager_limit, (policies or [Policy() for _ in range(n)])[r], offers,
+                   self.mem.allocate, self.mem.region_of)
+            for r in range(n)
+        ]
+        self.wire: dict[tuple[int, int], deque[Transmit]] = {
+            (s, d): deque() for s in range(n) for d in range(n) if s != d}
+        self.frag, self.slots = frag, slots
+        self.streams = {pair: PairStream(bytearray(frag * slots)) for pair in self.wire}
+        self.actions: list[list[object]] = [[] for _ in range(n)]
+        self.completed: list[list[SendOp | RecvOp]] = [[] for _ in range(n)]
+        self.arrivals: list[list[tuple[int, int]]] = [[] for _ in range(n)]  # (source, tag)
+
+    # -- user calls
+
+    def send(self, rank: int, dest: int, tag: int, data: bytes | list[bytes],
+             is_object: bool = False, regions: bool = True) -> SendOp:
+        parts = [data] if isinstance(data, (bytes, bytearray)) else list(data)
+        segments = [self.mem.buffer(p) for p in parts]
+        regs = [self.mem.region_of(s) for s in segments] if regions else None
+        op, actions = self.engines[rank].send(dest, tag, segments, regs, is_object)
+        self.act(rank, actions)
+        return op
+
+    def recv(self, rank: int, source: int, tag: int, capacity: int | None) -> RecvOp:
+        buf = None if capacity is None else self.mem.buffer(capacity)
+        op, actions = self.engines[rank].recv(source, tag, buf)
+        self.act(rank, actions)
+        return op
+
+    # -- the I/O layer, by hand
+
+    def act(self, rank: int, actions: list) -> None:
+        engine = self.engines[rank]
+        for action in actions:
+            self.actions[rank].append(action)
+            if isinstance(action, Transmit):
+                assert action.dest != rank
+                self.wire[(rank, action.dest)].append(action)
+            elif isinstance(action, Deliver):
+                op = action.op
+                payload = bytes(action.payload)
+                if op.buffer is None:
+                    op.segments = [memoryview(payload)]
+                else:
+                    op.buffer[: len(payload)] = payload
+            elif isinstance(action, Pull):
+                data = concat([self.mem.resolve(r) for r in action.remote])
+                scatter(data, action.op.segments)
+                self.act(rank, engine.pulled(action.op, action.msgid))
+            elif isinstance(action, Push):
+                data = concat(action.op.segments)
+                scatter(data, [self.mem.resolve(r) for r in action.remote])
+                self.act(rank, engine.pushed(action.op, action.recvid))
+            elif isinstance(action, StreamOut):
+                self.streams[(rank, action.op.dest)].out.append([action.op, None])
+            elif isinstance(action, StreamIn):
+                self.streams[(action.op.matched_source, rank)].into.append([action.op, None])
+            elif isinstance(action, Complete):
+                assert action.op.done
+                self.completed[rank].append(action.op)
+            else:  # pragma: no cover
+                raise AssertionError(f"unknown action {action!r}")
+
+    def step_packet(self, src: int, dst: int) -> bool:
+        queue = self.wire[(src, dst)]
+        if not queue:
+            return False
+        t = queue.popleft()
+        if t.kind & KIND_MASK in (EAGER, RTS):
+            self.arrivals[dst].append((src, t.tag))
+        self.act(dst, self.engines[dst].packet(src, t.kind, t.tag, t.aux, memoryview(t.payload)))
+        return True
+
+    def step_stream(self, src: int, dst: int) -> bool:
+        ps = self.streams[(src, dst)]
+        moved = False
+        frag, slots = self.frag, self.slots
+        while ps.out:
+            entry = ps.out[0]
+            op, pipe = entry
+            if pipe is None:
+                pipe = entry[1] = Pipeline(op.nbytes, frag, slots, ps.filled)
+            data = concat(op.segments)
+            step = pipe.fill(ps.drained)
+            while step is not None:
+                slot, start, stop = step
+                ps.staging[slot * frag : slot * frag + stop - start] = data[start:stop]
+                ps.filled = pipe.advance()
+                moved = True
+                step = pipe.fill(ps.drained)
+            if not pipe.finished:
+                break
+            ps.out.popleft()
+            self.act(src, self.engines[src].streamed_out(op))
+            moved = True
+        while ps.into:
+            entry = ps.into[0]
+            rop, pipe = entry
+            if pipe is None:
+                pipe = entry[1] = Pipeline(rop.nbytes, frag, slots, ps.drained)
+            step = pipe.drain(ps.filled)
+            while step is not None:
+                slot, start, stop = step
+                chunk = bytes(ps.staging[slot * frag : slot * frag + stop - start])
+                at = 0
+                for seg in rop.segments:  # write chunk at [start, stop) of the concatenation
+                    lo, hi = max(start, at), min(stop, at + seg.nbytes)
+                    if lo < hi:
+                        seg[lo - at : hi - at] = chunk[lo - start : hi - start]
+                    at += seg.nbytes
+                ps.drained = pipe.advance()
+                moved = True
+                step = pipe.drain(ps.filled)
+            if not pipe.finished:
+                break
+            ps.into.popleft()
+            self.act(dst, self.engines[dst].streamed_in(rop))
+            moved = True
+        return moved
+
+    def pump(self, limit: int = 100_000) -> None:
+        for _ in range(limit):
+            moved = False
+            for src, dst in self.wire:
+                moved = self.step_packet(src, dst) or moved
+                moved = self.step_stream(src, dst) or moved
+            if not moved:
+                return
+        raise AssertionError("the net did not settle")
+
+    def kinds(self, rank: int, cls: type) -> list:
+        return [a for a in self.actions[rank] if isinstance(a, cls)]
+
+
+def received(op: RecvOp) -> bytes:
+    """What a completed receive holds."""
+    assert op.done and op.error is None
+    if op.buffer is not None and not op.segments:  # eager into a buffer
+        return bytes(op.buffer[: op.nbytes])
+    return concat(op.segments)
+
+
+def payload(n: int, seed: int = 0) -> bytes:
+    return np.random.default_rng(seed).bytes(n)
+
+
+def pull_policy(peer: int, name: str = "cma", push: bool = False) -> Policy:
+    return Policy(order=[name, "shm"], pullable={peer: {name}}, pushable={peer: {name}}, push=push)
+
+
+# ------------------------------------------------------------------ matching
+
+
+def test_tag_and_source_predicates():
+    assert tag_matches(3, 3) and not tag_matches(3, 4)
+    assert tag_matches(ANY_TAG, 0) and tag_matches(ANY_TAG, 12345)
+    assert not tag_matches(ANY_TAG, BARRIER_TAG)
+    assert tag_matches(BARRIER_TAG, BARRIER_TAG)
+    assert source_matches(ANY_SOURCE, 0) and source_matches(1, 1) and not source_matches(1, 0)
+
+
+def test_eager_send_completes_at_once_and_delivers_unexpected():
+    net = Net()
+    data = payload(40)
+    sop = net.send(0, 1, 5, data)
+    assert sop.done and sop.mechanism == "eager"
+    (t,) = net.kinds(0, Transmit)
+    assert (t.dest, t.kind, t.tag, t.payload) == (1, EAGER, 5, data)
+    assert net.completed[0] == [sop]
+    net.pump()
+    assert len(net.engines[1].matcher.unexpected) == 1
+    rop = net.recv(1, 0, 5, 100)
+    assert rop.done and received(rop) == data
+    assert (rop.matched_source, rop.matched_tag, rop.nbytes) == (0, 5, 40)
+    assert not net.engines[1].matcher.unexpected
+
+
+def test_unexpected_eager_payload_is_copied_out_of_the_ring():
+    engine = Net().engines[1]
+    ring = bytearray(b"original")
+    assert engine.packet(0, EAGER, 1, 0, memoryview(ring)) == []
+    ring[:] = b"XXXXXXXX"  # the ring slot is reused
+    op, actions = engine.recv(0, 1, memoryview(bytearray(8)))
+    assert isinstance(actions[0], Deliver) and bytes(actions[0].payload) == b"original"
+
+
+@pytest.mark.parametrize("size", [0, 1, LIMIT, LIMIT + 1, 5000])
+def test_receive_posted_before_arrival(size):
+    net = Net()
+    rop = net.recv(1, 0, 9, 5000)
+    assert not rop.done and net.engines[1].matcher.posted == [rop]
+    data = payload(size, size)
+    sop = net.send(0, 1, 9, data)
+    net.pump()
+    assert rop.done and sop.done
+    assert received(rop) == data
+    assert not net.engines[1].matcher.posted
+
+
+@pytest.mark.parametrize("size", [10, 500])
+@pytest.mark.parametrize(
+    ("source", "tag", "expect"),
+    [
+        (0, 1, (0, 1)),
+        (2, 1, (2, 1)),
+        (ANY_SOURCE, 2, (0, 2)),
+        (0, ANY_TAG, (0, 1)),
+        (2, ANY_TAG, (2, 1)),
+        (ANY_SOURCE, ANY_TAG, (0, 1)),
+    ],
+)
+def test_match_on_source_and_tag_with_wildcards(size, source, tag, expect):
+    net = Net(3)
+    sent = {}
+    for src, t in [(0, 1), (0, 2), (2, 1), (2, 2)]:
+        sent[(src, t)] = payload(size, src * 10 + t)
+        net.send(src, 1, t, sent[(src, t)])
+        net.pump()  # arrival order: (0,1) (0,2) (2,1) (2,2)
+    rop = net.recv(1, source, tag, size)
+    net.pump()
+    assert (rop.matched_source, rop.matched_tag) == expect
+    assert received(rop) == sent[expect]
+    assert len(net.engines[1].matcher.unexpected) == 3
+
+
+def test_any_tag_never_matches_internal_tags():
+    net = Net()
+    net.send(0, 1, BARRIER_TAG, b"")
+    net.pump()
+    engine = net.engines[1]
+    assert engine.probe(ANY_SOURCE, ANY_TAG) is None
+    assert engine.probe(0, ANY_TAG) is None
+    rop = net.recv(1, ANY_SOURCE, ANY_TAG, 10)
+    assert not rop.done  # posted, the barrier message stays unexpected
+    barrier = net.recv(1, 0, BARRIER_TAG, 0)
+    assert barrier.done and barrier.matched_tag == BARRIER_TAG
+    # a posted ANY_TAG receive is not taken by an internal message either
+    net.send(0, 1, BARRIER_TAG, b"")
+    net.pump()
+    assert not rop.done and engine.probe(0, BARRIER_TAG) is not None
+    net.send(0, 1, 3, b"user")
+    net.pump()
+    assert rop.done and rop.matched_tag == 3 and received(rop) == b"user"
+
+
+@pytest.mark.parametrize("sizes", [(10, 20), (500, 20), (10, 500), (500, 600)])
+def test_non_overtaking_same_source_and_tag(sizes):
+    net = Net()
+    first, second = payload(sizes[0], 1), payload(sizes[1], 2)
+    net.send(0, 1, 4, first)
+    net.send(0, 1, 4, second)
+    net.pump()
+    a = net.recv(1, 0, 4, 1000)
+    b = net.recv(1, 0, 4, 1000)
+    net.pump()
+    assert received(a) == first and received(b) == second
+
+
+@pytest.mark.parametrize("sizes", [(10, 20), (500, 600)])
+def test_receive_for_later_tag_takes_later_message(sizes):
+    net = Net()
+    early, late = payload(sizes[0], 1), payload(sizes[1], 2)
+    net.send(0, 1, 1, early)
+    net.send(0, 1, 2, late)
+    net.pump()
+    r2 = net.recv(1, 0, 2, 1000)
+    net.pump()
+    assert received(r2) == late
+    (left,) = net.engines[1].matcher.unexpected
+    assert left.tag == 1
+    r1 = net.recv(1, 0, ANY_TAG, 1000)
+    net.pump()
+    assert received(r1) == early and r1.matched_tag == 1
+
+
+def test_posted_receives_matched_in_posting_order():
+    net = Net()
+    r_any = net.recv(1, ANY_SOURCE, ANY_TAG, 100)
+    r_five = net.recv(1, 0, 5, 100)
+    r_any2 = net.recv(1, 0, ANY_TAG, 100)
+    net.send(0, 1, 5, b"first")
+    net.pump()
+    assert r_any.done and received(r_any) == b"first"
+    assert not r_five.done and not r_any2.done
+    net.send(0, 1, 5, b"second")
+    net.pump()
+    assert received(r_five) == b"second" and not r_any2.done
+    net.send(0, 1, 7, b"third")
+    net.pump()
+    assert received(r_any2) == b"third"
+
+
+def test_probe_does_not_consume_and_cancel_withdraws():
+    net = Net()
+    net.send(0, 1, 3, b"abc")
+    net.send(0, 1, 4, payload(300))
+    net.pump()
+    engine = net.engines[1]
+    arrival = engine.probe(0, 4)
+    assert arrival is not None and (arrival.source, arrival.tag, arrival.nbytes) == (0, 4, 300)
+    assert engine.probe(0, ANY_TAG).tag == 3
+    assert engine.probe(1, ANY_TAG) is None
+    assert len(engine.matcher.unexpected) == 2
+    op = net.recv(1, 0, 99, 10)
+    assert engine.cancel(op) and not engine.cancel(op)
+    net.send(0, 1, 99, b"x")
+    net.pump()
+    assert not op.done and engine.probe(0, 99) is not None
+
+
+def test_matcher_take_posted_first_match():
+    m = Matcher()
+    ops = [RecvOp(0, 1, None), RecvOp(ANY_SOURCE, ANY_TAG, None), RecvOp(0, 2, None)]
+    m.posted.extend(ops)
+    assert m.take_posted(0, 2) is ops[1]
+    assert m.take_posted(0, 2) is ops[2]
+    assert m.take_posted(0, 2) is None
+    assert m.take_posted(0, BARRIER_TAG) is None
+    assert m.posted == [ops[0]]
+
+
+def model_matches(want_source: int, want_tag: int, source: int, tag: int) -> bool:
+    return want_source in (source, -2) and (want_tag == tag or (want_tag == -1 and tag >= 0))
+
+
+# A model of MPI matching at rank 1 (senders 0 and 2), checked against the engine through
+# whole eager and rendezvous flows, with receives and arrivals interleaved at random.
+messages = st.tuples(st.sampled_from([0, 2]), st.sampled_from([0, 1, 2, BARRIER_TAG]),
+                     st.sampled_from([0, 1, LIMIT, LIMIT + 1, 200]))
+receives = st.tuples(st.sampled_from([0, 2, ANY_SOURCE]),
+                     st.sampled_from([0, 1, 2, ANY_TAG, BARRIER_TAG]))
+steps = st.lists(st.one_of(st.tuples(st.just("send"), messages),
+                           st.tuples(st.just("recv"), receives),
+                           st.tuples(st.just("pump"), st.just(None))), max_size=30)
+
+
+@settings(max_examples=150, deadline=None)
+@given(steps, st.sampled_from(["pipeline", "pull", "push"]))
+def test_matching_model(script, mode):
+    if mode == "pipeline":
+        policies = [Policy() for _ in range(3)]
+    else:
+        policies = [pull_policy(p, push=(mode == "push")) for p in (1, 0, 1)]
+        policies[1] = Policy(order=["cma", "shm"], pullable={0: {"cma"}, 2: {"cma"}},
+                             pushable={0: {"cma"}, 2: {"cma"}}, push=(mode == "push"))
+    net = Net(3, policies=policies)
+    sent: dict[int, deque] = {0: deque(), 2: deque()}  # per source, payloads in send order
+    recvs: list[tuple[int, int, RecvOp]] = []
+    events: list[tuple] = []  # what rank 1 saw, in order: ("post", i) / ("arrive", src, tag, data)
+    seen = 0
+    counter = 0
+
+    def note_arrivals() -> None:
+        nonlocal seen
+        for src, tag in net.arrivals[1][seen:]:
+            events.append(("arrive", src, tag, sent[src].popleft()))
+        seen = len(net.arrivals[1])
+
+    for kind, arg in [*script, ("pump", None)]:
+        if kind == "send":
+            src, tag, size = arg
+            counter += 1
+            data = payload(size, counter)
+            net.send(src, 1, tag, data)
+            sent[src].append(data)
+        elif kind == "recv":
+            source, tag = arg
+            # arrivals so far must be noted before the receive is posted
+            note_arrivals()
+            events.append(("post", len(recvs)))
+            recvs.append((source, tag, net.recv(1, source, tag, 1000)))
+            note_arrivals()  # (recv itself never causes an arrival)
+        else:
+            # deliver packets one at a time so arrivals and posts interleave exactly
+            for _ in range(10_000):
+                moved = False
+                for pair in net.wire:
+                    if net.step_packet(*pair):
+                        note_arrivals()
+                        moved = True
+                    moved = net.step_stream(*pair) or moved
+                if not moved:
+                    break
+    note_arrivals()
+
+    # the model
+    posted: list[int] = []
+    unexpected: list[tuple[int, int, bytes]] = []
+    expect: dict[int, tuple[int, int, bytes]] = {}
+    for event in events:
+        if event[0] == "post":
+            i = event[1]
+            source, tag, _ = recvs[i]
+            for j, (s, t, _d) in enumerate(unexpected):
+                if model_matches(source, tag, s, t):
+                    expect[i] = unexpected.pop(j)
+                    break
+            else:
+                posted.append(i)
+        else:
+            _, s, t, d = event
+            for j, i in enumerate(posted):
+                source, tag, _ = recvs[i]
+                if model_matches(source, tag, s, t):
+                    expect[posted.pop(j)] = (s, t, d)
+                    break
+            else:
+                unexpected.append((s, t, d))
+
+    for i, (_, _, op) in enumerate(recvs):
+        if i in expect:
+            s, t, d = expect[i]
+            assert op.done, f"receive {i} should have matched {s, t}"
+            assert (op.matched_source, op.matched_tag) == (s, t)
+            assert received(op) == d
+        else:
+            assert not op.done
+    assert [(a.source, a.tag) for a in net.engines[1].matcher.unexpected] == \
+        [(s, t) for s, t, _ in unexpected]
+    # every send whose message was matched has completed; no transfer is left half done
+    assert not net.engines[1].recvs
+    matched_rdv = sum(1 for s, t, d in expect.values() if len(d) > LIMIT)
+    pending_rdv = sum(1 for s, t, d in unexpected if len(d) > LIMIT)
+    assert len(net.engines[0].sends) + len(net.engines[2].sends) == pending_rdv
+    assert matched_rdv + pending_rdv == sum(
+        1 for k, a in script if k == "send" and a[2] > LIMIT)
+
+
+# ------------------------------------------------------------------ eager or rendezvous
+
+
+@pytest.mark.parametrize(
+    ("sizes", "kind"),
+    [
+        ([0], EAGER),
+        ([1], EAGER),
+        ([LIMIT - 1], EAGER),
+        ([LIMIT], EAGER),
+        ([LIMIT + 1], RTS),
+        ([10, 10], RTS),  # several segments never go eager, however small
+        ([0, 0], RTS),
+        ([5000], RTS),
+    ],
+)
+def test_eager_or_rts_by_limit_and_segment_count(sizes, kind):
+    net = Net()
+    op = net.send(0, 1, 0, [payload(n) for n in sizes])
+    (t,) = net.kinds(0, Transmit)
+    assert t.kind == kind
+    assert op.nbytes == sum(sizes)
+    if kind == EAGER:
+        assert op.done and net.completed[0] == [op]
+    else:
+        assert not op.done and t.aux == sum(sizes)
+        rts = decode_rts(t.payload)
+        assert rts.sizes == sizes and rts.msgid == op.msgid
+        assert rts.offers == ALL
+        assert [r.nbytes for r in rts.regions] == sizes
+
+
+def test_rts_without_regions_does_not_offer_pull():
+    net = Net()
+    net.send(0, 1, 0, payload(500), regions=False)
+    (t,) = net.kinds(0, Transmit)
+    rts = decode_rts(t.payload)
+    assert rts.offers == PUSH | PIPELINE and rts.regions is None
+
+
+def test_eager_limit_zero_sends_everything_but_empty_by_rendezvous():
+    net = Net(eager_limit=0)
+    net.send(0, 1, 0, b"")
+    net.send(0, 1, 0, b"x")
+    assert [t.kind for t in net.kinds(0, Transmit)] == [EAGER, RTS]
+
+
+# ------------------------------------------------------------------ rendezvous flows
+
+
+def test_rget_flow():
+    net = Net(policies=[pull_policy(1), pull_policy(0)])
+    data = payload(5000, 3)
+    sop = net.send(0, 1, 2, data)
+    rop = net.recv(1, 0, 2, 8000)
+    assert net.kinds(1, Pull) == []
+    net.step_packet(0, 1)  # RTS
+    (pull,) = net.kinds(1, Pull)
+    assert pull.transport == "cma" and pull.peer == 0 and pull.msgid == sop.msgid
+    assert [r.nbytes for r in pull.remote] == [5000]
+    assert rop.done and received(rop) == data and rop.mechanism == "cma"
+    fin = net.kinds(1, Transmit)[-1]
+    assert (fin.dest, fin.kind, fin.aux) == (0, FIN, sop.msgid)
+    assert not sop.done
+    net.pump()
+    assert sop.done and net.completed[0] == [sop]
+    assert not net.engines[0].sends and not net.engines[1].recvs
+    assert net.kinds(1, StreamIn) == [] and net.kinds(0, Push) == []
+
+
+@pytest.mark.parametrize("pushable_only", [False, True])
+def test_rput_flow(pushable_only):
+    if pushable_only:
+        receiver = Policy(order=["cma", "shm"], pushable={0: {"cma"}})
+    else:
+        receiver = pull_policy(0, push=True)
+    net = Net(policies=[pull_policy(1), receiver])
+    data = payload(3000, 4)
+    sop = net.send(0, 1, 2, data)
+    net.pump()
+    rop = net.recv(1, 0, 2, 4000)
+    (cts,) = [t for t in net.kinds(1, Transmit) if t.kind == CTS]
+    info = decode_cts(cts.payload)
+    assert info.mode == PUSH and info.transport == "cma" and info.msgid == sop.msgid
+    assert [r.nbytes for r in info.regions] == [3000]
+    assert net.mem.resolve(info.regions[0]).obj is rop.buffer.obj  # the receiver's own buffer
+    assert not rop.done
+    net.step_packet(1, 0)  # CTS -> Push -> FIN
+    (push,) = net.kinds(0, Push)
+    assert push.recvid == info.recvid == rop.recvid
+    assert sop.done and sop.mechanism == "cma"
+    assert not rop.done
+    net.pump()
+    assert rop.done and received(rop) == data and net.completed[1] == [rop]
+    assert not net.engines[0].sends and not net.engines[1].recvs
+    assert net.kinds(1, Pull) == []
+
+
+@pytest.mark.parametrize("size", [LIMIT + 1, 16, 48, 49, 100, 1000])
+def test_pipeline_flow(size):
+    net = Net(eager_limit=8, frag=16, slots=3)
+    data = payload(size, size)
+    sop = net.send(0, 1, 6, data)
+    rop = net.recv(1, 0, 6, 2000)
+    net.step_packet(0, 1)
+    (stream_in,) = net.kinds(1, StreamIn)
+    assert stream_in.op is rop
+    (cts,) = [t for t in net.kinds(1, Transmit) if t.kind == CTS]
+    info = decode_cts(cts.payload)
+    assert info.mode == PIPELINE and info.transport == "shm" and info.regions == []
+    net.step_packet(1, 0)
+    (stream_out,) = net.kinds(0, StreamOut)
+    assert stream_out.op is sop and sop.mechanism == "shm"
+    net.pump()
+    assert sop.done and rop.done and received(rop) == data
+    assert not net.engines[0].sends and not net.engines[1].recvs
+    assert not any(t.kind == FIN for t in net.kinds(0, Transmit) + net.kinds(1, Transmit))
+
+
+def test_pipeline_messages_back_to_back_share_the_counts():
+    net = Net(eager_limit=8, frag=16, slots=2)
+    datas = [payload(n, n) for n in (100, 17, 32, 300)]
+    sops = [net.send(0, 1, 1, d) for d in datas]
+    rops = [net.recv(1, 0, 1, 400) for _ in datas]
+    net.pump()
+    assert all(op.done for op in sops + rops)
+    assert [received(op) for op in rops] == datas
+    ps = net.streams[(0, 1)]
+    assert ps.filled == ps.drained == sum(-(-len(d) // 16) for d in datas)
+
+
+def test_pipeline_without_regions_when_only_pull_is_possible():
+    net = Net(policies=[pull_policy(1), Policy(order=["cma", "shm"], pullable={0: {"cma"}})])
+    data = payload(500, 9)
+    net.send(0, 1, 0, data, regions=False)  # RTS offers no PULL
+    rop = net.recv(1, 0, 0, 500)
+    net.pump()
+    assert received(rop) == data and rop.mechanism == "shm"
+    assert net.kinds(1, Pull) == [] and len(net.kinds(1, StreamIn)) == 1
+
+
+# ------------------------------------------------------------------ truncation
+
+
+@pytest.mark.parametrize("posted_first", [False, True])
+def test_truncation_eager(posted_first):
+    net = Net()
+    if posted_first:
+        rop = net.recv(1, 0, 3, 10)
+    sop = net.send(0, 1, 3, payload(40))
+    net.pump()
+    if not posted_first:
+        rop = net.recv(1, 0, 3, 10)
+    assert rop.done and isinstance(rop.error, TruncationError)
+    err = rop.error
+    assert (err.source, err.tag, err.nbytes, err.capacity) == (0, 3, 40, 10)
+    assert net.kinds(1, Deliver) == []
+    assert bytes(rop.buffer) == bytes(10)  # nothing written past or into the buffer
+    assert sop.done
+    # consumed: nothing left to match
+    assert net.engines[1].probe(ANY_SOURCE, ANY_TAG) is None
+    again = net.recv(1, 0, 3, 100)
+    assert not again.done
+    net.send(0, 1, 3, b"next")
+    net.pump()
+    assert received(again) == b"next"
+
+
+@pytest.mark.parametrize("posted_first", [False, True])
+@pytest.mark.parametrize("mode", ["pipeline", "pull", "push"])
+def test_truncation_rendezvous(posted_first, mode):
+    if mode == "pipeline":
+        policies = [Policy(), Policy()]
+    else:
+        policies = [pull_policy(1), pull_policy(0, push=(mode == "push"))]
+    net = Net(policies=policies)
+    if posted_first:
+        rop = net.recv(1, 0, 3, 100)
+    sop = net.send(0, 1, 3, payload(1000))
+    net.pump()
+    if not posted_first:
+        rop = net.recv(1, 0, 3, 100)
+        net.pump()
+    assert rop.done and isinstance(rop.error, TruncationError)
+    assert (rop.error.nbytes, rop.error.capacity) == (1000, 100)
+    assert sop.done and net.completed[0] == [sop]  # the sender is released by a FIN
+    assert not net.engines[0].sends and not net.engines[1].recvs
+    for cls in (Pull, Push, StreamIn, StreamOut, Deliver):
+        assert net.kinds(0, cls) == [] and net.kinds(1, cls) == []
+    assert not any(t.kind == CTS for t in net.kinds(1, Transmit))
+    assert net.engines[1].probe(ANY_SOURCE, ANY_TAG) is None
+    again = net.recv(1, 0, 3, 2000)
+    data = payload(1500, 5)
+    net.send(0, 1, 3, data)
+    net.pump()
+    assert received(again) == data
+
+
+def test_exact_fit_is_not_truncation():
+    net = Net()
+    for n in (LIMIT, 500):
+        data = payload(n, n)
+        net.send(0, 1, 0, data)
+        rop = net.recv(1, 0, 0, n)
+        net.pump()
+        assert received(rop) == data
+
+
+# ------------------------------------------------------------------ object messages
+
+
+@pytest.mark.parametrize("mode", ["pipeline", "pull", "push"])
+def test_object_flag_and_segments(mode):
+    if mode == "pipeline":
+        policies = [Policy(), Policy()]
+    else:
+        policies = [pull_policy(1), pull_policy(0, push=(mode == "push"))]
+    net = Net(policies=policies)
+    small = net.send(0, 1, 1, b"pickle-stream", is_object=True)
+    (t,) = net.kinds(0, Transmit)
+    assert t.kind == EAGER | OBJECT and small.is_object
+    parts = [payload(30, 1), payload(200, 2), payload(0, 3), payload(70, 4)]
+    big = net.send(0, 1, 2, parts, is_object=True)
+    assert net.kinds(0, Transmit)[-1].kind == RTS | OBJECT
+    plain = net.send(0, 1, 3, payload(300, 5))
+    net.pump()
+    r_small = net.recv(1, 0, 1, None)
+    r_big = net.recv(1, 0, 2, None)
+    r_plain = net.recv(1, 0, 3, 400)
+    net.pump()
+    assert r_small.is_object and received(r_small) == b"pickle-stream"
+    assert r_big.is_object and [bytes(s) for s in r_big.segments] == parts
+    assert not r_plain.is_object
+    assert all(op.done for op in (small, big, plain))
+
+
+def test_object_receive_matches_plain_eager_message_too():
+    net = Net()
+    net.send(0, 1, 1, b"raw")
+    rop = net.recv(1, 0, 1, None)
+    net.pump()
+    assert not rop.is_object and received(rop) == b"raw"
+
+
+# ------------------------------------------------------------------ wire formats
+
+regions_st = st.lists(st.tuples(st.integers(0, 2**62), st.integers(0, 2**40)), min_size=1,
+                      max_size=40)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 2**62), st.integers(0, 7), regions_st, st.booleans())
+def test_rts_round_trip(msgid, offers, spans, with_regions):
+    sizes = [n for _, n in spans]
+    regions = [Region(a, n) for a, n in spans] if with_regions else None
+    info = decode_rts(encode_rts(msgid, offers, sizes, regions))
+    assert (info.msgid, info.offers, info.sizes) == (msgid, offers, sizes)
+    assert info.regions == regions
+
+
+def test_rts_round_trip_decodes_from_memoryview():
+    blob = encode_rts(7, PULL, [3, 4], [Region(100, 3), Region(200, 4)])
+    info = decode_rts(memoryview(bytearray(blob)))
+    assert info.regions == [Region(100, 3), Region(200, 4)]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 2**62), st.integers(0, 2**62), st.sampled_from([PULL, PUSH, PIPELINE]),
+       st.text(max_size=20), st.lists(st.tuples(st.integers(0, 2**62), st.integers(0, 2**62)),
+                                      max_size=40))
+def test_cts_round_trip(msgid, recvid, mode, transport, spans):
+    regions = [Region(a, n) for a, n in spans]
+    blob = encode_cts(msgid, recvid, mode, transport, regions)
+    info = decode_cts(memoryview(blob))
+    assert (info.msgid, info.recvid, info.mode, info.transport) == (msgid, recvid, mode, transport)
+    assert info.regions == regions
+
+
+# ------------------------------------------------------------------ Pipeline schedule
+
+
+def test_pipeline_zero_bytes():
+    p = Pipeline(0, 16, 4, first=7)
+    assert p.count == 0 and p.finished and p.end == 7
+    assert p.fill(0) is None and p.drain(100) is None
+
+
+@pytest.mark.parametrize("k", [1, 2, 5])
+def test_pipeline_exact_multiple(k):
+    p = Pipeline(16 * k, 16, 2, first=0)
+    spans = []
+    drained = 0
+    while not p.finished:
+        step = p.fill(drained)
+        assert step is not None
+        spans.append(step[1:])
+        drained = p.advance()  # drained at once
+    assert p.count == k and spans == [(16 * i, 16 * i + 16) for i in range(k)]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 400), st.integers(1, 64), st.integers(1, 6), st.integers(0, 1000))
+def test_pipeline_fragments(nbytes, frag, slots, first):
+    p = Pipeline(nbytes, frag, slots, first)
+    assert p.count == -(-nbytes // frag) and p.end == first + p.count
+    got = []
+    while True:
+        step = p.fill(first + p.next)  # receiver keeps up
+        if step is None:
+            break
+        got.append(step)
+        assert p.advance() == first + len(got)
+    assert p.finished and len(got) == p.count
+    for i, (slot, start, stop) in enumerate(got):
+        assert slot == (first + i) % slots
+        assert start == i * frag
+        assert stop == min(nbytes, start + frag)
+        assert stop > start  # no empty fragments
+    if got:
+        assert got[-1][2] == nbytes
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 400), st.integers(1, 64), st.integers(1, 6), st.integers(0, 1000),
+       st.integers(0, 10))
+def test_pipeline_fill_blocked_by_slots_ahead(nbytes, frag, slots, first, drained_ahead):
+    p = Pipeline(nbytes, frag, slots, first)
+    drained = first + min(drained_ahead, p.count)
+    filled = 0
+    while p.fill(drained) is not None:
+        p.advance()
+        filled += 1
+    # the sender may run at most `slots` fragments ahead of what was drained
+    assert filled == min(p.count, drained - first + slots)
+    assert not p.finished or filled == p.count
+    if not p.finished:
+        assert p.first + p.next - drained == slots
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 400), st.integers(1, 64), st.integers(1, 6), st.integers(0, 1000),
+       st.integers(0, 10))
+def test_pipeline_drain_blocked_until_filled(nbytes, frag, slots, first, filled_ahead):
+    p = Pipeline(nbytes, frag, slots, first)
+    filled = first + filled_ahead
+    drained = 0
+    while p.drain(filled) is not None:
+        p.advance()
+        drained += 1
+    assert drained == min(p.count, filled_ahead)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 300), min_size=1, max_size=5), st.integers(1, 48),
+       st.integers(1, 4), st.integers(0, 50), st.integers(0, 2**32))
+def test_pipeline_random_interleaving_moves_every_byte(sizes, frag, slots, start, seed):
+    """Several messages through shared counts; the two sides take turns at random."""
+    staging = [None] * slots  # what each slot holds: (message, fragment) or None when free
+    memory = bytearray(frag * slots)
+    filled = drained = start
+    messages = [payload(n, i) for i, n in enumerate(sizes)]
+    out = [bytearray(n) for n in sizes]
+    send_i = recv_i = 0
+    sp = Pipeline(sizes[0], frag, slots, filled)
+    rp = Pipeline(sizes[0], frag, slots, drained)
+    rnd = random.Random(seed)
+    bias = 0.1 + 0.8 * rnd.random()  # how often the sender gets the turn
+    for _ in range(100_000):
+        if send_i == len(sizes) and recv_i == len(sizes):
+            break
+        side = "send" if rnd.random() < bias else "recv"
+        if side == "send" and send_i < len(sizes):
+            if sp.finished:
+                send_i += 1
+                if send_i < len(sizes):
+                    sp = Pipeline(sizes[send_i], frag, slots, filled)
+                continue
+            step = sp.fill(drained)
+            if step is None:
+                # blocked only when every slot holds an undrained fragment
+                assert filled - drained == slots
+                continue
+            slot, lo, hi = step
+            assert staging[slot] is None, "sender overwrote a fragment not yet drained"
+            memory[slot * frag : slot * frag + hi - lo] = messages[send_i][lo:hi]
+            staging[slot] = (send_i, lo)
+            filled = sp.advance()
+        elif side == "recv" and recv_i < len(sizes):
+            if rp.finished:
+                recv_i += 1
+                if recv_i < len(sizes):
+                    rp = Pipeline(sizes[recv_i], frag, slots, drained)
+                continue
+            step = rp.drain(filled)
+            if step is None:
+                assert filled == drained
+                continue
+            slot, lo, hi = step
+            assert staging[slot] == (recv_i, lo), "receiver drained the wrong fragment"
+            out[recv_i][lo:hi] = memory[slot * frag : slot * frag + hi - lo]
+            staging[slot] = None
+            drained = rp.advance()
+    assert send_i == recv_i == len(sizes)
+    assert [bytes(o) for o in out] == messages
+    assert filled == drained == start + sum(-(-n // frag) for n in sizes)
+
+
+# ------------------------------------------------------------------ Policy
+
+
+def test_policy_default_is_staged_shm():
+    assert Policy().choose(1, 10**9, ALL) == (PIPELINE, "shm")
+
+
+def test_policy_prefers_pull_then_push_then_staged():
+    p = Policy(order=["cma", "vmfd", "shm"], pullable={1: {"cma"}}, pushable={1: {"vmfd"}})
+    assert p.choose(1, 100, ALL) == (PULL, "cma")
+    assert p.choose(1, 100, PUSH | PIPELINE) == (PUSH, "vmfd")  # no regions offered
+    assert p.choose(1, 100, PIPELINE) == (PIPELINE, "shm")
+    assert p.choose(2, 100, ALL) == (PIPELINE, "shm")  # nothing known about rank 2
+
+
+def test_policy_push_preference():
+    p = Policy(order=["cma", "shm"], pullable={1: {"cma"}}, pushable={1: {"cma"}}, push=True)
+    assert p.choose(1, 100, ALL) == (PUSH, "cma")
+    assert p.choose(1, 100, PULL | PIPELINE) == (PULL, "cma")  # push not offered
+    p.push = False
+    assert p.choose(1, 100, ALL) == (PULL, "cma")
+
+
+def test_policy_pushable_only():
+    p = Policy(order=["cma", "shm"], pushable={1: {"cma"}})
+    assert p.choose(1, 100, ALL) == (PUSH, "cma")
+    assert p.choose(1, 100, PULL | PIPELINE) == (PIPELINE, "shm")
+
+
+def test_policy_thresholds():
+    p = Policy(order=["cma", "vmfd", "shm"], pullable={1: {"cma", "vmfd"}},
+               thresholds={"cma": 1 << 20, "vmfd": 1 << 16})
+    assert p.choose(1, 1000, ALL) == (PIPELINE, "shm")
+    assert p.choose(1, (1 << 16) - 1, ALL) == (PIPELINE, "shm")
+    assert p.choose(1, 1 << 16, ALL) == (PULL, "vmfd")
+    assert p.choose(1, 1 << 20, ALL) == (PULL, "cma")
+    assert p.choose(1, 1 << 30, ALL) == (PULL, "cma")
+
+
+def test_policy_staged_threshold_falls_back_to_shm():
+    p = Policy(order=["shm"], thresholds={"shm": 1 << 20})
+    assert p.choose(1, 10, ALL) == (PIPELINE, "shm")
+
+
+def test_policy_forced_ignores_order_and_thresholds():
+    p = Policy(order=["cma", "vmfd", "shm"], pullable={1: {"cma", "vmfd"}},
+               thresholds={"vmfd": 1 << 30}, forced="vmfd")
+    assert p.choose(1, 10, ALL) == (PULL, "vmfd")
+    p = Policy(order=["cma", "shm"], pushable={1: {"cma"}}, forced="cma")
+    assert p.choose(1, 10, ALL) == (PUSH, "cma")
+    p = Policy(order=["cma", "shm"], pullable={1: {"cma"}}, forced="shm")
+    assert p.choose(1, 10, ALL) == (PIPELINE, "shm")
+
+
+def test_policy_staged_transport_by_name():
+    p = Policy(order=["fancy", "shm"], staged={"shm", "fancy"})
+    assert p.choose(1, 10, ALL) == (PIPELINE, "fancy")
+    assert p.choose(1, 10, PULL | PUSH) == (PIPELINE, "shm")  # fallback, whatever is offered
+
+
+def test_engine_uses_policy_per_source():
+    policy = Policy(order=["cma", "shm"], pullable={0: {"cma"}})
+    net = Net(3, policies=[pull_policy(1), policy, pull_policy(1)])
+    d0, d2 = payload(500, 0), payload(500, 2)
+    net.send(0, 1, 0, d0)
+    net.send(2, 1, 0, d2)
+    r0 = net.recv(1, 0, 0, 500)
+    r2 = net.recv(1, 2, 0, 500)
+    net.pump()
+    assert (received(r0), received(r2)) == (d0, d2)
+    assert (r0.mechanism, r2.mechanism) == ("cma", "shm")

@@ -1,0 +1,222 @@
+"""The ``cma-run`` launcher: ``python -m cma.run -n N python prog.py``."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+import cma
+
+RUN_TIMEOUT = 120
+
+RING = """
+import os, sys
+import numpy as np
+import cma
+
+comm = cma.COMM_WORLD
+rank, size = comm.Get_rank(), comm.Get_size()
+out = sys.argv[1]
+right, left = (rank + 1) % size, (rank - 1) % size
+sizes = [0, 100, 8192, 8193, 100_000, (3 << 20) + 5]
+for rnd in range(3):
+    for it, n in enumerate(sizes):
+        tag = rnd * 100 + it
+        data = np.full(n, (rank * 7 + tag) % 251, np.uint8)
+        buf = np.empty(n, np.uint8)
+        st = cma.Status()
+        comm.Sendrecv(data, right, tag, buf, left, tag, st)
+        assert (st.source, st.tag, st.count) == (left, tag, n), st
+        assert (buf == (left * 7 + tag) % 251).all()
+        req = comm.Isend(data, left, tag + 50)
+        comm.Recv(buf, right, tag + 50)
+        req.Wait()
+        assert (buf == (right * 7 + tag) % 251).all()
+    comm.Barrier()
+obj = comm.sendrecv({"rank": rank, "arr": np.arange(rank, rank + 5000)}, dest=right, source=left)
+assert obj["rank"] == left and (obj["arr"] == np.arange(left, left + 5000)).all()
+comm.Barrier()
+with open(os.path.join(out, f"rank{rank}"), "w") as f:
+    f.write(f"{rank} {size} {comm.transport} {os.getpid()}")
+"""
+
+FAIL = """
+import os, sys
+import numpy as np
+import cma
+
+comm = cma.COMM_WORLD
+out = sys.argv[1]
+with open(os.path.join(out, f"pid{comm.rank}.tmp"), "w") as f:
+    f.write(str(os.getpid()))
+os.rename(os.path.join(out, f"pid{comm.rank}.tmp"), os.path.join(out, f"pid{comm.rank}"))
+comm.Barrier()  # every pid is on disk before anyone fails
+if comm.rank == 2:
+    sys.exit(3)
+comm.Recv(np.empty(10), source=cma.ANY_SOURCE, tag=1)  # nobody sends: blocks until stopped
+"""
+
+GATHER = """
+import os, sys
+import numpy as np
+import cma
+
+comm = cma.COMM_WORLD
+rank, size = comm.Get_rank(), comm.Get_size()
+if rank == 0:
+    seen = []
+    buf = np.empty(200_000, np.uint8)
+    for _ in range(3 * (size - 1)):
+        st = cma.Status()
+        comm.Recv(buf, source=cma.ANY_SOURCE, tag=cma.ANY_TAG, status=st)
+        assert st.tag % 10 == st.source and st.count == 1000 * st.tag, st
+        assert (buf[: st.count] == st.source).all()
+        seen.append((st.source, st.tag))
+    for src in range(1, size):  # non-overtaking per sender, whatever the interleaving
+        assert [t for s, t in seen if s == src] == [src, 10 + src, 100 + src], seen
+    comm.Barrier()
+    ranks = sorted(comm.recv(source=cma.ANY_SOURCE, tag=7) for _ in range(size - 1))
+    assert ranks == list(range(1, size))
+    with open(os.path.join(sys.argv[1], "gather"), "w") as f:
+        f.write("ok")
+else:
+    for tag in (rank, 10 + rank, 100 + rank):
+        comm.Send(np.full(1000 * tag, rank, np.uint8), dest=0, tag=tag)
+    comm.Barrier()
+    comm.send(rank, dest=0, tag=7)
+comm.Barrier()
+"""
+
+HANG = """
+import os, sys, time
+import cma
+
+comm = cma.COMM_WORLD
+with open(os.path.join(sys.argv[1], f"pid{comm.rank}"), "w") as f:
+    f.write(str(os.getpid()))
+comm.Barrier()
+time.sleep(600)
+"""
+
+
+def cma_run(args: list[str], prog: str, tmp_path: Path, env: dict[str, str] | None = None,
+            timeout: float = RUN_TIMEOUT) -> tuple[int, str, str, float]:
+    """Run cma-run in its own process group; on timeout the whole group is killed."""
+    path = tmp_path / "prog.py"
+    path.write_text(textwrap.dedent(prog))
+    cmd = [sys.executable, "-m", "cma.run", *args, sys.executable, str(path), str(tmp_path)]
+    run_env = {k: v for k, v in os.environ.items() if k != "CMA_TRANSPORT"}
+    run_env.update(env or {})
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=run_env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate(timeout=30)
+        pytest.fail(f"cma-run {' '.join(args)} did not finish in {timeout} s\n{err}")
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # anything of the group left behind
+        except ProcessLookupError:
+            pass
+    return proc.returncode, out, err, time.monotonic() - t0
+
+
+def read_ranks(tmp_path: Path, n: int) -> list[list[str]]:
+    return [(tmp_path / f"rank{r}").read_text().split() for r in range(n)]
+
+
+def assert_all_gone(pids: list[int]) -> None:
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_ranks_ring_and_barrier(tmp_path, n):
+    """Four ranks on two cores must progress too (oversubscribed: they yield and sleep)."""
+    code, out, err, _ = cma_run(["-n", str(n)], RING, tmp_path)
+    assert code == 0, err
+    ranks = read_ranks(tmp_path, n)
+    assert [int(r[0]) for r in ranks] == list(range(n))
+    assert all(int(r[1]) == n for r in ranks)
+    assert all(r[2] == "auto" for r in ranks)
+    assert len({r[3] for r in ranks}) == n  # one process per rank
+    assert_all_gone([int(r[3]) for r in ranks])
+
+
+def test_any_source_from_many_ranks(tmp_path):
+    code, out, err, _ = cma_run(["-n", "4"], GATHER, tmp_path)
+    assert code == 0, err
+    assert (tmp_path / "gather").read_text() == "ok"
+
+
+@pytest.mark.parametrize("transport", cma.transport_names())
+def test_transport_flag(tmp_path, transport):
+    code, out, err, _ = cma_run(["-n", "2", "--transport", transport], RING, tmp_path)
+    assert code == 0, err
+    assert [r[2] for r in read_ranks(tmp_path, 2)] == [transport, transport]
+
+
+@pytest.mark.parametrize("transport", ["shm", "vmfd"])
+def test_transport_env(tmp_path, transport):
+    code, out, err, _ = cma_run(["-n", "2"], RING, tmp_path, env={"CMA_TRANSPORT": transport})
+    assert code == 0, err
+    assert [r[2] for r in read_ranks(tmp_path, 2)] == [transport, transport]
+
+
+def test_transport_flag_beats_env(tmp_path):
+    code, out, err, _ = cma_run(["-n", "2", "--transport", "shm"], RING, tmp_path,
+                                env={"CMA_TRANSPORT": "vmfd"})
+    assert code == 0, err
+    assert [r[2] for r in read_ranks(tmp_path, 2)] == ["shm", "shm"]
+
+
+@pytest.mark.parametrize(("eager_limit", "transport"), [("0", "shm"), ("0", "cma"), ("100", "shm")])
+def test_small_eager_limit_and_staging(tmp_path, eager_limit, transport):
+    """Tiny slots: every control packet but FIN spans several ring slots."""
+    args = ["-n", "2", "--transport", transport, "--eager-limit", eager_limit,
+            "--frag-size", "4096", "--stage-slots", "1", "--timeout", "20"]
+    code, out, err, _ = cma_run(args, RING, tmp_path, timeout=60)
+    assert code == 0, f"exit {code} (124: the ranks hung)\n{err}"
+    assert [r[2] for r in read_ranks(tmp_path, 2)] == [transport, transport]
+
+
+def test_failing_rank_stops_everyone(tmp_path):
+    code, out, err, elapsed = cma_run(["-n", "4"], FAIL, tmp_path, timeout=60)
+    assert code == 3, err
+    assert "rank 2" in err
+    pids = [int((tmp_path / f"pid{r}").read_text()) for r in range(4)]
+    assert_all_gone(pids)
+    assert elapsed < 30, f"cma-run took {elapsed:.1f} s to give up"
+
+
+def test_timeout_stops_everyone(tmp_path):
+    code, out, err, elapsed = cma_run(["-n", "2", "--timeout", "3"], HANG, tmp_path, timeout=60)
+    assert code == 124, err
+    pids = [int((tmp_path / f"pid{r}").read_text()) for r in range(2)]
+    assert_all_gone(pids)
+    assert elapsed < 30
+
+
+def test_missing_program_is_an_error(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "cma.run", "-n", "2"], capture_output=True,
+                          text=True, timeout=RUN_TIMEOUT, cwd=tmp_path)
+    assert proc.returncode != 0
+    assert "no program" in proc.stderr
+
+
+def test_unknown_transport_fails_every_rank(tmp_path):
+    code, out, err, _ = cma_run(["-n", "2", "--transport", "no-such"], RING, tmp_path,
+                                timeout=60)
+    assert code != 0
+    assert "unknown transport" in err

@@ -354,9 +354,26 @@ def run_memcpy(plan: Plan, on_size: OnSize | None = None) -> list[SizeResult]:
 # ---------------------------------------------------------------- peer processes
 
 
-def _peer_main(comm: Any, flavor: str, plan: Plan) -> None:
+# CPUs for this process and for the peer child when --bind is on (set by main).
+_cpus: dict[str, int] = {}
+
+
+def bind_cpus(rank: int) -> dict[str, int]:
+    """Pin this process to one CPU and choose the next for a peer, as OSU runs are bound:
+    two spinning processes that share a CPU measure the scheduler, not the transport."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return {}
+    own = cpus[rank % len(cpus)]
+    os.sched_setaffinity(0, {own})
+    return {"self": own, "peer": cpus[(rank + 1) % len(cpus)]}
+
+
+def _peer_main(comm: Any, flavor: str, plan: Plan, cpu: int | None = None) -> None:
     # Ctrl-C reaches the whole process group; the parent handles it and ends this process.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if cpu is not None:
+        os.sched_setaffinity(0, {cpu})
     try:
         run_plan(Endpoint(comm, flavor), plan)
     finally:
@@ -375,7 +392,8 @@ def run_with_peer(pair: tuple[Any, Any], flavor: str, plan: Plan,
     """Run ``plan`` with rank 0 here and rank 1 in a spawned child; always end the child."""
     local, remote = pair
     proc = multiprocessing.get_context("spawn").Process(
-        target=_peer_main, args=(remote, flavor, plan), name="cma-bench-peer", daemon=True)
+        target=_peer_main, args=(remote, flavor, plan, _cpus.get("peer")), name="cma-bench-peer",
+        daemon=True)
     ok = False
     try:
         proc.start()
@@ -647,6 +665,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="write every sample, the parameters and the machine to FILE")
     common.add_argument("--plot", metavar="FILE.png",
                         help="draw time and bandwidth against size (needs matplotlib)")
+    common.add_argument("--bind", action=argparse.BooleanOptionalAction, default=True,
+                        help="pin each process to its own CPU, as OSU runs are bound "
+                             "(default: on when there are 2 or more CPUs)")
     common.add_argument("--format", choices=("table", "mpi4py"), default="table",
                         help="'mpi4py' prints rows like python -m mpi4py.bench pingpong")
     parser = argparse.ArgumentParser(
@@ -709,7 +730,7 @@ def write_json(path: str, args: argparse.Namespace, plans: dict[str, Plan],
         "parameters": {
             "kind": args.kind, "sizes": args.sizes, "window": args.window, "cold": args.cold,
             "quick": args.quick, "iterations": args.iterations, "warmup": args.warmup,
-            "transport": args.transport, "baseline": args.baseline,
+            "transport": args.transport, "baseline": args.baseline, "cpus": dict(_cpus),
             "samples_ns": "nanoseconds per timed sample: a round trip (latency), a window "
                           "(bw, bibw) or one copy (memcpy); time per message = sample / "
                           "messages_per_sample",
@@ -728,6 +749,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     world = mpi_world()
     rank = world.Get_rank() if world is not None else 0
+    _cpus.clear()
+    if args.bind:
+        _cpus.update(bind_cpus(rank))
     try:
         specs, not_run = select_series(args.kind, args.transport, args.baseline, world)
     except (ValueError, ImportError, AttributeError) as exc:

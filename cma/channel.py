@@ -61,15 +61,16 @@ def packet_bytes(nbytes: int) -> int:
 class ChannelConfig:
     """Sizes of the shared segment.
 
-    ``eager_limit`` is the largest message sent inline; 256 KiB: on the project machine
+    ``eager_limit`` is the largest message sent inline; 512 KiB: on the project machine
     (a 2-vCPU VM) one-way ping-pong of 128 KiB took 8.5 us eager, 46 us through the
-    shm pipeline and 56 us through cma; of 256 KiB, 15 / 59 / 73 us. A rendezvous pays
-    a handshake in Python and, for cma, the pinning of a running peer's pages, where two
-    cache-warm memcpys cost a few us (docs/transports.md). ``ring_bytes`` (a power of
-    two, at least 4 x eager_limit) bounds what is in flight per direction.
+    shm pipeline and 56 us through cma; of 512 KiB, 41 / 66 / 104 us; from 1 MiB the
+    pipeline wins. A rendezvous pays a handshake in Python and, for cma, the pinning of
+    a running peer's pages, where two cache-warm memcpys cost a few us
+    (docs/transports.md). ``ring_bytes`` (a power of two, at least 4 x eager_limit)
+    bounds what is in flight per direction.
     """
 
-    eager_limit: int = 256 << 10
+    eager_limit: int = 512 << 10
     ring_bytes: int = 4 << 20
     frag_size: int = 1 << 20
     stage_slots: int = 4

@@ -56,9 +56,13 @@ from .world import PeerLink, World, WorldFds
 AUTO = "auto"
 # Preference for large messages under "auto": fewest copies first.
 AUTO_ORDER = ["cma", "vmfd", "shm"]
-# Smallest rendezvous message each transport takes under "auto" (bytes). Measured with
-# cma-bench on the project machine; docs/transports.md has the run. Override per Comm.
-AUTO_THRESHOLDS = {"cma": 0, "vmfd": 0, "shm": 0}
+# Smallest rendezvous message each transport takes under "auto" (bytes), from cma-bench
+# on the project machine (docs/transports.md has the runs): there the pipelined double
+# copy beat cma and vmfd at every size from 512 KiB to 64 MiB (a nested VM makes pinning
+# a running peer's pages dear), so neither is chosen while shm works. On a machine where
+# the single copy wins, lower them: Pipe(..., thresholds={"cma": 0}).
+NEVER = 1 << 62
+AUTO_THRESHOLDS = {"cma": NEVER, "vmfd": NEVER, "shm": 0}
 
 # How long a blocked call spins before it sleeps. Waking a sleeping process costs from
 # ~10 us to several hundred on the project's VM (an idle vCPU must be woken), so a

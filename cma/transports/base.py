@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, NamedTuple, Protocol
 
-from ..errors import TransportUnavailable
+from ..errors import BufferError, TransportUnavailable
 
 
 class Region(NamedTuple):
@@ -135,6 +135,20 @@ class Transport:
 
     def drain(self, slot: memoryview, fragment: memoryview) -> None:
         raise NotImplementedError(f"{self.name} is not staged")
+
+
+def local_byte_views(buffers: Sequence[memoryview], *, writable: bool, what: str) -> list[memoryview]:
+    """The non-empty local buffers as flat byte views; BufferError for any a copy cannot use."""
+    views = []
+    for i, buf in enumerate(buffers):
+        if not buf.nbytes:
+            continue
+        if not buf.c_contiguous:
+            raise BufferError(f"{what}: local buffer {i} is not C-contiguous; pass a contiguous copy")
+        if writable and buf.readonly:
+            raise BufferError(f"{what}: local buffer {i} is read-only and cannot receive data")
+        views.append(buf.cast("B") if buf.ndim != 1 or buf.format != "B" else buf)
+    return views
 
 
 def total_bytes(buffers: Sequence[memoryview] | Sequence[Region]) -> int:

@@ -53,7 +53,7 @@ from typing import ClassVar
 
 from .. import _linux
 from ..errors import BufferError, CmaError, TransportFault
-from .base import Copies, Host, Peer, Region, Transport
+from .base import Copies, Host, Peer, Region, Transport, local_byte_views
 
 SPLIT_THRESHOLD = 4 << 20  # bytes; below it a thread hand-off costs about what it gains
 
@@ -155,20 +155,8 @@ def _copy(pid: int, local: _Stream, remote: _Stream, *, write: bool, what: str) 
 
 
 def _local_stream(buffers: Sequence[memoryview], *, writable: bool, what: str) -> _Stream:
-    addrs: list[int] = []
-    lens: list[int] = []
-    for i, buf in enumerate(buffers):
-        if not buf.nbytes:
-            continue
-        if not buf.c_contiguous:
-            raise BufferError(
-                f"{what}: local buffer {i} is not C-contiguous; pass a contiguous copy"
-            )
-        if writable and buf.readonly:
-            raise BufferError(f"{what}: local buffer {i} is read-only and cannot receive data")
-        addrs.append(_linux.local_address(buf))
-        lens.append(buf.nbytes)
-    return _Stream(addrs, lens)
+    views = local_byte_views(buffers, writable=writable, what=what)
+    return _Stream([_linux.local_address(v) for v in views], [v.nbytes for v in views])
 
 
 def _remote_stream(regions: Sequence[Region], *, what: str) -> _Stream:

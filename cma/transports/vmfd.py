@@ -29,23 +29,7 @@ from typing import ClassVar
 
 from .. import _linux
 from ..errors import BufferError, CmaError, TransportFault, TransportUnavailable, WindowError
-from .base import Copies, Host, Peer, Region, Transport, TransportStats
-
-
-def _byte_views(buffers: Sequence[memoryview], *, writable: bool, what: str) -> list[memoryview]:
-    """The non-empty buffers as flat byte views, which preadv/pwritev can advance by slicing."""
-    views = []
-    for i, buf in enumerate(buffers):
-        if not buf.nbytes:
-            continue
-        if not buf.c_contiguous:
-            raise BufferError(
-                f"{what}: local buffer {i} is not C-contiguous; pass a contiguous copy"
-            )
-        if writable and buf.readonly:
-            raise BufferError(f"{what}: local buffer {i} is read-only and cannot receive data")
-        views.append(buf.cast("B") if buf.ndim != 1 or buf.format != "B" else buf)
-    return views
+from .base import Copies, Host, Peer, Region, Transport, TransportStats, local_byte_views
 
 
 def _advance(views: list[memoryview], nbytes: int) -> list[memoryview]:
@@ -81,11 +65,11 @@ class VmFd:
 
     def read(self, addr: int, buffers: Sequence[memoryview]) -> None:
         """Fill ``buffers`` from the window's bytes at ``addr`` onwards."""
-        self.move(addr, _byte_views(buffers, writable=True, what="vmfd read"), write=False)
+        self.move(addr, local_byte_views(buffers, writable=True, what="vmfd read"), write=False)
 
     def write(self, addr: int, buffers: Sequence[memoryview]) -> None:
         """Copy ``buffers`` into the window at ``addr`` onwards."""
-        self.move(addr, _byte_views(buffers, writable=False, what="vmfd write"), write=True)
+        self.move(addr, local_byte_views(buffers, writable=False, what="vmfd write"), write=True)
 
     def move(self, addr: int, views: list[memoryview], *, write: bool) -> None:
         """``read`` or ``write`` for views already checked and flattened by ``_byte_views``."""
@@ -193,7 +177,7 @@ class VmfdTransport(Transport):
     def read(self, peer: Peer, remote: Sequence[Region], local: Sequence[memoryview]) -> None:
         memory = self._memory(peer)
         what = f"vmfd read from rank {peer.rank}"
-        for region, part in _pair(remote, _byte_views(local, writable=True, what=what), what):
+        for region, part in _pair(remote, local_byte_views(local, writable=True, what=what), what):
             window = VmFd(memory.readable, *region, pid=memory.pid, stats=self.stats)
             window.move(region.addr, part, write=False)
 
@@ -205,7 +189,7 @@ class VmfdTransport(Transport):
                 "push=True in both processes"
             )
         what = f"vmfd write to rank {peer.rank}"
-        for region, part in _pair(remote, _byte_views(local, writable=False, what=what), what):
+        for region, part in _pair(remote, local_byte_views(local, writable=False, what=what), what):
             window = VmFd(memory.writable, *region, pid=memory.pid, stats=self.stats)
             window.move(region.addr, part, write=True)
 

@@ -464,7 +464,8 @@ class Comm:
         return self._progress()
 
     def transports(self) -> dict[int, dict[str, Any]]:
-        """Per peer: the transports usable with it, which one large messages use, and why not others."""
+        """Per peer: the transports usable with it, the one a large message would use (as
+        ``auto``'s thresholds decide), and why the others are unavailable."""
         if not self._attached:
             self._attach()
         policy = self._engine.policy
@@ -472,7 +473,8 @@ class Comm:
         for p in self._peers:
             usable = [n for n in policy.order if n in policy.pullable[p] | policy.pushable[p]
                       or n in policy.staged]
-            report[p] = {"uses": usable[0] if usable else "shm", "usable": usable,
+            _, large = policy.choose(p, 1 << 40, PULL | PUSH | PIPELINE)
+            report[p] = {"uses": large, "usable": usable,
                          "unavailable": dict(self._reasons.get(p, {}))}
         return report
 

@@ -42,3 +42,84 @@ def test_report_names_the_transport_large_messages_use(transport, thresholds, ex
             p.kill()
             p.join()
         a.close()
+
+
+DENIED = "not permitted (test: as if ptrace rules refused it)"
+
+
+@pytest.fixture
+def cma_denied(monkeypatch):
+    """Every cma probe fails as EPERM would, in this process and in forked children."""
+    from cma.transports.cma import CmaTransport
+
+    monkeypatch.setattr(CmaTransport, "probe", lambda self, peer: DENIED)
+
+
+def _large_echo(comm):
+    import numpy as np
+
+    buf = np.empty(4 << 20, np.uint8)
+    comm.Recv(buf, source=0, tag=2)
+    comm.Send(buf, dest=0, tag=3)
+    comm.close()
+
+
+def test_auto_falls_back_when_cma_is_refused(cma_denied):
+    import numpy as np
+
+    a, b = cma.Pipe(thresholds={"cma": 0, "vmfd": 0})  # prefer the single-copy transports
+    p = mp.get_context("fork").Process(target=_large_echo, args=(b,))
+    try:
+        p.start()
+        b.close()
+        report = a.transports()[1]
+        assert report["uses"] == "vmfd"
+        assert "cma" not in report["usable"]
+        assert DENIED in report["unavailable"]["cma"]
+        data = np.arange(4 << 20, dtype=np.uint8)
+        back = np.empty_like(data)
+        a.Send(data, dest=1, tag=2)
+        a.Recv(back, source=1, tag=3)
+        assert np.array_equal(data, back)
+        stats = a.stats()
+        assert stats["vmfd"]["messages"] == 1  # the reply, pulled here by vmfd
+        assert stats["cma"]["messages"] == 0
+        p.join(JOIN_TIMEOUT)
+        assert p.exitcode == 0
+    finally:
+        if p.is_alive():
+            p.kill()
+            p.join()
+        a.close()
+
+
+def _expect_unavailable(comm, queue):
+    try:
+        comm.attach()
+        queue.put("attached")
+    except cma.errors.TransportUnavailable as exc:
+        queue.put(str(exc))
+    finally:
+        comm.close()
+
+
+def test_requested_transport_refused_fails_at_connect_on_both_ranks(cma_denied):
+    a, b = cma.Pipe(transport="cma")
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    p = ctx.Process(target=_expect_unavailable, args=(b, queue))
+    try:
+        p.start()
+        b.close()
+        with pytest.raises(cma.errors.TransportUnavailable, match="cannot be used") as caught:
+            a.attach()
+        assert DENIED in str(caught.value)
+        child = queue.get(timeout=JOIN_TIMEOUT)
+        assert "cannot be used" in child and child != "attached"
+        p.join(JOIN_TIMEOUT)
+        assert p.exitcode == 0
+    finally:
+        if p.is_alive():
+            p.kill()
+            p.join()
+        a.close()

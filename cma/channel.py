@@ -61,16 +61,17 @@ def packet_bytes(nbytes: int) -> int:
 class ChannelConfig:
     """Sizes of the shared segment.
 
-    ``eager_limit`` is the largest message sent inline; 512 KiB: on the project machine
-    (a 2-vCPU VM) one-way ping-pong of 128 KiB took 8.5 us eager, 46 us through the
-    shm pipeline and 56 us through cma; of 512 KiB, 41 / 66 / 104 us; from 1 MiB the
-    pipeline wins. A rendezvous pays a handshake in Python and, for cma, the pinning of
-    a running peer's pages, where two cache-warm memcpys cost a few us
-    (docs/transports.md). ``ring_bytes`` (a power of two, at least 4 x eager_limit)
-    bounds what is in flight per direction.
+    ``eager_limit`` is the largest message sent inline; 1 MiB: on the project machine
+    (a 2-vCPU VM, processes pinned) one-way ping-pong of 128 KiB took 8.5 us eager,
+    46 us through the shm pipeline and 56 us through cma; of 1 MiB, 50 us eager and
+    78-141 us pipelined; at 2 MiB the two tie and at 4 MiB the pipeline wins (242 vs
+    481 us). A rendezvous pays a handshake in Python and, for cma, the pinning of a
+    running peer's pages, where two cache-warm memcpys cost little. ``ring_bytes`` (a
+    power of two, at least 4 x eager_limit) bounds what is in flight per direction; a
+    4 MiB ring stays cache-warm.
     """
 
-    eager_limit: int = 512 << 10
+    eager_limit: int = 1 << 20
     ring_bytes: int = 4 << 20
     frag_size: int = 1 << 20
     stage_slots: int = 4

@@ -58,7 +58,7 @@ AUTO = "auto"
 AUTO_ORDER = ["cma", "vmfd", "shm"]
 # Smallest rendezvous message each transport takes under "auto" (bytes), from cma-bench
 # on the project machine (docs/transports.md has the runs): there the pipelined double
-# copy beat cma and vmfd at every size from 512 KiB to 64 MiB (a nested VM makes pinning
+# copy beat cma and vmfd at every rendezvous size up to 64 MiB (a nested VM makes pinning
 # a running peer's pages dear), so neither is chosen while shm works. On a machine where
 # the single copy wins, lower them: Pipe(..., thresholds={"cma": 0}).
 NEVER = 1 << 62

@@ -49,7 +49,6 @@ KIND_MASK = 0xFF
 PULL = 1
 PUSH = 2
 PIPELINE = 4
-MODE_NAMES = {PULL: "RGET", PUSH: "RPUT", PIPELINE: "PIPELINE"}
 
 
 def tag_matches(wanted: int, tag: int) -> bool:
@@ -408,13 +407,6 @@ class Engine:
 
     def probe(self, source: int, tag: int) -> Arrival | None:
         return self.matcher.find_unexpected(source, tag)
-
-    def cancel(self, op: RecvOp) -> bool:
-        """Withdraw a posted, unmatched receive."""
-        if op in self.matcher.posted:
-            self.matcher.posted.remove(op)
-            return True
-        return False
 
     # -- packets from peers
 

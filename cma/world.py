@@ -127,7 +127,6 @@ class World:
         self._exposed: dict[str, Callable[[], int]] = {}
         self._server: socket.socket | None = None
         self._server_thread: threading.Thread | None = None
-        self.attached = False
 
     # -- header words
 
@@ -159,7 +158,6 @@ class World:
             self.header[self._reach_word(self.rank, peer)] = mask
         self.header[self._word(self.rank, PHASE)] = 2
         self._await_phase(2)
-        self.attached = True
 
     def _await_phase(self, phase: int) -> None:
         deadline = time.monotonic() + CONNECT_TIMEOUT
@@ -257,10 +255,6 @@ class World:
 
     # -- waking and sleeping
 
-    def notify(self, peer: int) -> None:
-        if self.header[self._word(peer, SLEEPING)]:
-            _linux.ring_doorbell(self.fds.doorbells[peer])
-
     def sleep(self, timeout_ms: int) -> list[int]:
         """Block on this rank's doorbell and the peers' pidfds; returns the peers that exited.
 
@@ -277,10 +271,6 @@ class World:
 
     def set_sleeping(self, flag: int) -> None:
         self.header[self._word(self.rank, SLEEPING)] = flag
-
-    def peer_alive(self, peer: int) -> bool:
-        fd = self.pidfds[peer]
-        return fd < 0 or _linux.process_alive(fd)
 
     # -- teardown
 

@@ -151,10 +151,6 @@ def local_byte_views(buffers: Sequence[memoryview], *, writable: bool, what: str
     return views
 
 
-def total_bytes(buffers: Sequence[memoryview] | Sequence[Region]) -> int:
-    return sum(b.nbytes for b in buffers)
-
-
 @dataclass
 class Registry:
     """Transport classes by name, in the order ``auto`` prefers them for large messages."""

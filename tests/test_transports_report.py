@@ -1,5 +1,6 @@
 """comm.transports(): which transport a large message would use with each peer, and why."""
 
+import contextlib
 import multiprocessing as mp
 
 import pytest
@@ -7,6 +8,23 @@ import pytest
 import cma
 
 JOIN_TIMEOUT = 20
+
+
+@contextlib.contextmanager
+def child_with(comm_end, target, *args):
+    """Run ``target(comm_end, *args)`` in a forked child; always end it and close ``comm_end``
+    here. Yields the process; the caller asserts its exit code after joining."""
+    p = mp.get_context("fork").Process(target=target, args=(comm_end, *args))
+    try:
+        p.start()
+        comm_end.close()
+        yield p
+        p.join(JOIN_TIMEOUT)
+        assert p.exitcode == 0
+    finally:
+        if p.is_alive():
+            p.kill()
+            p.join()
 
 
 def _attach_and_wait(comm):
@@ -25,23 +43,13 @@ def _attach_and_wait(comm):
 )
 def test_report_names_the_transport_large_messages_use(transport, thresholds, expected):
     a, b = cma.Pipe(transport=transport, thresholds=thresholds)
-    p = mp.get_context("fork").Process(target=_attach_and_wait, args=(b,))
-    try:
-        p.start()
-        b.close()
+    with contextlib.closing(a), child_with(b, _attach_and_wait):
         report = a.transports()
         assert set(report) == {1}
         assert report[1]["uses"] == expected
         assert expected in report[1]["usable"]
         assert report[1]["unavailable"] == {}
         a.send("done", dest=1, tag=1)
-        p.join(JOIN_TIMEOUT)
-        assert p.exitcode == 0
-    finally:
-        if p.is_alive():
-            p.kill()
-            p.join()
-        a.close()
 
 
 DENIED = "not permitted (test: as if ptrace rules refused it)"
@@ -68,10 +76,7 @@ def test_auto_falls_back_when_cma_is_refused(cma_denied):
     import numpy as np
 
     a, b = cma.Pipe(thresholds={"cma": 0, "vmfd": 0})  # prefer the single-copy transports
-    p = mp.get_context("fork").Process(target=_large_echo, args=(b,))
-    try:
-        p.start()
-        b.close()
+    with contextlib.closing(a), child_with(b, _large_echo):
         report = a.transports()[1]
         assert report["uses"] == "vmfd"
         assert "cma" not in report["usable"]
@@ -84,13 +89,6 @@ def test_auto_falls_back_when_cma_is_refused(cma_denied):
         stats = a.stats()
         assert stats["vmfd"]["messages"] == 1  # the reply, pulled here by vmfd
         assert stats["cma"]["messages"] == 0
-        p.join(JOIN_TIMEOUT)
-        assert p.exitcode == 0
-    finally:
-        if p.is_alive():
-            p.kill()
-            p.join()
-        a.close()
 
 
 def _expect_unavailable(comm, queue):
@@ -105,21 +103,10 @@ def _expect_unavailable(comm, queue):
 
 def test_requested_transport_refused_fails_at_connect_on_both_ranks(cma_denied):
     a, b = cma.Pipe(transport="cma")
-    ctx = mp.get_context("fork")
-    queue = ctx.Queue()
-    p = ctx.Process(target=_expect_unavailable, args=(b, queue))
-    try:
-        p.start()
-        b.close()
+    queue = mp.get_context("fork").Queue()
+    with contextlib.closing(a), child_with(b, _expect_unavailable, queue):
         with pytest.raises(cma.errors.TransportUnavailable, match="cannot be used") as caught:
             a.attach()
         assert DENIED in str(caught.value)
         child = queue.get(timeout=JOIN_TIMEOUT)
         assert "cannot be used" in child and child != "attached"
-        p.join(JOIN_TIMEOUT)
-        assert p.exitcode == 0
-    finally:
-        if p.is_alive():
-            p.kill()
-            p.join()
-        a.close()

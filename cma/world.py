@@ -153,11 +153,21 @@ class World:
         self._await_phase(1)
         for peer in range(self.size):
             if peer != self.rank:
-                self.pidfds[peer] = _linux.pidfd_open(self.pid_of(peer))
+                self._watch(peer)
         for peer, mask in publish_reach(self).items():
             self.header[self._reach_word(self.rank, peer)] = mask
         self.header[self._word(self.rank, PHASE)] = 2
         self._await_phase(2)
+
+    def _watch(self, rank: int) -> int:
+        """The pidfd of ``rank``'s published pid, opened once (it reports the exit)."""
+        if self.pidfds[rank] < 0:
+            pid = self.pid_of(rank)
+            try:
+                self.pidfds[rank] = _linux.pidfd_open(pid)
+            except PeerGone as exc:
+                raise PeerGone(f"rank {rank} (pid {pid}) exited while connecting") from exc
+        return self.pidfds[rank]
 
     def _await_phase(self, phase: int) -> None:
         deadline = time.monotonic() + CONNECT_TIMEOUT
@@ -167,14 +177,8 @@ class World:
             if not late:
                 return
             for r in late:
-                pid = self.pid_of(r)
-                if pid and self.pidfds[r] < 0:
-                    try:
-                        self.pidfds[r] = _linux.pidfd_open(pid)
-                    except PeerGone as exc:
-                        raise PeerGone(f"rank {r} (pid {pid}) exited while connecting") from exc
-                if self.pidfds[r] >= 0 and not _linux.process_alive(self.pidfds[r]):
-                    raise PeerGone(f"rank {r} (pid {pid}) exited while connecting")
+                if self.pid_of(r) and not _linux.process_alive(self._watch(r)):
+                    raise PeerGone(f"rank {r} (pid {self.pid_of(r)}) exited while connecting")
             if time.monotonic() > deadline:
                 raise CmaError(
                     f"rank {self.rank}: ranks {late} did not connect within {CONNECT_TIMEOUT:.0f} s "

@@ -772,9 +772,7 @@ class Comm:
     # -- the general path
 
     def _start_send(self, segments: list[memoryview], dest: int, tag: int, is_object: bool) -> SendOp:
-        regions = [_region(s) for s in segments] if sum(s.nbytes for s in segments) \
-            > self._eager_limit or len(segments) > 1 else None
-        op, actions = self._engine.send(dest, tag, segments, regions, is_object)
+        op, actions = self._engine.send(dest, tag, segments, is_object)
         self._run(actions)
         return op
 
@@ -800,34 +798,38 @@ class Comm:
                 self._transmit(dest, kind | more, tag, aux, payload[start : start + limit])
             return
         queue = self._txq[dest]
-        box = self._outboxes[dest]
-        assert box is not None
-        if queue or not box.put(kind, tag, aux, payload):
-            queue.append((kind, tag, aux, payload))
+        packet = (kind, tag, aux, payload)
+        if queue or not self._put(dest, packet):
+            queue.append(packet)
             self._txq_pending += 1
             self._lanes.pop(dest, None)
             return
+        if self._peer_sleeping(dest):
+            self._ring(dest)
+
+    def _put(self, dest: int, packet: tuple[int, int, int, bytes]) -> bool:
+        """Write one packet into ``dest``'s ring if it fits now."""
+        kind, tag, aux, payload = packet
+        if not self._all_lanes[dest].put(kind, tag, aux, payload):
+            return False
         if kind & KIND_MASK == EAGER:
             self._eager_extra += len(payload)  # the copy into a bytes object before the ring
-        if box.peer_sleeping[0]:
-            self._ring(dest)
+        return True
 
     def _flush(self) -> bool:
         moved = False
         for dest in self._peers:
             queue = self._txq[dest]
-            box = self._outboxes[dest]
-            assert box is not None
-            while queue and box.put(*queue[0]):
-                kind, _, _, payload = queue.popleft()
+            sent = False
+            while queue and self._put(dest, queue[0]):
+                queue.popleft()
                 self._txq_pending -= 1
-                if kind & KIND_MASK == EAGER:
-                    self._eager_extra += len(payload)
-                moved = True
+                sent = True
             if not queue:
-                self._lanes[dest] = box
-            if moved and box.peer_sleeping[0]:
+                self._lanes[dest] = self._all_lanes[dest]
+            if sent and self._peer_sleeping(dest):
                 self._ring(dest)
+            moved = moved or sent
         return moved
 
     def _run(self, actions: list[Action]) -> None:
@@ -937,6 +939,7 @@ class Comm:
         for peer, queue in list(self._out_streams.items()):
             box = self._outboxes[peer]
             assert box is not None
+            filled_any = False
             while queue:
                 op, pipe = queue[0]
                 if pipe is None:
@@ -953,9 +956,9 @@ class Comm:
                         transport.stage(target[at : at + piece.nbytes], piece)
                         at += piece.nbytes
                     box.publish_filled(pipe.advance())
-                    moved = True
+                    filled_any = True
                     step = pipe.fill(drained)
-                if moved and self._peer_sleeping(peer):
+                if filled_any and self._peer_sleeping(peer):
                     self._ring(peer)
                 if not pipe.finished:
                     break
@@ -963,9 +966,11 @@ class Comm:
                 self._run(self._engine.streamed_out(op))
             if not queue:
                 del self._out_streams[peer]
+            moved = moved or filled_any
         for peer, rqueue in list(self._in_streams.items()):
             inbox = self._inboxes[peer]
             assert inbox is not None
+            drained_any = False
             while rqueue:
                 rop, pipe = rqueue[0]
                 if pipe is None:
@@ -983,9 +988,9 @@ class Comm:
                         transport.drain(source[at : at + piece.nbytes], piece)
                         at += piece.nbytes
                     inbox.publish_drained(pipe.advance())
-                    moved = True
+                    drained_any = True
                     step = pipe.drain(filled)
-                if moved and self._peer_sleeping(peer):
+                if drained_any and self._peer_sleeping(peer):
                     self._ring(peer)
                 if not pipe.finished:
                     break
@@ -993,6 +998,7 @@ class Comm:
                 self._run(self._engine.streamed_in(rop))
             if not rqueue:
                 del self._in_streams[peer]
+            moved = moved or drained_any
         return moved
 
     def _wait(self, op: SendOp | RecvOp) -> None:

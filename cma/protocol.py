@@ -381,9 +381,10 @@ class Engine:
         dest: int,
         tag: int,
         segments: list[memoryview],
-        regions: list[Region] | None,
         is_object: bool = False,
+        expose: bool = True,
     ) -> tuple[SendOp, list[Action]]:
+        """``expose``: offer the receiver to pull from ``segments`` (RGET) by their regions."""
         nbytes = sum(s.nbytes for s in segments)
         op = SendOp(dest, tag, segments, nbytes, is_object)
         flag = OBJECT if is_object else 0
@@ -393,7 +394,8 @@ class Engine:
             return op, [Transmit(dest, EAGER | flag, tag, 0, payload), Complete(op)]
         op.msgid = next(self._ids)
         self.sends[op.msgid] = op
-        offers = self.offers if regions is not None else self.offers & ~PULL
+        regions = [self.region_of(s) for s in segments] if expose else None
+        offers = self.offers if expose else self.offers & ~PULL
         rts = encode_rts(op.msgid, offers, [s.nbytes for s in segments], regions)
         return op, [Transmit(dest, RTS | flag, tag, nbytes, rts)]
 

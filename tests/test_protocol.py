@@ -146,8 +146,7 @@ class Net:
              is_object: bool = False, regions: bool = True) -> SendOp:
         parts = [data] if isinstance(data, (bytes, bytearray)) else list(data)
         segments = [self.mem.buffer(p) for p in parts]
-        regs = [self.mem.region_of(s) for s in segments] if regions else None
-        op, actions = self.engines[rank].send(dest, tag, segments, regs, is_object)
+        op, actions = self.engines[rank].send(dest, tag, segments, is_object, expose=regions)
         self.act(rank, actions)
         return op
 

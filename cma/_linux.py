@@ -81,11 +81,6 @@ def wait_readable(fds: list[int], timeout_ms: int) -> list[int]:
 
 # ---------------------------------------------------------------- processes
 
-def usable_cpus() -> int:
-    """CPUs this process may run on (its affinity mask, not the machine's count)."""
-    return len(os.sched_getaffinity(0))
-
-
 def pidfd_open(pid: int) -> int:
     """A pidfd for ``pid``; ``PeerGone`` if it no longer exists."""
     try:

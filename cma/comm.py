@@ -34,6 +34,7 @@ from .protocol import (
     KIND_MASK,
     PIPELINE,
     PROC_NULL,
+    PROTOCOL_NAMES,
     PULL,
     PUSH,
     Action,
@@ -49,6 +50,7 @@ from .protocol import (
     StreamIn,
     StreamOut,
     Transmit,
+    slice_views,
 )
 from .transports import REGISTRY, Region, Transport, TransportStats
 from .world import PeerLink, World, WorldFds
@@ -57,12 +59,15 @@ AUTO = "auto"
 # Preference for large messages under "auto": fewest copies first.
 AUTO_ORDER = ["cma", "vmfd", "shm"]
 # Smallest rendezvous message each transport takes under "auto" (bytes), from cma-bench
-# on the project machine (docs/transports.md has the runs): there the pipelined double
-# copy beat cma and vmfd at every rendezvous size up to 64 MiB (a nested VM makes pinning
-# a running peer's pages dear), so neither is chosen while shm works. On a machine where
-# the single copy wins, lower them: Pipe(..., thresholds={"cma": 0}).
+# on the project machine (docs/transports.md has the runs). There the pipelined double
+# copy beat a one-sided cma or vmfd copy at every size up to 64 MiB (a nested VM makes
+# pinning a running peer's pages dear), while cma with both sides copying (SPLIT) beat
+# it from 8 MiB: so under auto cma is used only where SPLIT works (AUTO_SPLIT_ONLY)
+# and vmfd not while shm works. Where the one-sided copy wins, lower them:
+# Pipe(..., thresholds={"cma": 0}) also lifts the SPLIT-only rule.
 NEVER = 1 << 62
-AUTO_THRESHOLDS = {"cma": NEVER, "vmfd": NEVER, "shm": 0}
+AUTO_THRESHOLDS = {"cma": 8 << 20, "vmfd": NEVER, "shm": 0}
+AUTO_SPLIT_ONLY = {"cma"}
 
 # How long a blocked call spins before it sleeps. Waking a sleeping process costs from
 # ~10 us to several hundred on the project's VM (an idle vCPU must be woken), so a
@@ -141,20 +146,6 @@ def _region(mv: memoryview) -> Region:
 
 def _allocate(nbytes: int) -> memoryview:
     return np.empty(nbytes, dtype=np.uint8).data
-
-
-def _pieces(segments: Sequence[memoryview], start: int, stop: int) -> list[memoryview]:
-    """The views covering bytes [start, stop) of the concatenation of ``segments``."""
-    out = []
-    base = 0
-    for seg in segments:
-        end = base + seg.nbytes
-        if end > start and base < stop:
-            out.append(seg[max(start, base) - base : min(stop, end) - base])
-        base = end
-        if base >= stop:
-            break
-    return out
 
 
 # ------------------------------------------------------------------ Status and Request
@@ -312,6 +303,7 @@ class Comm:
         self._transport_name = transport
         self._transport_options = transport_options
         self._thresholds = {**AUTO_THRESHOLDS, **(thresholds or {})}
+        self._split_only = AUTO_SPLIT_ONLY - set(thresholds or {})
         self._eager_limit = fds.config.eager_limit
         self._attached = False
         self._closed = False
@@ -367,6 +359,7 @@ class Comm:
         options = dict(self._transport_options)
         push = bool(options.pop("push", False))
         self._prefer_push = push
+        self._split = bool(options.pop("split", True))
         self._transports: dict[str, Transport] = {
             name: REGISTRY.classes[name](world, push=push,
                                          **(options if self._transport_name != AUTO else {}))
@@ -436,6 +429,8 @@ class Comm:
             forced=forced,
             staged={n for n in names if "staged" in REGISTRY.classes[n].styles},
             push=self._prefer_push,
+            split=self._split,
+            split_only=self._split_only if forced is None else set(),
         )
         for p in range(self.size):
             if p == self.rank:
@@ -443,7 +438,7 @@ class Comm:
             policy.pullable[p] = {n for n in names if world.reach(self.rank, p) & bits[n]
                                   and "pull" in REGISTRY.classes[n].styles}
             policy.pushable[p] = {n for n in names if world.reach(p, self.rank) & bits[n]
-                                  and "push" in REGISTRY.classes[n].styles}
+                                  and self._transports[n].writes}
         policy.pullable[self.rank] = {"self"}
         policy.order = ["self", *policy.order]
         if forced:
@@ -473,8 +468,8 @@ class Comm:
         for p in self._peers:
             usable = [n for n in policy.order if n in policy.pullable[p] | policy.pushable[p]
                       or n in policy.staged]
-            _, large = policy.choose(p, 1 << 40, PULL | PUSH | PIPELINE)
-            report[p] = {"uses": large, "usable": usable,
+            mode, large = policy.choose(p, 1 << 40, PULL | PUSH | PIPELINE)
+            report[p] = {"uses": large, "protocol": PROTOCOL_NAMES[mode], "usable": usable,
                          "unavailable": dict(self._reasons.get(p, {}))}
         return report
 
@@ -867,18 +862,18 @@ class Comm:
         op = action.op
         if action.peer == self.rank:
             op.mechanism = "self"
-            self._copy_self(action.remote, op.segments)
+            self._copy_self(action.remote, action.local)
         else:
             link = self._links[action.peer]
             assert link is not None
-            self._transports[action.transport].read(link, action.remote, op.segments)
+            self._transports[action.transport].read(link, action.remote, action.local)
         self._run(self._engine.pulled(op, action.msgid))
 
     def _copy_self(self, remote: list[Region], local: list[memoryview]) -> None:
         offset = 0
         for region in remote:
             cursor = region.addr
-            for piece in _pieces(local, offset, offset + region.nbytes):
+            for piece in slice_views(local, offset, offset + region.nbytes):
                 _linux.copy_from_address(piece, cursor)
                 cursor += piece.nbytes
             offset += region.nbytes
@@ -887,7 +882,7 @@ class Comm:
         op = action.op
         link = self._links[op.dest]
         assert link is not None
-        self._transports[action.transport].write(link, op.segments, action.remote)
+        self._transports[action.transport].write(link, action.local, action.remote)
         self._run(self._engine.pushed(op, action.recvid))
 
     # -- progress
@@ -952,7 +947,7 @@ class Comm:
                     slot, start, stop = step
                     target = box.staging[slot * slot_bytes : slot * slot_bytes + (stop - start)]
                     at = 0
-                    for piece in _pieces(op.segments, start, stop):
+                    for piece in slice_views(op.segments, start, stop):
                         transport.stage(target[at : at + piece.nbytes], piece)
                         at += piece.nbytes
                     box.publish_filled(pipe.advance())
@@ -984,7 +979,7 @@ class Comm:
                     slot, start, stop = step
                     source = inbox.staging[slot * slot_bytes : slot * slot_bytes + (stop - start)]
                     at = 0
-                    for piece in _pieces(rop.segments, start, stop):
+                    for piece in slice_views(rop.segments, start, stop):
                         transport.drain(source[at : at + piece.nbytes], piece)
                         at += piece.nbytes
                     inbox.publish_drained(pipe.advance())

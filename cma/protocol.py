@@ -13,6 +13,11 @@ RGET       sender posts RTS with its regions; receiver pulls them and answers FI
 RPUT       sender posts RTS; receiver answers CTS with its regions; sender pushes, sends FIN.
 PIPELINE   sender posts RTS; receiver answers CTS; fragments flow through staging
            slots shared by the pair, both sides copying at once.
+SPLIT      sender posts RTS with its regions; receiver answers CTS with the regions of
+           the second half of its buffer and pulls the first half while the sender
+           pushes the second; each side sends FIN when its half is in. A single copy
+           with both processes' CPUs on it: one process_vm_readv stream is bounded
+           by one core's copy rate, well below what the memory system gives two.
 
 The receiver picks RGET, RPUT or PIPELINE when it matches the RTS, because only the
 receiver knows whether it may read the sender's memory (ptrace rules are not
@@ -49,6 +54,39 @@ KIND_MASK = 0xFF
 PULL = 1
 PUSH = 2
 PIPELINE = 4
+SPLIT = 8  # a receiver's choice only: needs PULL and PUSH offered
+PROTOCOL_NAMES = {PULL: "RGET", PUSH: "RPUT", PIPELINE: "PIPELINE", SPLIT: "SPLIT"}
+
+
+def split_point(nbytes: int) -> int:
+    """Where a SPLIT message's halves meet: half way, on a page boundary (0: too small)."""
+    return nbytes // 2 & ~4095
+
+
+def slice_regions(regions: Sequence[Region], start: int, stop: int) -> list[Region]:
+    """The non-empty parts of ``regions`` holding bytes [start, stop) of their concatenation."""
+    out = []
+    base = 0
+    for addr, nbytes in regions:
+        lo, hi = max(start, base), min(stop, base + nbytes)
+        if lo < hi:
+            out.append(Region(addr + lo - base, hi - lo))
+        base += nbytes
+    return out
+
+
+def slice_views(views: Sequence[memoryview], start: int, stop: int) -> list[memoryview]:
+    """The non-empty views covering bytes [start, stop) of the concatenation of ``views``."""
+    out = []
+    base = 0
+    for view in views:
+        lo, hi = max(start, base), min(stop, base + view.nbytes)
+        if lo < hi:
+            out.append(view[lo - base : hi - base])
+        base += view.nbytes
+        if base >= stop:
+            break
+    return out
 
 
 def tag_matches(wanted: int, tag: int) -> bool:
@@ -125,6 +163,7 @@ class SendOp:
     is_object: bool
     msgid: int = 0
     mechanism: str = "eager"
+    halves: int = 1  # copies still to finish before done: 2 for SPLIT (ours and the peer's)
     done: bool = False
 
 
@@ -142,6 +181,7 @@ class RecvOp:
     segments: list[memoryview] = field(default_factory=list)
     mechanism: str = "eager"
     error: Exception | None = None
+    halves: int = 1
     done: bool = False
 
     @property
@@ -182,18 +222,24 @@ class Deliver:
 
 @dataclass
 class Pull:
+    """Copy the peer's ``remote`` regions into ``local`` (the receive's segments, or part)."""
+
     op: RecvOp
     peer: int
     transport: str
     remote: list[Region]
+    local: list[memoryview]
     msgid: int
 
 
 @dataclass
 class Push:
+    """Copy ``local`` (the send's segments, or part) into the peer's ``remote`` regions."""
+
     op: SendOp
     transport: str
     remote: list[Region]
+    local: list[memoryview]
     recvid: int
 
 
@@ -331,15 +377,22 @@ class Policy:
     thresholds: dict[str, int] = field(default_factory=dict)
     forced: str | None = None
     push: bool = False  # prefer RPUT to RGET where both work
+    split: bool = False  # SPLIT where a transport both pulls from and pushes to the peer
+    split_only: set[str] = field(default_factory=set)  # unforced, used only where SPLIT works
 
     def choose(self, peer: int, nbytes: int, offers: int) -> tuple[int, str]:
         pull = self.pullable.get(peer, set())
         push = self.pushable.get(peer, set())
         for name in [self.forced] if self.forced else self.order:
-            if self.forced is None and nbytes < self.thresholds.get(name, 0):
+            split = (self.split and name in pull and name in push and offers & PULL
+                     and offers & PUSH and split_point(nbytes) > 0)
+            if self.forced is None and (nbytes < self.thresholds.get(name, 0)
+                                        or name in self.split_only and not split):
                 continue
             if self.push and name in push and offers & PUSH:
                 return PUSH, name
+            if split:
+                return SPLIT, name
             if name in pull and offers & PULL:
                 return PULL, name
             if name in push and offers & PUSH:
@@ -473,9 +526,19 @@ class Engine:
         op.mechanism = transport
         op.recvid = next(self._ids)
         if mode == PULL and rts.regions is not None:
-            actions.append(Pull(op, arrival.source, transport, rts.regions, rts.msgid))
+            actions.append(Pull(op, arrival.source, transport, rts.regions, op.segments, rts.msgid))
             return actions
         self.recvs[op.recvid] = op
+        if mode == SPLIT and rts.regions is not None:
+            # CTS first, so the sender copies its half while we copy ours
+            n, cut = arrival.nbytes, split_point(arrival.nbytes)
+            op.halves = 2
+            ours = slice_regions([self.region_of(s) for s in op.segments], cut, n)
+            actions.append(Transmit(arrival.source, CTS, 0, rts.msgid,
+                                    encode_cts(rts.msgid, op.recvid, SPLIT, transport, ours)))
+            actions.append(Pull(op, arrival.source, transport, slice_regions(rts.regions, 0, cut),
+                                slice_views(op.segments, 0, cut), rts.msgid))
+            return actions
         if mode == PUSH:
             regions = [self.region_of(s) for s in op.segments]
             actions.append(Transmit(arrival.source, CTS, 0, rts.msgid,
@@ -490,28 +553,40 @@ class Engine:
         op = self.sends[cts.msgid]
         op.mechanism = cts.transport
         if cts.mode == PUSH:
-            return [Push(op, cts.transport, cts.regions, cts.recvid)]
+            return [Push(op, cts.transport, cts.regions, op.segments, cts.recvid)]
+        if cts.mode == SPLIT:
+            op.halves = 2
+            cut = op.nbytes - sum(region.nbytes for region in cts.regions)
+            return [Push(op, cts.transport, cts.regions, slice_views(op.segments, cut, op.nbytes),
+                         cts.recvid)]
         return [StreamOut(op)]
 
     def _fin(self, msgid: int) -> list[Action]:
+        """The peer finished its copy: all of an RGET/RPUT message, or its half of a SPLIT."""
         if msgid in self.sends:
-            op = self.sends.pop(msgid)
-            op.done = True
-            return [Complete(op)]
-        recv = self.recvs.pop(msgid)
-        recv.done = True
-        return [Complete(recv)]
+            return self._half_done(self.sends, msgid)
+        return self._half_done(self.recvs, msgid)
+
+    def _half_done(self, table: dict[int, SendOp] | dict[int, RecvOp], key: int) -> list[Action]:
+        op = table[key]
+        op.halves -= 1
+        if op.halves:
+            return []
+        del table[key]
+        op.done = True
+        return [Complete(op)]
 
     # -- copies finished (reported by the I/O layer)
 
     def pulled(self, op: RecvOp, msgid: int) -> list[Action]:
+        fin = Transmit(op.matched_source, FIN, 0, msgid, b"")
+        if op.recvid in self.recvs:  # SPLIT: done when the sender's half is in too
+            return [fin, *self._half_done(self.recvs, op.recvid)]
         op.done = True
-        return [Transmit(op.matched_source, FIN, 0, msgid, b""), Complete(op)]
+        return [fin, Complete(op)]
 
     def pushed(self, op: SendOp, recvid: int) -> list[Action]:
-        del self.sends[op.msgid]
-        op.done = True
-        return [Transmit(op.dest, FIN, 0, recvid, b""), Complete(op)]
+        return [Transmit(op.dest, FIN, 0, recvid, b""), *self._half_done(self.sends, op.msgid)]
 
     def streamed_out(self, op: SendOp) -> list[Action]:
         del self.sends[op.msgid]

@@ -993,6 +993,51 @@ def test_rput_end_to_end(name):
         a.close()
 
 
+def op_stats_reset(comm):
+    comm.reset_stats()
+
+
+def op_recv_counted(comm, nbytes):
+    comm.reset_stats()
+    buf = np.empty(nbytes, np.uint8)
+    comm.Recv(buf, 0, 1)
+    return comm.stats(), digest(buf)
+
+
+@pytest.mark.parametrize("split", [True, False], ids=["split", "rget"])
+def test_cma_split_shares_the_single_copy(split):
+    """SPLIT: the receiver copies the first half and the sender the second; still one
+    copy per byte in all. With split=False the receiver copies everything (RGET)."""
+    if "cma" not in REGISTRY.classes:
+        pytest.skip("the cma transport is not registered here")
+    nbytes = 4 * FRAG + 4096 * 3 + 7
+    cut = cma.protocol.split_point(nbytes)
+    try:
+        peer = Peer("cma", split=split)
+        peer.call(op_stats_reset)  # both ends attach here
+    except cma.errors.TransportUnavailable as exc:
+        pytest.skip(f"cma is not permitted on this machine: {exc}")
+    try:
+        data = pattern(nbytes, 5)
+        peer.start(op_recv_counted, nbytes)
+        peer.comm.reset_stats()
+        peer.comm.Send(data, 1, 1)
+        mine = peer.comm.stats()["cma"]
+        theirs, got = peer.result()
+        assert got == digest(data)
+        assert theirs["cma"]["messages"] == 1
+        assert mine["kernel_copies"] + theirs["cma"]["kernel_copies"] == 1.0
+        if split:
+            assert mine["messages"] == 1
+            assert theirs["cma"]["kernel_copies"] == cut / nbytes
+            assert mine["kernel_copies"] == (nbytes - cut) / nbytes
+            assert mine["syscalls"] >= 1 and theirs["cma"]["syscalls"] >= 1
+        else:  # (an RGET sender is told only FIN, not by what: it counts nothing)
+            assert (mine["messages"], mine["kernel_copies"], mine["syscalls"]) == (0, 0.0, 0)
+    finally:
+        peer.stop()
+
+
 def _cpu_seconds(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()

@@ -32,6 +32,7 @@ from cma.protocol import (
     PULL,
     PUSH,
     RTS,
+    SPLIT,
     Complete,
     Deliver,
     Engine,
@@ -49,7 +50,10 @@ from cma.protocol import (
     decode_rts,
     encode_cts,
     encode_rts,
+    slice_regions,
+    slice_views,
     source_matches,
+    split_point,
     tag_matches,
 )
 from cma.transports.base import Region
@@ -174,10 +178,10 @@ class Net:
                     op.buffer[: len(payload)] = payload
             elif isinstance(action, Pull):
                 data = concat([self.mem.resolve(r) for r in action.remote])
-                scatter(data, action.op.segments)
+                scatter(data, action.local)
                 self.act(rank, engine.pulled(action.op, action.msgid))
             elif isinstance(action, Push):
-                data = concat(action.op.segments)
+                data = concat(action.local)
                 scatter(data, [self.mem.resolve(r) for r in action.remote])
                 self.act(rank, engine.pushed(action.op, action.recvid))
             elif isinstance(action, StreamOut):
@@ -273,8 +277,9 @@ def payload(n: int, seed: int = 0) -> bytes:
     return np.random.default_rng(seed).bytes(n)
 
 
-def pull_policy(peer: int, name: str = "cma", push: bool = False) -> Policy:
-    return Policy(order=[name, "shm"], pullable={peer: {name}}, pushable={peer: {name}}, push=push)
+def pull_policy(peer: int, name: str = "cma", push: bool = False, split: bool = False) -> Policy:
+    return Policy(order=[name, "shm"], pullable={peer: {name}}, pushable={peer: {name}}, push=push,
+                  split=split)
 
 
 # ------------------------------------------------------------------ matching
@@ -689,6 +694,121 @@ def test_pipeline_without_regions_when_only_pull_is_possible():
     net.pump()
     assert received(rop) == data and rop.mechanism == "shm"
     assert net.kinds(1, Pull) == [] and len(net.kinds(1, StreamIn)) == 1
+
+
+def split_net(**kwargs) -> Net:
+    return Net(policies=[pull_policy(1, split=True), pull_policy(0, split=True)], **kwargs)
+
+
+@pytest.mark.parametrize("size", [2 * 4096, 3 * 4096 + 5, 100_000])
+def test_split_flow(size):
+    """Receiver pulls the first half, sender pushes the second; each FINs its half."""
+    net = split_net()
+    data = payload(size, 11)
+    sop = net.send(0, 1, 2, data)
+    rop = net.recv(1, 0, 2, size + 10)
+    net.step_packet(0, 1)  # RTS -> CTS + Pull of the first half
+    cut = split_point(size)
+    assert 0 < cut < size and cut % 4096 == 0
+    (pull,) = net.kinds(1, Pull)
+    assert sum(r.nbytes for r in pull.remote) == sum(v.nbytes for v in pull.local) == cut
+    (cts,) = [t for t in net.kinds(1, Transmit) if t.kind == CTS]
+    info = decode_cts(cts.payload)
+    assert info.mode == SPLIT and sum(r.nbytes for r in info.regions) == size - cut
+    assert not rop.done  # its own half is in; the sender's is not
+    net.step_packet(1, 0)  # FIN for the first half (the sender's buffer part is free)
+    assert not sop.done
+    net.step_packet(1, 0)  # CTS -> Push of the second half -> FIN
+    (push,) = net.kinds(0, Push)
+    assert sum(v.nbytes for v in push.local) == size - cut and push.recvid == rop.recvid
+    assert sop.done and sop.mechanism == "cma"
+    net.pump()
+    assert rop.done and received(rop) == data and rop.mechanism == "cma"
+    assert net.completed == [[sop], [rop]]
+    assert not net.engines[0].sends and not net.engines[1].recvs
+
+
+@pytest.mark.parametrize("order", ["both-copies-first", "sender-first", "receiver-first"])
+def test_split_halves_complete_in_any_order(order):
+    """Each side completes once its own copy is done and the peer's FIN is in, whichever
+    comes first (sender-first: its FIN reaches the receiver while that still copies)."""
+    mem = FakeMemory()
+    sender = Engine(0, LIMIT, pull_policy(1, split=True), ALL, mem.allocate, mem.region_of)
+    receiver = Engine(1, LIMIT, pull_policy(0, split=True), ALL, mem.allocate, mem.region_of)
+    sop, (rts,) = sender.send(1, 0, [mem.buffer(payload(20_000))])
+    rop, _ = receiver.recv(0, 0, mem.buffer(20_000))
+    cts, pull = receiver.packet(0, rts.kind, rts.tag, rts.aux, rts.payload)
+    (push,) = sender.packet(1, cts.kind, cts.tag, cts.aux, cts.payload)
+    if order == "both-copies-first":
+        (receiver_fin,) = receiver.pulled(rop, pull.msgid)
+        (sender_fin,) = sender.pushed(sop, push.recvid)
+        assert not rop.done and not sop.done
+        assert sender.packet(1, FIN, 0, receiver_fin.aux, b"") == [Complete(sop)]
+        assert receiver.packet(0, FIN, 0, sender_fin.aux, b"") == [Complete(rop)]
+    elif order == "sender-first":
+        (sender_fin,) = sender.pushed(sop, push.recvid)
+        assert receiver.packet(0, FIN, 0, sender_fin.aux, b"") == []
+        assert not rop.done
+        receiver_fin, receiver_done = receiver.pulled(rop, pull.msgid)
+        assert receiver_done == Complete(rop)
+        assert sender.packet(1, FIN, 0, receiver_fin.aux, b"") == [Complete(sop)]
+    else:
+        (receiver_fin,) = receiver.pulled(rop, pull.msgid)
+        assert sender.packet(1, FIN, 0, receiver_fin.aux, b"") == []
+        assert not sop.done
+        sender_fin, sender_done = sender.pushed(sop, push.recvid)
+        assert sender_done == Complete(sop)
+        assert receiver.packet(0, FIN, 0, sender_fin.aux, b"") == [Complete(rop)]
+    assert sop.done and rop.done
+    assert not sender.sends and not receiver.recvs
+
+
+@pytest.mark.parametrize("sizes", [[9000, 1, 30_000], [4096, 4096], [3, 20_000, 7, 0, 6000]])
+def test_split_with_many_segments(sizes):
+    """Object messages: several buffers on both sides, the cut falling inside one."""
+    net = split_net()
+    parts = [payload(n, i) for i, n in enumerate(sizes)]
+    sop = net.send(0, 1, 5, parts, is_object=True)
+    rop = net.recv(1, 0, 5, None)
+    net.pump()
+    assert sop.done and rop.done
+    assert [bytes(v) for v in rop.segments] == parts
+    assert [type(a) for a in net.kinds(1, Pull)] == [Pull] and len(net.kinds(0, Push)) == 1
+
+
+def test_split_needs_both_directions_and_size():
+    both = Policy(order=["cma", "shm"], pullable={1: {"cma"}}, pushable={1: {"cma"}}, split=True)
+    assert both.choose(1, 8192, ALL) == (SPLIT, "cma")
+    assert both.choose(1, 8191, ALL) == (PULL, "cma")  # no whole page for each side
+    assert both.choose(1, 1 << 30, PULL | PIPELINE) == (PULL, "cma")  # sender cannot push
+    assert both.choose(1, 1 << 30, PUSH | PIPELINE) == (PUSH, "cma")  # no regions offered
+    both.push = True  # an explicit preference for RPUT wins
+    assert both.choose(1, 1 << 30, ALL) == (PUSH, "cma")
+    pull_only = Policy(order=["cma", "shm"], pullable={1: {"cma"}}, split=True)
+    assert pull_only.choose(1, 1 << 30, ALL) == (PULL, "cma")
+
+
+def test_split_only_transports_are_skipped_where_split_cannot_work():
+    p = Policy(order=["cma", "vmfd", "shm"], pullable={1: {"cma", "vmfd"}, 2: {"cma"}},
+               pushable={1: {"cma"}}, split=True, split_only={"cma"})
+    assert p.choose(1, 1 << 30, ALL) == (SPLIT, "cma")
+    assert p.choose(2, 1 << 30, ALL) == (PIPELINE, "shm")  # rank 2 cannot write to us
+    assert p.choose(1, 1 << 30, PULL | PIPELINE) == (PULL, "vmfd")
+    p.forced = "cma"  # a named transport is used one-sided all the same
+    assert p.choose(2, 1 << 30, ALL) == (PULL, "cma")
+
+
+@given(st.lists(st.integers(0, 50), max_size=6), st.integers(0, 300), st.integers(0, 300))
+def test_slicing_views_and_regions_agree(sizes, a, b):
+    start, stop = min(a, b), max(a, b)
+    mem = FakeMemory()
+    views = [mem.buffer(payload(n, i)) for i, n in enumerate(sizes)]
+    whole = concat(views)
+    part = slice_views(views, start, stop)
+    assert concat(part) == whole[start:stop]
+    assert all(v.nbytes for v in part)
+    regions = slice_regions([mem.region_of(v) for v in views], start, stop)
+    assert b"".join(bytes(mem.resolve(r)) for r in regions) == whole[start:stop]
 
 
 # ------------------------------------------------------------------ truncation

@@ -34,20 +34,27 @@ def _attach_and_wait(comm):
 
 
 @pytest.mark.parametrize(
-    ("transport", "thresholds", "expected"),
+    ("transport", "options", "uses", "protocol"),
     [
-        ("auto", None, "shm"),  # the measured defaults: the pipeline beat cma and vmfd here
-        ("auto", {"cma": 0}, "cma"),  # lowered threshold: cma takes large messages again
-        ("vmfd", None, "vmfd"),  # a named transport is used whatever the thresholds
+        # the measured defaults: cma with both sides copying beat the pipeline from 8 MiB
+        ("auto", {}, "cma", "SPLIT"),
+        # without SPLIT the one-sided copies lost to the pipeline here, so auto stages
+        ("auto", {"split": False}, "shm", "PIPELINE"),
+        # a lowered threshold brings the one-sided cma copy back
+        ("auto", {"split": False, "thresholds": {"cma": 0}}, "cma", "RGET"),
+        ("auto", {"push": True}, "cma", "RPUT"),
+        # a named transport is used whatever the thresholds; vmfd cannot push without push=True
+        ("vmfd", {}, "vmfd", "RGET"),
+        ("vmfd", {"push": True}, "vmfd", "RPUT"),
     ],
 )
-def test_report_names_the_transport_large_messages_use(transport, thresholds, expected):
-    a, b = cma.Pipe(transport=transport, thresholds=thresholds)
+def test_report_names_the_transport_large_messages_use(transport, options, uses, protocol):
+    a, b = cma.Pipe(transport=transport, **options)
     with contextlib.closing(a), child_with(b, _attach_and_wait):
         report = a.transports()
         assert set(report) == {1}
-        assert report[1]["uses"] == expected
-        assert expected in report[1]["usable"]
+        assert (report[1]["uses"], report[1]["protocol"]) == (uses, protocol)
+        assert uses in report[1]["usable"]
         assert report[1]["unavailable"] == {}
         a.send("done", dest=1, tag=1)
 

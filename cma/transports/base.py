@@ -105,6 +105,11 @@ class Transport:
         if options:
             raise TypeError(f"{self.name}: unknown options {sorted(options)}")
 
+    @property
+    def writes(self) -> bool:
+        """Whether ``write`` works as set up (peers configure the same way)."""
+        return "push" in self.styles
+
     def probe(self, peer: Peer) -> str | None:
         """None when usable with ``peer``, else a reason a person can act on."""
         return None

@@ -15,10 +15,11 @@ buffer, both pre-faulted, the owner asleep, best of 5-200 repetitions, several r
 while the machine was otherwise idle; GB/s. "4K" = both buffers on 4 KiB pages,
 "THP" = NumPy's default, which madvises arrays of 4 MiB and more to huge pages.
 
-``threads`` (default 2, or 1 on a single usable CPU)
+``threads`` (default 1)
     A copy of at least ``SPLIT_THRESHOLD`` (4 MiB) is cut into ``threads`` page-multiple
     parts copied concurrently (ctypes releases the GIL); one call is limited by the
-    kernel pinning and copying page by page. threads 1 -> 2:
+    kernel pinning and copying page by page. threads 1 -> 2, for one process copying
+    a whole message:
 
     ======== ======================= ===========================
     size     4K                      THP
@@ -32,7 +33,12 @@ while the machine was otherwise idle; GB/s. "4K" = both buffers on 4 KiB pages,
 
     A third thread gains nothing on two vCPUs. The gain needs an idle core: in runs
     where other processes kept the second vCPU busy, two threads gained nothing and
-    lost up to 20 % at 4-8 MiB (a peer spinning while it waits would take that core too).
+    lost up to 20 % at 4-8 MiB. Since the protocol copies large messages with both
+    processes (SPLIT: the receiver pulls one half, the sender pushes the other), the
+    peer's core is busy with its half, and a process bound to one CPU (mpiexec
+    --bind-to core, cma-bench --bind) runs both threads on it: so one thread by
+    default; ``threads=2`` pays off for one-sided copies (``split=False``) in unbound
+    processes with a core to spare.
 
 There is no ``hugepages`` option. A MADV_HUGEPAGE hint on the receive buffer changed
 nothing (256 KiB: 7.0 -> 7.2, 1 MiB: 9.7 -> 11.0 / 9.4, 16 MiB: 6.2 -> 6.1 / 6.4 when
@@ -182,7 +188,7 @@ class CmaTransport(Transport):
                  **options: object) -> None:
         super().__init__(host, push=push, **options)
         if threads is None:
-            threads = min(2, _linux.usable_cpus())
+            threads = 1
         if threads < 1:
             raise ValueError(f"cma: threads must be at least 1, not {threads}")
         self.threads = threads

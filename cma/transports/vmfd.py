@@ -142,6 +142,10 @@ class VmfdTransport(Transport):
         self._own.append(fd)
         host.expose_fd(name, lambda: _linux.dup_fd(fd))
 
+    @property
+    def writes(self) -> bool:
+        return self.push
+
     def probe(self, peer: Peer) -> str | None:
         """None once the peer's memory fd is in hand: no ptrace rights are needed beyond that."""
         try:

@@ -668,6 +668,11 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--bind", action=argparse.BooleanOptionalAction, default=True,
                         help="pin each process to its own CPU, as OSU runs are bound "
                              "(default: on when there are 2 or more CPUs)")
+    common.add_argument("--settle", type=float, default=0.0, metavar="SECONDS",
+                        help="pause between series (default 0). On the project VM, copies "
+                             "through fresh shared memory ran 4-6x slow for ~40 s after a "
+                             "series freed hundreds of MiB; a pause keeps that out of the "
+                             "next series")
     common.add_argument("--format", choices=("table", "mpi4py"), default="table",
                         help="'mpi4py' prints rows like python -m mpi4py.bench pingpong")
     parser = argparse.ArgumentParser(
@@ -766,6 +771,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     results: list[Series] = []
     try:
         for index, spec in enumerate(specs):
+            if index and args.settle > 0:
+                time.sleep(args.settle)
             plan = plans["memcpy" if spec.name == "memcpy" else "messages"]
             results.append(run_series(spec, plan, world, progress,
                                       f"[{index + 1}/{len(specs)}]"))

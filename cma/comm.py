@@ -19,6 +19,7 @@ import pickle
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Literal
 
 import numpy as np
@@ -302,7 +303,13 @@ class Comm:
         self.size = fds.size
         self._transport_name = transport
         self._transport_options = transport_options
-        self._thresholds = {**AUTO_THRESHOLDS, **(thresholds or {})}
+        # overlap: a pipeline needs both processes inside cma calls, a pull does not
+        self._overlap = bool(transport_options.get("overlap"))
+        self._copier: ThreadPoolExecutor | None = None  # overlap: runs pulls in the background
+        self._copier_pid = 0
+        self._pulls: deque[tuple[Future[None], Pull]] = deque()
+        overlap = {"cma": 0} if self._overlap else {}
+        self._thresholds = {**AUTO_THRESHOLDS, **overlap, **(thresholds or {})}
         self._split_only = AUTO_SPLIT_ONLY - set(thresholds or {})
         self._eager_limit = fds.config.eager_limit
         self._attached = False
@@ -360,6 +367,7 @@ class Comm:
         push = bool(options.pop("push", False))
         self._prefer_push = push
         self._split = bool(options.pop("split", True))
+        options.pop("overlap", None)
         self._transports: dict[str, Transport] = {
             name: REGISTRY.classes[name](world, push=push,
                                          **(options if self._transport_name != AUTO else {}))
@@ -709,6 +717,9 @@ class Comm:
             return
         self._closed = True
         self._send_obj = self._recv_obj = _NOTHING
+        if self._copier is not None and self._copier_pid == os.getpid():
+            self._copier.shutdown(wait=True)  # no pull may outlive the fds it reads through
+        self._copier = None
         if self._attached:
             for transport in self._transports.values():
                 for link in self._links:
@@ -866,8 +877,37 @@ class Comm:
         else:
             link = self._links[action.peer]
             assert link is not None
-            self._transports[action.transport].read(link, action.remote, action.local)
+            read = self._transports[action.transport].read
+            if self._overlap:
+                future = self._background().submit(read, link, action.remote, action.local)
+                future.add_done_callback(self._wake_self)
+                self._pulls.append((future, action))
+                return
+            read(link, action.remote, action.local)
         self._run(self._engine.pulled(op, action.msgid))
+
+    def _background(self) -> ThreadPoolExecutor:
+        if self._copier is None or self._copier_pid != os.getpid():
+            # a pool inherited through fork has no thread and would never run the pulls
+            self._copier = ThreadPoolExecutor(1, thread_name_prefix="cma-pull")
+            self._copier_pid = os.getpid()
+        return self._copier
+
+    def _wake_self(self, _: Future[None]) -> None:
+        """Ring our own doorbell from the copy thread, in case this rank sleeps in a wait."""
+        if not self._closed:
+            _linux.ring_doorbell(self._fds.doorbells[self.rank])
+
+    def _finish_pulls(self) -> bool:
+        """Complete the background pulls that are done, in order; True if any was."""
+        pulls = self._pulls
+        finished = False
+        while pulls and pulls[0][0].done():
+            future, action = pulls.popleft()
+            future.result()  # a copy that failed raises here, as it would have in _pull
+            self._run(self._engine.pulled(action.op, action.msgid))
+            finished = True
+        return finished
 
     def _copy_self(self, remote: list[Region], local: list[memoryview]) -> None:
         offset = 0
@@ -924,6 +964,8 @@ class Comm:
             moved = self._flush() or moved
         if self._out_streams or self._in_streams:
             moved = self._stream() or moved
+        if self._pulls:
+            moved = self._finish_pulls() or moved
         return moved
 
     def _stream(self) -> bool:
@@ -1025,8 +1067,8 @@ class Comm:
             if not deadline:
                 deadline = now + spin
                 continue
-            if now < deadline:
-                continue
+            if now < deadline and not self._pulls:
+                continue  # (a background pull needs the GIL back, and rings when done)
             world.set_sleeping(1)
             try:
                 if self._progress() or done():

@@ -16,6 +16,7 @@ Styles:
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, NamedTuple, Protocol
@@ -78,6 +79,14 @@ class TransportStats:
     user_copy_bytes: int = 0
     kernel_copy_bytes: int = 0
     syscalls: int = 0
+    # copies may run on a background thread (overlap=True) while this one copies too
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def count_copy(self, *, user: int = 0, kernel: int = 0, syscalls: int = 0) -> None:
+        with self._lock:
+            self.user_copy_bytes += user
+            self.kernel_copy_bytes += kernel
+            self.syscalls += syscalls
 
     def as_dict(self) -> dict[str, float]:
         moved = self.bytes or 1

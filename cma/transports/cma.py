@@ -251,8 +251,7 @@ class CmaTransport(Transport):
         else:
             outcomes, starts = self._copy_split(peer.pid, local, remote, total, write, what)
         for outcome in outcomes:
-            self.stats.kernel_copy_bytes += outcome.copied
-            self.stats.syscalls += outcome.calls
+            self.stats.count_copy(kernel=outcome.copied, syscalls=outcome.calls)
         for start, outcome in zip(starts, outcomes, strict=True):
             if outcome.error is not None:
                 raise self._explain(outcome.error, regions, start + outcome.copied, outcomes, what)

@@ -19,9 +19,9 @@ class ShmTransport(Transport):
     def stage(self, slot: memoryview, fragment: memoryview) -> None:
         n = fragment.nbytes
         slot[:n] = fragment
-        self.stats.user_copy_bytes += n
+        self.stats.count_copy(user=n)
 
     def drain(self, slot: memoryview, fragment: memoryview) -> None:
         n = fragment.nbytes
         fragment[:] = slot[:n]
-        self.stats.user_copy_bytes += n
+        self.stats.count_copy(user=n)

@@ -82,19 +82,13 @@ class VmFd:
             )
         syscall = _linux.mem_pwritev if write else _linux.mem_preadv
         while views:
-            self._count_call()
+            if self.stats is not None:
+                self.stats.count_copy(syscalls=1)
             moved = syscall(self.fd, views[: _linux.IOV_MAX], addr, pid=self.pid, what=what)
-            self._count_copied(moved)
+            if self.stats is not None:
+                self.stats.count_copy(kernel=2 * moved)  # into the bounce page, out of it
             addr += moved
             views = _advance(views, moved)
-
-    def _count_call(self) -> None:
-        if self.stats is not None:
-            self.stats.syscalls += 1
-
-    def _count_copied(self, nbytes: int) -> None:
-        if self.stats is not None:
-            self.stats.kernel_copy_bytes += 2 * nbytes  # into the bounce page, out of it
 
 
 @dataclass

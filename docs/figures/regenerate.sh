@@ -6,7 +6,7 @@
 #
 #     bash docs/figures/regenerate.sh
 #
-# What it runs (about 2-3 minutes on a 2-vCPU machine):
+# What it runs (about 12 minutes on a 2-vCPU machine):
 #   1. latency  - blocking ping-pong, 8 B .. 64 MiB, every transport.
 #                 Writes latency.txt (table + crossovers), latency.json.gz (every
 #                 sample and the machine description) and latency.png.
@@ -15,6 +15,11 @@
 #                 `mpiexec -n 2`, which adds the plain `mpi4py` baseline and the
 #                 `cma.mpi` series. Without mpiexec, cma-bench spawns its own
 #                 two processes and those two series are absent.
+#   1b. latency-large - the same from 64 MiB to 256 MiB, into latency-large.txt,
+#                 with a 60 s pause between series (--settle): on the project VM,
+#                 copies through fresh shared memory ran 4-6x slow for ~40 s after
+#                 a series freed hundreds of MiB, which would tax whichever series
+#                 came next.
 #   2. bw       - window of 64 Isends + ack, 4 KiB .. 4 MiB, --quick.
 #                 Writes bw.txt, bw.json, bw.png.
 #   3. latency --cold - a never-touched receive buffer each iteration,
@@ -39,9 +44,12 @@ else
     echo "regenerate.sh: no mpiexec; latency run without the mpi4py baseline" >&2
 fi
 
-"${launch[@]}" python -m cma.bench latency --transport all --min-size 8 --max-size 64M \
+"${launch[@]}" python -m cma.bench latency --transport all --min-size 8 --max-size 64M --settle 30 \
     --json docs/figures/latency.json --plot docs/figures/latency.png \
     > docs/figures/latency.txt
+
+"${launch[@]}" python -m cma.bench latency --transport all --min-size 64M --max-size 256M \
+    --settle 60 > docs/figures/latency-large.txt
 
 python -m cma.bench bw --transport all --min-size 4K --max-size 4M --quick \
     --json docs/figures/bw.json --plot docs/figures/bw.png \

@@ -1,0 +1,145 @@
+"""overlap=True: the receiver's pull runs on a background thread, so an Irecv of a large
+message proceeds while the caller computes and makes no cma call."""
+
+import contextlib
+import multiprocessing as mp
+import threading
+import time
+
+import numpy as np
+import pytest
+from conftest import JOIN_TIMEOUT, stop_process
+
+import cma
+from cma.errors import CmaError, TransportUnavailable
+from cma.transports import REGISTRY
+
+NBYTES = 24 << 20  # above the eager limit and the SPLIT point, small enough to be quick
+PULLERS = [n for n, cls in REGISTRY.classes.items() if "pull" in cls.styles]
+
+
+def expected(nbytes: int = NBYTES) -> np.ndarray:
+    return (np.arange(nbytes, dtype=np.uint64) % 251).astype(np.uint8)
+
+
+def _send_then_wait(comm):
+    comm.Send(expected(), dest=0, tag=1)
+    comm.recv(source=0, tag=2)
+    comm.close()
+
+
+@contextlib.contextmanager
+def sender(transport: str, **options):
+    a, b = cma.Pipe(transport=transport, overlap=True, **options)
+    p = mp.get_context("fork").Process(target=_send_then_wait, args=(b,))
+    try:
+        p.start()
+        b.close()
+        try:
+            a.attach()
+        except TransportUnavailable as exc:
+            pytest.skip(f"{transport} is not usable here: {exc}")
+        yield a
+        a.send("done", dest=1, tag=2)
+        p.join(JOIN_TIMEOUT)
+        assert p.exitcode == 0
+    finally:
+        stop_process(p)
+        a.close()
+
+
+@pytest.mark.parametrize("transport", [*PULLERS, "auto"])
+def test_overlapped_irecv_delivers_while_the_caller_computes(transport):
+    """After Irecv matched the message, the bytes arrive while this process only polls
+    its own buffer (no cma call); Wait then completes it. (That the copy is not done
+    inside Irecv is what test_irecv_returns_before_the_copy proves.)"""
+    with sender(transport) as comm:
+        comm.Probe(source=1, tag=1)  # the RTS is here, so Irecv matches at once
+        buf = np.zeros(NBYTES, np.uint8)
+        req = comm.Irecv(buf, source=1, tag=1)
+        want = expected()
+        deadline = time.monotonic() + 60
+        probes = [0, NBYTES // 3, NBYTES // 2, NBYTES - 1]  # both halves of a SPLIT
+        while any(buf[i] != want[i] for i in probes) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert all(buf[i] == want[i] for i in probes), "nothing arrived without a cma call"
+        st = cma.Status()
+        req.Wait(st)
+        assert st.count == NBYTES and np.array_equal(buf, want)
+        mechanism = comm.transports()[1]["uses"] if transport == "auto" else transport
+        assert comm.stats()[mechanism]["messages"] == 1
+
+
+@pytest.fixture
+def gate(monkeypatch):
+    """Hold every pull of this process until the test opens the gate."""
+    opened = threading.Event()
+    for cls in (REGISTRY.classes[n] for n in PULLERS):
+        original = cls.read
+
+        def held(self, peer, remote, local, _original=original):
+            if not opened.wait(30):
+                raise AssertionError("the gate was never opened")
+            return _original(self, peer, remote, local)
+
+        monkeypatch.setattr(cls, "read", held)
+    return opened
+
+
+@pytest.mark.parametrize("transport", PULLERS)
+def test_irecv_returns_before_the_copy(transport, gate):
+    """A synchronous pull would block Irecv on the closed gate (and fail after 30 s)."""
+    with sender(transport) as comm:
+        comm.Probe(source=1, tag=1)
+        buf = np.zeros(NBYTES, np.uint8)
+        req = comm.Irecv(buf, source=1, tag=1)
+        assert not req.Test()
+        gate.set()
+        req.Wait()
+        assert np.array_equal(buf, expected())
+
+
+def test_a_failed_background_copy_raises_in_wait(monkeypatch):
+    """The copy thread's error surfaces where a synchronous copy's would: in Wait."""
+    vmfd = REGISTRY.classes["vmfd"]
+
+    def broken(self, peer, remote, local):
+        raise CmaError("injected copy failure")
+
+    monkeypatch.setattr(vmfd, "read", broken)
+    a, b = cma.Pipe(transport="vmfd", overlap=True)
+    p = mp.get_context("fork").Process(target=_send_then_wait, args=(b,))
+    try:
+        p.start()
+        b.close()
+        a.Probe(source=1, tag=1)
+        req = a.Irecv(np.zeros(NBYTES, np.uint8), source=1, tag=1)
+        with pytest.raises(CmaError, match="injected copy failure"):
+            req.Wait()
+    finally:
+        p.kill()  # it waits for a FIN that never comes
+        stop_process(p)
+        a.close()
+
+
+def test_overlap_under_auto_pulls_instead_of_staging():
+    """A pipeline needs both processes inside cma calls; with overlap auto pulls (cma,
+    SPLIT where allowed) from the eager limit up."""
+    a, b = cma.Pipe(overlap=True)
+    p = mp.get_context("fork").Process(target=_send_then_wait, args=(b,))
+    try:
+        p.start()
+        b.close()
+        report = a.transports()[1]
+        if "cma" not in report["usable"]:
+            pytest.skip(f"cma is not usable here: {report['unavailable']}")
+        assert (report["uses"], report["protocol"]) == ("cma", "SPLIT")
+        buf = np.zeros(NBYTES, np.uint8)
+        a.Recv(buf, source=1, tag=1)
+        assert np.array_equal(buf, expected())
+        a.send("done", dest=1, tag=2)
+        p.join(JOIN_TIMEOUT)
+        assert p.exitcode == 0
+    finally:
+        stop_process(p)
+        a.close()

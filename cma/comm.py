@@ -16,6 +16,7 @@ from __future__ import annotations
 import operator
 import os
 import pickle
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -62,12 +63,13 @@ AUTO_ORDER = ["cma", "vmfd", "shm"]
 # Smallest rendezvous message each transport takes under "auto" (bytes), from cma-bench
 # on the project machine (docs/transports.md has the runs). There the pipelined double
 # copy beat a one-sided cma or vmfd copy at every size up to 64 MiB (a nested VM makes
-# pinning a running peer's pages dear), while cma with both sides copying (SPLIT) beat
-# it from 8 MiB: so under auto cma is used only where SPLIT works (AUTO_SPLIT_ONLY)
-# and vmfd not while shm works. Where the one-sided copy wins, lower them:
-# Pipe(..., thresholds={"cma": 0}) also lifts the SPLIT-only rule.
+# pinning a running peer's pages dear), while cma with both sides copying (SPLIT) tied
+# with it at 2 MiB (147/157/152 vs 132/154/144 us in three runs) and matched or beat
+# it from 4 MiB (222/329 vs 296/312 us; 64 MiB 1.5x): so under auto cma is used from
+# 4 MiB and only where SPLIT works (AUTO_SPLIT_ONLY), vmfd not while shm works. Where
+# the one-sided copy wins, lower them: thresholds={"cma": 0} also lifts the SPLIT rule.
 NEVER = 1 << 62
-AUTO_THRESHOLDS = {"cma": 8 << 20, "vmfd": NEVER, "shm": 0}
+AUTO_THRESHOLDS = {"cma": 4 << 20, "vmfd": NEVER, "shm": 0}
 AUTO_SPLIT_ONLY = {"cma"}
 
 # How long a blocked call spins before it sleeps. Waking a sleeping process costs from
@@ -879,9 +881,19 @@ class Comm:
             assert link is not None
             read = self._transports[action.transport].read
             if self._overlap:
-                future = self._background().submit(read, link, action.remote, action.local)
+                started = threading.Event()
+
+                def copy() -> None:
+                    started.set()
+                    read(link, action.remote, action.local)
+
+                future = self._background().submit(copy)
                 future.add_done_callback(self._wake_self)
                 self._pulls.append((future, action))
+                # Return once the thread runs: it needs the GIL to start the copy, and
+                # caller code that computes in Python would keep it for a switch
+                # interval (5 ms); inside the system call the thread no longer needs it.
+                started.wait()
                 return
             read(link, action.remote, action.local)
         self._run(self._engine.pulled(op, action.msgid))

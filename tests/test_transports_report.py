@@ -36,7 +36,7 @@ def _attach_and_wait(comm):
 @pytest.mark.parametrize(
     ("transport", "options", "uses", "protocol"),
     [
-        # the measured defaults: cma with both sides copying beat the pipeline from 8 MiB
+        # the measured defaults: cma with both sides copying matched the pipeline from 4 MiB
         ("auto", {}, "cma", "SPLIT"),
         # without SPLIT the one-sided copies lost to the pipeline here, so auto stages
         ("auto", {"split": False}, "shm", "PIPELINE"),

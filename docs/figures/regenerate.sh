@@ -6,7 +6,7 @@
 #
 #     bash docs/figures/regenerate.sh
 #
-# What it runs (about 12 minutes on a 2-vCPU machine):
+# What it runs (about 25 minutes on a 2-vCPU machine, most of it pauses):
 #   1. latency  - blocking ping-pong, 8 B .. 64 MiB, every transport.
 #                 Writes latency.txt (table + crossovers), latency.json.gz (every
 #                 sample and the machine description) and latency.png.
@@ -20,6 +20,9 @@
 #                 copies through fresh shared memory ran 4-6x slow for ~40 s after
 #                 a series freed hundreds of MiB, which would tax whichever series
 #                 came next.
+#   1c. latency-mpi - cma.mpi.Comm against plain mpi4py alone (only under
+#                 mpiexec), 8 B .. 64 MiB, into latency-mpi.txt: in the big run
+#                 cma.mpi comes last, where the slow spells hit it most.
 #   2. bw       - window of 64 Isends + ack, 4 KiB .. 4 MiB, --quick.
 #                 Writes bw.txt, bw.json, bw.png.
 #   3. latency --cold - a never-touched receive buffer each iteration,
@@ -44,12 +47,18 @@ else
     echo "regenerate.sh: no mpiexec; latency run without the mpi4py baseline" >&2
 fi
 
-"${launch[@]}" python -m cma.bench latency --transport all --min-size 8 --max-size 64M --settle 30 \
+"${launch[@]}" python -m cma.bench latency --transport all --min-size 8 --max-size 64M --settle 60 \
     --json docs/figures/latency.json --plot docs/figures/latency.png \
     > docs/figures/latency.txt
 
 "${launch[@]}" python -m cma.bench latency --transport all --min-size 64M --max-size 256M \
     --settle 60 > docs/figures/latency-large.txt
+
+if [ ${#launch[@]} -gt 0 ]; then
+    sleep 60
+    "${launch[@]}" python -m cma.bench latency --transport cma.mpi --baseline mpi4py \
+        --min-size 8 --max-size 64M > docs/figures/latency-mpi.txt
+fi
 
 python -m cma.bench bw --transport all --min-size 4K --max-size 4M --quick \
     --json docs/figures/bw.json --plot docs/figures/bw.png \

@@ -310,9 +310,9 @@ class Comm:
         self._copier: ThreadPoolExecutor | None = None  # overlap: runs pulls in the background
         self._copier_pid = 0
         self._pulls: deque[tuple[Future[None], Pull]] = deque()
+        self._user_thresholds = dict(thresholds or {})  # what a pickled copy must rebuild from
         overlap = {"cma": 0} if self._overlap else {}
-        self._thresholds = {**AUTO_THRESHOLDS, **overlap, **(thresholds or {})}
-        self._split_only = AUTO_SPLIT_ONLY - set(thresholds or {})
+        self._thresholds = {**AUTO_THRESHOLDS, **overlap, **self._user_thresholds}
         self._eager_limit = fds.config.eager_limit
         self._attached = False
         self._closed = False
@@ -353,7 +353,7 @@ class Comm:
         fds = self._fds
         return (_rebuild_comm, (fds.world_id, fds.size, DupFd(fds.memfd),
                                 [DupFd(b) for b in fds.doorbells], fds.config.encode(),
-                                self.rank, self._transport_name, self._thresholds,
+                                self.rank, self._transport_name, self._user_thresholds,
                                 self._transport_options))
 
     # -- connect time
@@ -440,7 +440,9 @@ class Comm:
             staged={n for n in names if "staged" in REGISTRY.classes[n].styles},
             push=self._prefer_push,
             split=self._split,
-            split_only=self._split_only if forced is None else set(),
+            # overlap wants pulls even one-sided: a pipeline needs both processes in cma
+            split_only=(set() if forced is not None or self._overlap
+                        else AUTO_SPLIT_ONLY - set(self._user_thresholds)),
         )
         for p in range(self.size):
             if p == self.rank:
@@ -721,6 +723,9 @@ class Comm:
         self._send_obj = self._recv_obj = _NOTHING
         if self._copier is not None and self._copier_pid == os.getpid():
             self._copier.shutdown(wait=True)  # no pull may outlive the fds it reads through
+            if self._attached:
+                self._finish_pulls()  # their senders wait for FIN
+                self._flush()
         self._copier = None
         if self._attached:
             for transport in self._transports.values():
@@ -890,10 +895,12 @@ class Comm:
                 future = self._background().submit(copy)
                 future.add_done_callback(self._wake_self)
                 self._pulls.append((future, action))
-                # Return once the thread runs: it needs the GIL to start the copy, and
-                # caller code that computes in Python would keep it for a switch
-                # interval (5 ms); inside the system call the thread no longer needs it.
-                started.wait()
+                if len(self._pulls) == 1:
+                    # Return once the thread runs: it needs the GIL to start the copy,
+                    # and caller code computing in Python would keep it for a switch
+                    # interval (5 ms); inside the system call it no longer needs it.
+                    # (Behind an earlier pull, waiting would mean waiting for that copy.)
+                    started.wait()
                 return
             read(link, action.remote, action.local)
         self._run(self._engine.pulled(op, action.msgid))
@@ -916,7 +923,13 @@ class Comm:
         finished = False
         while pulls and pulls[0][0].done():
             future, action = pulls.popleft()
-            future.result()  # a copy that failed raises here, as it would have in _pull
+            error = future.exception()
+            if isinstance(error, Exception):
+                # The receive fails with it in Wait/Test, not whichever call is here;
+                # FIN still releases the sender, as for a truncated message.
+                action.op.error = error
+            elif error is not None:
+                raise error
             self._run(self._engine.pulled(action.op, action.msgid))
             finished = True
         return finished

@@ -29,6 +29,20 @@ JOIN_TIMEOUT = 10.0
 FOREIGN_SHM_PREFIXES = ("mpich_shm_",)
 
 
+def _yama_scope() -> int:
+    try:
+        with open("/proc/sys/kernel/yama/ptrace_scope") as f:
+            return int(f.read())
+    except OSError:
+        return 0  # no Yama: ptrace rules are the classic ones
+
+
+# SPLIT needs cma both ways between a parent and its child; Yama scope >= 1 lets only
+# the parent (an ancestor) in, so auto then stages and tests of auto's SPLIT skip.
+TWO_WAY_PTRACE = _yama_scope() == 0
+NO_TWO_WAY_PTRACE = "Yama ptrace_scope >= 1: a child may not write into its parent"
+
+
 class PeerError(AssertionError):
     """The peer's function raised; the message is its traceback."""
 

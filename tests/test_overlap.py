@@ -8,13 +8,14 @@ import time
 
 import numpy as np
 import pytest
-from conftest import JOIN_TIMEOUT, stop_process
+from conftest import JOIN_TIMEOUT, NO_TWO_WAY_PTRACE, TWO_WAY_PTRACE, stop_process
 
 import cma
 from cma.errors import CmaError, TransportUnavailable
 from cma.transports import REGISTRY
 
 NBYTES = 24 << 20  # above the eager limit and the SPLIT point, small enough to be quick
+SMALL = 2 << 20  # above the eager limit, below auto's cma threshold
 PULLERS = [n for n, cls in REGISTRY.classes.items() if "pull" in cls.styles]
 
 
@@ -25,6 +26,17 @@ def expected(nbytes: int = NBYTES) -> np.ndarray:
 def _send_then_wait(comm):
     comm.Send(expected(), dest=0, tag=1)
     comm.recv(source=0, tag=2)
+    comm.close()
+
+
+def _send_small_then_wait(comm):
+    comm.Send(expected(SMALL), dest=0, tag=1)
+    comm.recv(source=0, tag=2)
+    comm.close()
+
+
+def _send_then_exit(comm):
+    comm.Send(expected(), dest=0, tag=1)
     comm.close()
 
 
@@ -48,7 +60,8 @@ def sender(transport: str, **options):
         a.close()
 
 
-@pytest.mark.parametrize("transport", [*PULLERS, "auto"])
+@pytest.mark.parametrize("transport", [*PULLERS, pytest.param("auto", marks=pytest.mark.skipif(
+    not TWO_WAY_PTRACE, reason=NO_TWO_WAY_PTRACE))])
 def test_overlapped_irecv_delivers_while_the_caller_computes(transport):
     """After Irecv matched the message, the bytes arrive while this process only polls
     its own buffer (no cma call); Wait then completes it. (That the copy is not done
@@ -100,46 +113,74 @@ def test_irecv_returns_before_the_copy(transport, gate):
 
 
 def test_a_failed_background_copy_raises_in_wait(monkeypatch):
-    """The copy thread's error surfaces where a synchronous copy's would: in Wait."""
+    """The copy thread's error fails that receive, in its Wait, and FIN still releases
+    the sender (as for a truncated message)."""
     vmfd = REGISTRY.classes["vmfd"]
 
     def broken(self, peer, remote, local):
         raise CmaError("injected copy failure")
 
     monkeypatch.setattr(vmfd, "read", broken)
-    a, b = cma.Pipe(transport="vmfd", overlap=True)
-    p = mp.get_context("fork").Process(target=_send_then_wait, args=(b,))
+    with sender("vmfd") as comm:
+        comm.Probe(source=1, tag=1)
+        req = comm.Irecv(np.zeros(NBYTES, np.uint8), source=1, tag=1)
+        with pytest.raises(CmaError, match="injected copy failure"):
+            req.Wait()
+    # leaving `sender` asserts the peer's Send returned and it exited cleanly
+
+
+def test_an_unrelated_call_does_not_raise_a_failed_copy(monkeypatch):
+    vmfd = REGISTRY.classes["vmfd"]
+
+    def broken(self, peer, remote, local):
+        raise CmaError("injected copy failure")
+
+    monkeypatch.setattr(vmfd, "read", broken)
+    with sender("vmfd") as comm:
+        comm.Probe(source=1, tag=1)
+        req = comm.Irecv(np.zeros(NBYTES, np.uint8), source=1, tag=1)
+        for _ in range(200):  # 1 s of progress through other calls (the read fails at once)
+            assert not comm.Iprobe(source=1, tag=99)  # must not raise the receive's error
+            time.sleep(0.005)
+        with pytest.raises(CmaError, match="injected copy failure"):
+            req.Wait()
+
+
+@pytest.mark.skipif(not TWO_WAY_PTRACE, reason=NO_TWO_WAY_PTRACE)
+def test_overlap_under_auto_pulls_instead_of_staging():
+    """A pipeline needs both processes inside cma calls; with overlap auto takes cma
+    from the eager limit up (here a 2 MiB message, which auto otherwise stages)."""
+    a, b = cma.Pipe(overlap=True)
+    p = mp.get_context("fork").Process(target=_send_small_then_wait, args=(b,))
     try:
         p.start()
         b.close()
-        a.Probe(source=1, tag=1)
-        req = a.Irecv(np.zeros(NBYTES, np.uint8), source=1, tag=1)
-        with pytest.raises(CmaError, match="injected copy failure"):
-            req.Wait()
+        a.attach()
+        buf = np.zeros(SMALL, np.uint8)
+        a.Recv(buf, source=1, tag=1)
+        assert np.array_equal(buf, expected(SMALL))
+        assert a.stats()["cma"]["messages"] == 1, "overlap under auto did not pull with cma"
+        a.send("done", dest=1, tag=2)
+        p.join(JOIN_TIMEOUT)
+        assert p.exitcode == 0
     finally:
-        p.kill()  # it waits for a FIN that never comes
         stop_process(p)
         a.close()
 
 
-def test_overlap_under_auto_pulls_instead_of_staging():
-    """A pipeline needs both processes inside cma calls; with overlap auto pulls (cma,
-    SPLIT where allowed) from the eager limit up."""
-    a, b = cma.Pipe(overlap=True)
-    p = mp.get_context("fork").Process(target=_send_then_wait, args=(b,))
+def test_close_with_a_pull_in_flight_releases_the_sender(gate):
+    """close() lets the copy finish and sends its FIN, so the sender's Send returns."""
+    a, b = cma.Pipe(transport="vmfd", overlap=True)
+    p = mp.get_context("fork").Process(target=_send_then_exit, args=(b,))
     try:
         p.start()
         b.close()
-        report = a.transports()[1]
-        if "cma" not in report["usable"]:
-            pytest.skip(f"cma is not usable here: {report['unavailable']}")
-        assert (report["uses"], report["protocol"]) == ("cma", "SPLIT")
-        buf = np.zeros(NBYTES, np.uint8)
-        a.Recv(buf, source=1, tag=1)
-        assert np.array_equal(buf, expected())
-        a.send("done", dest=1, tag=2)
+        a.Probe(source=1, tag=1)
+        a.Irecv(np.zeros(NBYTES, np.uint8), source=1, tag=1)
+        gate.set()
+        a.close()
         p.join(JOIN_TIMEOUT)
-        assert p.exitcode == 0
+        assert p.exitcode == 0, "the sender never got its FIN"
     finally:
         stop_process(p)
         a.close()

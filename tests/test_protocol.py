@@ -716,10 +716,10 @@ def test_split_flow(size):
     info = decode_cts(cts.payload)
     assert info.mode == SPLIT and sum(r.nbytes for r in info.regions) == size - cut
     assert not rop.done  # its own half is in; the sender's is not
-    net.step_packet(1, 0)  # FIN for the first half (the sender's buffer part is free)
-    assert not sop.done
-    net.step_packet(1, 0)  # CTS -> Push of the second half -> FIN
+    net.step_packet(1, 0)  # CTS -> Push of the second half -> FIN to the receiver
     (push,) = net.kinds(0, Push)
+    assert not sop.done  # the receiver's FIN for the first half is not in yet
+    net.step_packet(1, 0)  # FIN for the first half (the sender's buffer part is free)
     assert sum(v.nbytes for v in push.local) == size - cut and push.recvid == rop.recvid
     assert sop.done and sop.mechanism == "cma"
     net.pump()

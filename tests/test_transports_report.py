@@ -4,6 +4,7 @@ import contextlib
 import multiprocessing as mp
 
 import pytest
+from conftest import NO_TWO_WAY_PTRACE, TWO_WAY_PTRACE
 
 import cma
 
@@ -37,12 +38,14 @@ def _attach_and_wait(comm):
     ("transport", "options", "uses", "protocol"),
     [
         # the measured defaults: cma with both sides copying matched the pipeline from 4 MiB
-        ("auto", {}, "cma", "SPLIT"),
+        pytest.param("auto", {}, "cma", "SPLIT",
+                     marks=pytest.mark.skipif(not TWO_WAY_PTRACE, reason=NO_TWO_WAY_PTRACE)),
         # without SPLIT the one-sided copies lost to the pipeline here, so auto stages
         ("auto", {"split": False}, "shm", "PIPELINE"),
         # a lowered threshold brings the one-sided cma copy back
         ("auto", {"split": False, "thresholds": {"cma": 0}}, "cma", "RGET"),
-        ("auto", {"push": True}, "cma", "RPUT"),
+        pytest.param("auto", {"push": True}, "cma", "RPUT",
+                     marks=pytest.mark.skipif(not TWO_WAY_PTRACE, reason=NO_TWO_WAY_PTRACE)),
         # a named transport is used whatever the thresholds; vmfd cannot push without push=True
         ("vmfd", {}, "vmfd", "RGET"),
         ("vmfd", {"push": True}, "vmfd", "RPUT"),

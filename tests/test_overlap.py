@@ -112,38 +112,36 @@ def test_irecv_returns_before_the_copy(transport, gate):
         assert np.array_equal(buf, expected())
 
 
-def test_a_failed_background_copy_raises_in_wait(monkeypatch):
-    """The copy thread's error fails that receive, in its Wait, and FIN still releases
-    the sender (as for a truncated message)."""
-    vmfd = REGISTRY.classes["vmfd"]
+@pytest.fixture
+def failed_copy(monkeypatch):
+    """The vmfd transport's reads fail; yields the receive request of a message whose
+    copy has been handed to the copy thread (and fails there)."""
 
     def broken(self, peer, remote, local):
         raise CmaError("injected copy failure")
 
-    monkeypatch.setattr(vmfd, "read", broken)
+    monkeypatch.setattr(REGISTRY.classes["vmfd"], "read", broken)
     with sender("vmfd") as comm:
         comm.Probe(source=1, tag=1)
-        req = comm.Irecv(np.zeros(NBYTES, np.uint8), source=1, tag=1)
-        with pytest.raises(CmaError, match="injected copy failure"):
-            req.Wait()
+        yield comm, comm.Irecv(np.zeros(NBYTES, np.uint8), source=1, tag=1)
     # leaving `sender` asserts the peer's Send returned and it exited cleanly
 
 
-def test_an_unrelated_call_does_not_raise_a_failed_copy(monkeypatch):
-    vmfd = REGISTRY.classes["vmfd"]
+def test_a_failed_background_copy_raises_in_wait(failed_copy):
+    """The copy thread's error fails that receive, in its Wait, and FIN still releases
+    the sender (as for a truncated message)."""
+    _, req = failed_copy
+    with pytest.raises(CmaError, match="injected copy failure"):
+        req.Wait()
 
-    def broken(self, peer, remote, local):
-        raise CmaError("injected copy failure")
 
-    monkeypatch.setattr(vmfd, "read", broken)
-    with sender("vmfd") as comm:
-        comm.Probe(source=1, tag=1)
-        req = comm.Irecv(np.zeros(NBYTES, np.uint8), source=1, tag=1)
-        for _ in range(200):  # 1 s of progress through other calls (the read fails at once)
-            assert not comm.Iprobe(source=1, tag=99)  # must not raise the receive's error
-            time.sleep(0.005)
-        with pytest.raises(CmaError, match="injected copy failure"):
-            req.Wait()
+def test_an_unrelated_call_does_not_raise_a_failed_copy(failed_copy):
+    comm, req = failed_copy
+    for _ in range(200):  # 1 s of progress through other calls (the read fails at once)
+        assert not comm.Iprobe(source=1, tag=99)  # must not raise the receive's error
+        time.sleep(0.005)
+    with pytest.raises(CmaError, match="injected copy failure"):
+        req.Wait()
 
 
 @pytest.mark.skipif(not TWO_WAY_PTRACE, reason=NO_TWO_WAY_PTRACE)

@@ -53,8 +53,7 @@ FLAGS = _launcher_flags()
 IS_HYDRA = not FLAGS
 
 
-def _remove_orphan_segments(names: set[str]) -> None:
-    """Unlink MPICH's shared-memory files that a killed job left and nobody maps any more."""
+def _mapped_segments() -> set[str]:
     mapped: set[str] = set()
     for maps in Path("/proc").glob("[0-9]*/maps"):
         try:
@@ -62,16 +61,32 @@ def _remove_orphan_segments(names: set[str]) -> None:
                           for line in maps.read_text().splitlines() if "/dev/shm/" in line)
         except (OSError, IndexError):
             continue  # the process exited meanwhile
-    for name in names - mapped:
-        Path("/dev/shm", name).unlink(missing_ok=True)
+    return mapped
+
+
+def _remove_orphan_segments(names: set[str]) -> None:
+    """Unlink MPICH's shared-memory files that a job left and nobody maps any more.
+
+    Ranks may still be exiting when mpiexec returns, so a segment still mapped gets a
+    few seconds to be released before it is left alone.
+    """
+    deadline = time.monotonic() + 5
+    while names:
+        for name in names - _mapped_segments():
+            Path("/dev/shm", name).unlink(missing_ok=True)
+        names = {name for name in names if Path("/dev/shm", name).exists()}
+        if not names or time.monotonic() > deadline:
+            return
+        time.sleep(0.1)
 
 
 def mpirun(n: int, program: str, *args: str, env: dict[str, str] | None = None,
            flags: tuple[str, ...] = ()) -> tuple[int, str, float]:
     """(exit code, stdout + stderr, seconds) of ``mpiexec -n N python -m mpi4py program``.
 
-    A job that did not end cleanly (aborted, killed) leaves MPICH's segments in /dev/shm;
-    those that appeared during this run and are mapped by no process are removed.
+    A job that did not end cleanly (aborted, killed) leaves MPICH's segments in /dev/shm,
+    and so, in runs on this machine, did some that exited 0: those that appeared during
+    this run and are mapped by no process are removed.
     """
     shm_before = set(os.listdir("/dev/shm"))
     environ = {k: v for k, v in os.environ.items() if not k.startswith("CMA_MPI_")}
@@ -92,9 +107,8 @@ def mpirun(n: int, program: str, *args: str, env: dict[str, str] | None = None,
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-        if proc.returncode != 0:
-            _remove_orphan_segments({name for name in set(os.listdir("/dev/shm")) - shm_before
-                                     if name.startswith("mpich_shm_")})
+        _remove_orphan_segments({name for name in set(os.listdir("/dev/shm")) - shm_before
+                                 if name.startswith("mpich_shm_")})
     return proc.returncode, out, time.monotonic() - start
 
 

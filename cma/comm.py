@@ -20,12 +20,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any, Literal
 
 import numpy as np
 
 from . import _linux
+from ._pool import ProcessPool
 from .channel import MORE, ChannelConfig, Inbox, Outbox
 from .errors import BufferError, CmaError, InvalidRank, InvalidTag, PeerGone, TransportUnavailable
 from .protocol import (
@@ -307,8 +308,7 @@ class Comm:
         self._transport_options = transport_options
         # overlap: a pipeline needs both processes inside cma calls, a pull does not
         self._overlap = bool(transport_options.get("overlap"))
-        self._copier: ThreadPoolExecutor | None = None  # overlap: runs pulls in the background
-        self._copier_pid = 0
+        self._copier = ProcessPool(1, "cma-pull")  # overlap: runs pulls in the background
         self._pulls: deque[tuple[Future[None], Pull]] = deque()
         self._user_thresholds = dict(thresholds or {})  # what a pickled copy must rebuild from
         overlap = {"cma": 0} if self._overlap else {}
@@ -721,12 +721,10 @@ class Comm:
             return
         self._closed = True
         self._send_obj = self._recv_obj = _NOTHING
-        if self._copier is not None and self._copier_pid == os.getpid():
-            self._copier.shutdown(wait=True)  # no pull may outlive the fds it reads through
-            if self._attached:
-                self._finish_pulls()  # their senders wait for FIN
-                self._flush()
-        self._copier = None
+        # no pull may outlive the fds it reads through, and its sender waits for FIN
+        if self._copier.shutdown() and self._attached:
+            self._finish_pulls()
+            self._flush()
         if self._attached:
             for transport in self._transports.values():
                 for link in self._links:
@@ -892,7 +890,7 @@ class Comm:
                     started.set()
                     read(link, action.remote, action.local)
 
-                future = self._background().submit(copy)
+                future = self._copier.get().submit(copy)
                 future.add_done_callback(self._wake_self)
                 self._pulls.append((future, action))
                 if len(self._pulls) == 1:
@@ -904,13 +902,6 @@ class Comm:
                 return
             read(link, action.remote, action.local)
         self._run(self._engine.pulled(op, action.msgid))
-
-    def _background(self) -> ThreadPoolExecutor:
-        if self._copier is None or self._copier_pid != os.getpid():
-            # a pool inherited through fork has no thread and would never run the pulls
-            self._copier = ThreadPoolExecutor(1, thread_name_prefix="cma-pull")
-            self._copier_pid = os.getpid()
-        return self._copier
 
     def _wake_self(self, _: Future[None]) -> None:
         """Ring our own doorbell from the copy thread, in case this rank sleeps in a wait."""

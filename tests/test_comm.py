@@ -993,17 +993,6 @@ def test_rput_end_to_end(name):
         a.close()
 
 
-def op_stats_reset(comm):
-    comm.reset_stats()
-
-
-def op_recv_counted(comm, nbytes):
-    comm.reset_stats()
-    buf = np.empty(nbytes, np.uint8)
-    comm.Recv(buf, 0, 1)
-    return comm.stats(), digest(buf)
-
-
 @pytest.mark.parametrize("split", [True, False], ids=["split", "rget"])
 def test_cma_split_shares_the_single_copy(split):
     """SPLIT: the receiver copies the first half and the sender the second; still one
@@ -1014,12 +1003,12 @@ def test_cma_split_shares_the_single_copy(split):
     cut = cma.protocol.split_point(nbytes)
     try:
         peer = Peer("cma", split=split)
-        peer.call(op_stats_reset)  # both ends attach here
+        peer.check_clean()  # both ends attach here
     except cma.errors.TransportUnavailable as exc:
         pytest.skip(f"cma is not permitted on this machine: {exc}")
     try:
         data = pattern(nbytes, 5)
-        peer.start(op_recv_counted, nbytes)
+        peer.start(op_stats, nbytes, [])
         peer.comm.reset_stats()
         peer.comm.Send(data, 1, 1)
         mine = peer.comm.stats()["cma"]

@@ -23,14 +23,8 @@ def expected(nbytes: int = NBYTES) -> np.ndarray:
     return (np.arange(nbytes, dtype=np.uint64) % 251).astype(np.uint8)
 
 
-def _send_then_wait(comm):
-    comm.Send(expected(), dest=0, tag=1)
-    comm.recv(source=0, tag=2)
-    comm.close()
-
-
-def _send_small_then_wait(comm):
-    comm.Send(expected(SMALL), dest=0, tag=1)
+def _send_then_wait(comm, nbytes=NBYTES):
+    comm.Send(expected(nbytes), dest=0, tag=1)
     comm.recv(source=0, tag=2)
     comm.close()
 
@@ -41,9 +35,10 @@ def _send_then_exit(comm):
 
 
 @contextlib.contextmanager
-def sender(transport: str, **options):
-    a, b = cma.Pipe(transport=transport, overlap=True, **options)
-    p = mp.get_context("fork").Process(target=_send_then_wait, args=(b,))
+def sender(transport: str, nbytes: int = NBYTES):
+    """Rank 0 of an overlap Pipe whose rank 1 sends one ``nbytes`` message (tag 1)."""
+    a, b = cma.Pipe(transport=transport, overlap=True)
+    p = mp.get_context("fork").Process(target=_send_then_wait, args=(b, nbytes))
     try:
         p.start()
         b.close()
@@ -148,22 +143,11 @@ def test_an_unrelated_call_does_not_raise_a_failed_copy(failed_copy):
 def test_overlap_under_auto_pulls_instead_of_staging():
     """A pipeline needs both processes inside cma calls; with overlap auto takes cma
     from the eager limit up (here a 2 MiB message, which auto otherwise stages)."""
-    a, b = cma.Pipe(overlap=True)
-    p = mp.get_context("fork").Process(target=_send_small_then_wait, args=(b,))
-    try:
-        p.start()
-        b.close()
-        a.attach()
+    with sender(cma.AUTO, nbytes=SMALL) as comm:
         buf = np.zeros(SMALL, np.uint8)
-        a.Recv(buf, source=1, tag=1)
+        comm.Recv(buf, source=1, tag=1)
         assert np.array_equal(buf, expected(SMALL))
-        assert a.stats()["cma"]["messages"] == 1, "overlap under auto did not pull with cma"
-        a.send("done", dest=1, tag=2)
-        p.join(JOIN_TIMEOUT)
-        assert p.exitcode == 0
-    finally:
-        stop_process(p)
-        a.close()
+        assert comm.stats()["cma"]["messages"] == 1, "overlap under auto did not pull with cma"
 
 
 def test_close_with_a_pull_in_flight_releases_the_sender(gate):

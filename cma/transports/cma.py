@@ -53,11 +53,12 @@ import errno
 import os
 from bisect import bisect_right
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from itertools import accumulate
 from typing import ClassVar
 
 from .. import _linux
+from .._pool import ProcessPool
 from ..errors import BufferError, CmaError, TransportFault
 from .base import Copies, Host, Peer, Region, Transport, local_byte_views
 
@@ -192,8 +193,7 @@ class CmaTransport(Transport):
         if threads < 1:
             raise ValueError(f"cma: threads must be at least 1, not {threads}")
         self.threads = threads
-        self._pool: ThreadPoolExecutor | None = None
-        self._pool_pid = 0
+        self._pool = ProcessPool(threads - 1, "cma-copy")
 
     def probe(self, peer: Peer) -> str | None:
         err = _linux.cma_access_errno(peer.pid)
@@ -231,9 +231,7 @@ class CmaTransport(Transport):
         )
 
     def close(self) -> None:
-        if self._pool is not None and self._pool_pid == os.getpid():
-            self._pool.shutdown(wait=True)
-        self._pool = None
+        self._pool.shutdown()
 
     def _transfer(
         self, peer: Peer, local: _Stream, regions: Sequence[Region], *, write: bool, what: str
@@ -259,15 +257,12 @@ class CmaTransport(Transport):
     def _copy_split(
         self, pid: int, local: _Stream, remote: _Stream, total: int, write: bool, what: str
     ) -> tuple[list[_Outcome], list[int]]:
-        if self._pool is None or self._pool_pid != os.getpid():
-            # a pool inherited through fork has no threads and would never run the parts
-            self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="cma-copy")
-            self._pool_pid = os.getpid()
+        pool = self._pool.get()
         page = _linux.PAGE_SIZE
         share = -(-total // self.threads // page) * page  # page-aligned buffers split at pages
         starts = list(range(0, total, share))
         futures: list[Future[_Outcome]] = [
-            self._pool.submit(
+            pool.submit(
                 _copy,
                 pid,
                 local.part(start, start + share),

@@ -25,6 +25,7 @@ the hot path at one shared store per message on each side.
 from __future__ import annotations
 
 import mmap
+import struct
 from dataclasses import dataclass
 
 from ._linux import PAGE_SIZE
@@ -34,6 +35,12 @@ HEADER_BYTES = 32
 PAD = 0x7F  # packet kind: skip to the start of the ring
 MORE = 0x200  # flag: the packet's payload continues in the next packet (a split control packet)
 ALIGN = 64
+# A packet of n payload bytes takes (PACKET_ROUND + n) & PACKET_MASK bytes of ring. The hot
+# paths use these two constants, and one struct call for the three words an EAGER header
+# needs, because on CPython every extra operation there is measurable in 8-byte latency.
+PACKET_ROUND = HEADER_BYTES + ALIGN - 1
+PACKET_MASK = -ALIGN
+EAGER_HEADER = struct.Struct("qqq")  # kind, tag, nbytes
 
 # control page word offsets (128 bytes apart, to defeat adjacent-line prefetch)
 HEAD = 0
@@ -54,7 +61,7 @@ def _round_up(n: int, to: int) -> int:
 
 
 def packet_bytes(nbytes: int) -> int:
-    return (HEADER_BYTES + nbytes + ALIGN - 1) & ~(ALIGN - 1)
+    return (PACKET_ROUND + nbytes) & PACKET_MASK
 
 
 @dataclass(frozen=True)
@@ -153,7 +160,7 @@ class Outbox:
         Returns -1 (nothing published) when the ring is full, else the receiver's sleeping
         flag: non-zero means the caller must ring its doorbell.
         """
-        need = (HEADER_BYTES + ALIGN - 1 + n) & -ALIGN
+        need = (PACKET_ROUND + n) & PACKET_MASK
         h = self.head
         pos = h & self.mask
         size = self.size
@@ -165,14 +172,9 @@ class Outbox:
         if n:
             self.data[pos + HEADER_BYTES : pos + HEADER_BYTES + n] = payload
             self.eager_bytes += n
-        w = pos >> 3
-        words = self.words
-        words[w] = EAGER
-        words[w + 1] = tag
-        words[w + 2] = n
+        EAGER_HEADER.pack_into(self.data, pos, EAGER, tag, n)
         self.eager_count += 1
-        self.head = h = h + need
-        self.ctl[HEAD] = h
+        self.head = self.ctl[HEAD] = h + need
         return self.peer_sleeping[0]
 
     def put(self, kind: int, tag: int, aux: int, payload: bytes | memoryview) -> bool:
@@ -260,22 +262,19 @@ class Inbox:
         if self.ctl[HEAD] == tail:
             return -2
         pos = tail & self.mask
-        words = self.words
-        w = pos >> 3
-        if words[w] != EAGER:
-            if words[w] != PAD:
+        kind, t, n = EAGER_HEADER.unpack_from(self.data, pos)
+        if kind != EAGER:
+            if kind != PAD:
                 return -1
             pos = self._position()
             if pos < 0:
                 return -2
             tail = self.tail
-            w = pos >> 3
-            if words[w] != EAGER:
+            kind, t, n = EAGER_HEADER.unpack_from(self.data, pos)
+            if kind != EAGER:
                 return -1
-        t = words[w + 1]
         if t != tag and (tag != ANY_TAG or t < 0):
             return -1
-        n = words[w + 2]
         if n > buf.nbytes:
             return -1
         if n:
@@ -283,7 +282,7 @@ class Inbox:
             self.eager_bytes += n
         self.eager_count += 1
         self.last_tag = t
-        self.tail = tail = tail + ((HEADER_BYTES + ALIGN - 1 + n) & -ALIGN)
+        self.tail = tail = tail + ((PACKET_ROUND + n) & PACKET_MASK)
         if tail - self.tail_published >= self.half:
             self.tail_published = tail
             self.ctl[TAIL] = tail

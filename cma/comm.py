@@ -712,7 +712,7 @@ class Comm:
             current = self.stats()["eager"]
             self._eager_base = (int(current["messages"]), int(current["bytes"]))
             for transport in self._transports.values():
-                transport.stats = TransportStats()
+                transport.stats.reset()
 
     # -- teardown
 

@@ -130,6 +130,22 @@ def test_owner_gone_reads_zero_bytes_and_raises_peer_gone(target: Target, how: s
             target.kill()
 
 
+def test_stats_reset_in_place_so_a_copy_in_flight_counts_after_it(
+    target: Target, vmfd: VmfdTransport
+) -> None:
+    """Comm.reset_stats() may run while overlap's thread copies through a window that holds
+    the transport's counters: they are zeroed, not replaced, so that copy is not lost."""
+    peer = FakePeer(target)
+    region = target.alloc(PAGE, seed=7)
+    held = vmfd.stats
+    vmfd.read(peer, [region], [memoryview(bytearray(PAGE))])
+    held.reset()
+    assert vmfd.stats is held and held == TransportStats()
+    VmFd(vmfd._peers[1].readable, *region, pid=target.pid, stats=held).read(
+        region.addr, [memoryview(bytearray(PAGE))])
+    assert vmfd.stats.kernel_copy_bytes == 2 * PAGE and vmfd.stats.syscalls == 1
+
+
 def test_window_refuses_forged_regions_before_copying(target: Target) -> None:
     """The kernel would serve any address through the fd; the window check must say no."""
     block = target.alloc(4 * PAGE, seed=12)
@@ -212,6 +228,31 @@ def test_disconnect_and_close_release_every_fd(target: Target) -> None:
     vmfd.connect(peer)
     vmfd.close()
     assert _open_fds() == before
+
+
+def test_rank_taken_over_by_another_process_keeps_old_fds_open_until_close(target: Target) -> None:
+    """A copy on overlap's thread may still use the old process's fds when another thread
+    reconnects: they are retired, not closed, and close() releases them."""
+    with Target(push=True) as successor:
+        before = _open_fds()
+        vmfd = VmfdTransport(FakeHost(), push=True)
+        try:
+            region = target.alloc(4096, seed=5)
+            received = bytearray(4096)
+            vmfd.read(FakePeer(target), [region], [memoryview(received)])
+            old = vmfd._peers[1]
+            assert received == pattern(4096, 5)
+
+            region = successor.alloc(4096, seed=6)
+            vmfd.read(FakePeer(successor), [region], [memoryview(received)])  # same rank 1
+            assert received == pattern(4096, 6)
+            assert vmfd._peers[1].pid == successor.pid
+            for fd in (old.readable, old.writable):
+                os.fstat(fd)  # still open: raises EBADF once closed
+            assert len(_open_fds() - before) == 6  # own ro + rw, both peers' ro + rw
+        finally:
+            vmfd.close()
+        assert _open_fds() == before
 
 
 def test_owner_that_cannot_open_its_memory_refuses_to_serve() -> None:

@@ -88,6 +88,12 @@ class TransportStats:
             self.kernel_copy_bytes += kernel
             self.syscalls += syscalls
 
+    def reset(self) -> None:
+        """Zero the counters in place: a copy still running counts into the new period."""
+        with self._lock:
+            self.messages = self.bytes = self.user_copy_bytes = 0
+            self.kernel_copy_bytes = self.syscalls = 0
+
     def as_dict(self) -> dict[str, float]:
         moved = self.bytes or 1
         return {

@@ -23,6 +23,7 @@ open it), read-only always and read-write only with ``push=True``, and exposes i
 from __future__ import annotations
 
 import errno
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
@@ -117,6 +118,8 @@ class VmfdTransport(Transport):
         """
         super().__init__(host, push=push, **options)
         self._peers: dict[int, _PeerMemory] = {}
+        self._retired: list[_PeerMemory] = []  # replaced while a copy may still use them
+        self._reconnect = threading.Lock()  # overlap's copy thread reads while this one writes
         self._own: list[int] = []
         self._expose(host, "mem-ro", writable=False)
         if push:
@@ -165,9 +168,10 @@ class VmfdTransport(Transport):
             self._close_peer(memory)
 
     def close(self) -> None:
-        for memory in self._peers.values():
+        for memory in [*self._peers.values(), *self._retired]:
             self._close_peer(memory)
         self._peers.clear()
+        self._retired.clear()
         for fd in self._own:
             _linux.close_fd(fd)
         self._own.clear()
@@ -193,11 +197,17 @@ class VmfdTransport(Transport):
 
     def _memory(self, peer: Peer) -> _PeerMemory:
         memory = self._peers.get(peer.rank)
-        if memory is None or memory.pid != peer.pid:  # a rank now held by another process
-            self.disconnect(peer)
-            self.connect(peer)
-            memory = self._peers[peer.rank]
-        return memory
+        if memory is not None and memory.pid == peer.pid:
+            return memory
+        with self._reconnect:  # a rank now held by another process, or not yet connected
+            memory = self._peers.get(peer.rank)
+            if memory is None or memory.pid != peer.pid:
+                if memory is not None:
+                    # the other thread may be copying through these fds: close them in close()
+                    self._retired.append(self._peers.pop(peer.rank))
+                self.connect(peer)
+                memory = self._peers[peer.rank]
+            return memory
 
     @staticmethod
     def _fetch(peer: Peer, name: str, *, writable: bool) -> int:

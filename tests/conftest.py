@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import time
 import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -205,3 +206,43 @@ def mem_available() -> int:
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def _rank_main(func, comm, conn):
+    try:
+        conn.send(("ok", func(comm)))
+    except BaseException as exc:  # noqa: BLE001 - reported to the test
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+    finally:
+        conn.close()
+
+
+def run_pair(transport, config, func0, func1, timeout=30.0):
+    """Run rank 0 and rank 1 of a fresh Pipe in two children; a hang fails, never blocks."""
+    ctx = mp.get_context("fork")
+    a, b = cma.Pipe(transport=transport, config=config)
+    procs, conns = [], []
+    try:
+        for func, comm in ((func0, a), (func1, b)):
+            recv_end, send_end = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=_rank_main, args=(func, comm, send_end))
+            proc.start()
+            send_end.close()
+            procs.append(proc)
+            conns.append(recv_end)
+        a.close()
+        b.close()
+        results = []
+        deadline = time.monotonic() + timeout
+        for rank, conn in enumerate(conns):
+            if not conn.poll(max(0.0, deadline - time.monotonic())):
+                for proc in procs:
+                    proc.kill()
+                pytest.fail(f"rank {rank} did not finish within {timeout} s (deadlock)")
+            results.append(conn.recv())
+        for status, value in results:
+            assert status == "ok", value
+        return [value for _, value in results]
+    finally:
+        for proc in procs:
+            stop_process(proc, 5.0)

@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import JOIN_TIMEOUT, Peer, mem_available, stop_process
+from conftest import JOIN_TIMEOUT, Peer, mem_available, run_pair, stop_process
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -1084,44 +1084,6 @@ def test_none_buffer_on_first_use(call):
 # ------------------------------------------------------------------ other channel configurations
 
 
-def _rank_main(func, comm, conn):
-    try:
-        conn.send(("ok", func(comm)))
-    except BaseException as exc:  # noqa: BLE001 - reported to the test
-        conn.send(("error", f"{type(exc).__name__}: {exc}"))
-    finally:
-        conn.close()
-
-
-def run_pair(transport, config, func0, func1, timeout=30.0):
-    """Run rank 0 and rank 1 of a fresh Pipe in two children; a hang fails, never blocks."""
-    ctx = mp.get_context("fork")
-    a, b = cma.Pipe(transport=transport, config=config)
-    procs, conns = [], []
-    try:
-        for func, comm in ((func0, a), (func1, b)):
-            recv_end, send_end = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=_rank_main, args=(func, comm, send_end))
-            proc.start()
-            send_end.close()
-            procs.append(proc)
-            conns.append(recv_end)
-        a.close()
-        b.close()
-        results = []
-        deadline = time.monotonic() + timeout
-        for rank, conn in enumerate(conns):
-            if not conn.poll(max(0.0, deadline - time.monotonic())):
-                for proc in procs:
-                    proc.kill()
-                pytest.fail(f"rank {rank} did not finish within {timeout} s (deadlock)")
-            results.append(conn.recv())
-        for status, value in results:
-            assert status == "ok", value
-        return [value for _, value in results]
-    finally:
-        for proc in procs:
-            stop_process(proc, 5.0)
 
 
 SMALL_RING = cma.ChannelConfig(eager_limit=1024, ring_bytes=4096, frag_size=4096, stage_slots=2)

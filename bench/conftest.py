@@ -22,9 +22,11 @@ import pytest
 import cma
 from cma import _benchutil as util
 from cma import bench
+from cma.transports import REGISTRY
 
-# Every transport this machine offers, auto's choice, and what Python offers without cma.
-TRANSPORTS = [*cma.transport_names(), "auto", "mp-pipe"]
+# Every practical transport (not the ~3 MB/s teaching ptrace), auto's choice, and what
+# Python offers without cma.
+TRANSPORTS = [*REGISTRY.practical(), "auto", "mp-pipe"]
 
 
 class EchoPeer:

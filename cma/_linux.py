@@ -132,11 +132,12 @@ def raise_for_errno(err: int, what: str, pid: int) -> None:
 
 
 PTRACE_HELP = (
-    "cross-memory attach needs ptrace-attach permission over the peer: run both processes "
+    "this needs ptrace-attach permission over the peer: run both processes "
     "as the same user and keep them dumpable (no setuid, no prctl(PR_SET_DUMPABLE, 0)); on hosts "
     "with Yama set /proc/sys/kernel/yama/ptrace_scope to 0 or have the target call "
     "prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY); in containers grant CAP_SYS_PTRACE and allow "
-    "process_vm_readv/writev in the seccomp profile. The 'vmfd' transport needs none of this."
+    "process_vm_readv/writev (and ptrace) in the seccomp profile. The 'vmfd' transport needs "
+    "none of this."
 )
 
 
@@ -229,6 +230,116 @@ def cma_access_errno(pid: int) -> int:
     if _process_vm_readv(pid, local, 1, remote, 1, 0) < 0:
         return ctypes.get_errno()
     return 0
+
+
+# ---------------------------------------------------------------- ptrace (teaching transport)
+
+_PTRACE_PEEKDATA = 2
+_PTRACE_DETACH = 17
+_PTRACE_SEIZE = 0x4206
+_PTRACE_INTERRUPT = 0x4207
+_PTRACE_EVENT_STOP = 128
+_WALL = 0x40000000  # wait for every kind of child; the tracee need not be ours
+_ptrace = _libc.ptrace
+_ptrace.argtypes = [ctypes.c_long, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+_ptrace.restype = ctypes.c_long
+_WORD = struct.Struct("q")
+
+
+def _status_fields(pid: int) -> dict[str, str]:
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            return dict(line.rstrip("\n").split(":\t", 1) for line in status if ":\t" in line)
+    except OSError:
+        return {}
+
+
+def _ptrace_call(request: int, pid: int, data: int, what: str) -> None:
+    if _ptrace(request, pid, None, data) != -1:
+        return
+    err = ctypes.get_errno()
+    if err != errno.EPERM:
+        raise_for_errno(err, what, pid)
+    # EPERM also answers a zombie and a process someone else already traces
+    status = _status_fields(pid)
+    if not status or status.get("State", "").startswith(("Z", "X")):
+        raise PeerGone(f"{what}: process {pid} has exited")
+    tracer = status.get("TracerPid", "0")
+    if tracer != "0":
+        raise TransportUnavailable(
+            f"{what}: process {pid} is already traced by process {tracer} (a debugger or "
+            "strace?), and a process has one tracer at a time"
+        )
+    raise TransportUnavailable(f"{what}: not permitted to trace process {pid} ({PTRACE_HELP})")
+
+
+def ptrace_stop(pid: int, what: str) -> int:
+    """Attach to ``pid`` (PTRACE_SEIZE) and stop it; the signal to hand back on detach.
+
+    PEEKDATA works only on a stopped tracee. PTRACE_INTERRUPT stops it wherever it is;
+    a blocking system call it was in restarts when it runs again. If a signal reached it
+    first, that signal's stop serves instead, and the signal is re-delivered at detach.
+    """
+    _ptrace_call(_PTRACE_SEIZE, pid, 0, what)
+    try:
+        _ptrace_call(_PTRACE_INTERRUPT, pid, 0, what)
+        _, status = os.waitpid(pid, _WALL)
+    except BaseException:
+        _abandon(pid)
+        raise
+    if not os.WIFSTOPPED(status):
+        raise PeerGone(f"{what}: process {pid} exited while being stopped")
+    signal = os.WSTOPSIG(status)
+    return 0 if status >> 16 == _PTRACE_EVENT_STOP else signal
+
+
+def _abandon(pid: int) -> None:
+    """Detach from ``pid`` after a failure between seize and stop, so it is not left stopped."""
+    try:
+        _, status = os.waitpid(pid, _WALL)
+    except ChildProcessError:  # gone, or never ours to wait for
+        return
+    if os.WIFSTOPPED(status):
+        _ptrace(_PTRACE_DETACH, pid, None, 0)
+
+
+def ptrace_resume(pid: int, signal: int, what: str) -> None:
+    """Detach from the stopped ``pid`` and let it run, delivering ``signal`` if not 0."""
+    _ptrace_call(_PTRACE_DETACH, pid, signal, what)
+
+
+def ptrace_peek_into(pid: int, addr: int, dest: memoryview, what: str) -> int:
+    """Fill the byte view ``dest`` from ``addr`` in the stopped tracee; PEEKDATA calls made.
+
+    One call per aligned 8-byte word, so a word never straddles a page the region does
+    not touch. glibc returns the word, so a word of all ones looks like an error until
+    errno says otherwise.
+    """
+    end = addr + dest.nbytes
+    pack = _WORD.pack_into
+    peek = _ptrace
+    calls = 0
+    for word_addr in range(addr & ~7, end, 8):
+        word = peek(_PTRACE_PEEKDATA, pid, word_addr, None)
+        if word == -1:
+            ctypes.set_errno(0)
+            word = peek(_PTRACE_PEEKDATA, pid, word_addr, None)
+            err = ctypes.get_errno()
+            if word == -1 and err:
+                if err in (errno.EIO, errno.EFAULT):
+                    raise TransportFault(
+                        errno.EFAULT, f"{what}: address {word_addr:#x} is not mapped in process {pid}"
+                    )
+                raise_for_errno(err, what, pid)
+        calls += 1
+        lo = word_addr - addr
+        if lo >= 0 and word_addr + 8 <= end:
+            pack(dest, lo, word)
+        else:  # the region's first or last word: keep only the bytes inside it
+            part = _WORD.pack(word)[max(0, -lo) : min(8, end - word_addr)]
+            start = max(0, lo)
+            dest[start : start + len(part)] = part
+    return calls
 
 
 # ---------------------------------------------------------------- /proc/PID/mem (vmfd emulation)

@@ -537,10 +537,12 @@ def _transport_names(text: str, world: Any | None) -> list[str]:
     if not wanted:
         return []
     import cma
+    from cma.transports import REGISTRY
 
     available = [*cma.transport_names(), "auto"] + (["cma.mpi"] if world is not None else [])
     if wanted == ["all"]:
-        return available
+        teaching = set(cma.transport_names()) - set(REGISTRY.practical())
+        return [name for name in available if name not in teaching]
     unknown = [name for name in wanted if name not in available]
     if unknown:
         raise ValueError(f"transport {', '.join(unknown)} not available here: choose from "

@@ -92,6 +92,9 @@ class _Memory:
             for i in range(0, view.size, chunk)
         )
 
+    def fill(self, addr: int, nbytes: int, value: int) -> None:
+        ctypes.memset(addr, value, nbytes)
+
     def digest(self, regions: list[tuple[int, int]]) -> str:
         return digest(
             [memoryview((ctypes.c_char * n).from_address(a)).cast("B") for a, n in regions]

@@ -262,6 +262,13 @@ def test_default_is_quick_latency() -> None:
     assert (ns.kind, ns.quick, ns.sizes[0], ns.sizes[-1]) == ("bw", False, 4096, MIB)
 
 
+def test_all_leaves_out_the_teaching_transport_until_named() -> None:
+    assert bench._transport_names("all", None) == ["shm", "cma", "vmfd", "auto"]
+    assert bench._transport_names("cma,ptrace", None) == ["cma", "ptrace"]
+    with pytest.raises(ValueError, match="cma.mpi"):
+        bench._transport_names("cma.mpi", None)
+
+
 @pytest.mark.parametrize("argv", [
     ["latency", "--min-size", "4KB"],
     ["latency", "--iterations", "0"],

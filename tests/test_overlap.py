@@ -16,7 +16,7 @@ from cma.transports import REGISTRY
 
 NBYTES = 24 << 20  # above the eager limit and the SPLIT point, small enough to be quick
 SMALL = 2 << 20  # above the eager limit, below auto's cma threshold
-PULLERS = [n for n, cls in REGISTRY.classes.items() if "pull" in cls.styles]
+PULLERS = [n for n in REGISTRY.practical() if "pull" in REGISTRY.classes[n].styles]
 
 
 def expected(nbytes: int = NBYTES) -> np.ndarray:

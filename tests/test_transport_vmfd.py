@@ -42,7 +42,7 @@ def _open_fds() -> set[str]:
 
 
 def test_registered_after_cma_with_its_declarations() -> None:
-    assert list(REGISTRY.classes) == ["shm", "cma", "vmfd"]
+    assert list(REGISTRY.classes)[:3] == ["shm", "cma", "vmfd"]
     assert VmfdTransport.copies == Copies(user=0, kernel=2)
     assert VmfdTransport.styles == {"pull", "push"}
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from .base import Copies, Region, Registry, Transport, TransportStats
 from .cma import CmaTransport
+from .ptrace import PtraceTransport
 from .shm import ShmTransport
 from .vmfd import VmfdTransport
 
@@ -11,5 +12,6 @@ REGISTRY = Registry()
 REGISTRY.add(ShmTransport)
 REGISTRY.add(CmaTransport)
 REGISTRY.add(VmfdTransport)
+REGISTRY.add(PtraceTransport)
 
 __all__ = ["Copies", "REGISTRY", "Region", "Registry", "Transport", "TransportStats"]

@@ -111,6 +111,8 @@ class Transport:
     name: ClassVar[str]
     copies: ClassVar[Copies]
     styles: ClassVar[frozenset[str]]
+    # shown for comparison only: ``auto`` never uses it, cma-bench's ``all`` leaves it out
+    teaching: ClassVar[bool] = False
 
     def __init__(self, host: Host, *, push: bool = False, **options: object) -> None:
         """``push``: the protocol may ask this transport to write (RPUT), so set up for it."""
@@ -180,3 +182,7 @@ class Registry:
     def add(self, cls: type[Transport]) -> type[Transport]:
         self.classes[cls.name] = cls
         return cls
+
+    def practical(self) -> list[str]:
+        """The names of every transport but the teaching ones: what ``auto`` chooses among."""
+        return [name for name, cls in self.classes.items() if not cls.teaching]

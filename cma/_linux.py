@@ -16,6 +16,7 @@ import os
 import select
 import socket
 import struct
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -243,7 +244,9 @@ _WALL = 0x40000000  # wait for every kind of child; the tracee need not be ours
 _ptrace = _libc.ptrace
 _ptrace.argtypes = [ctypes.c_long, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
 _ptrace.restype = ctypes.c_long
-_WORD = struct.Struct("q")
+_WORD = struct.Struct("l")  # PEEKDATA returns one C long
+PTRACE_WORD_BYTES = _WORD.size
+_STOP_POLL_SECONDS = 0.00005
 
 
 def _status_fields(pid: int) -> dict[str, str]:
@@ -273,57 +276,95 @@ def _ptrace_call(request: int, pid: int, data: int, what: str) -> None:
     raise TransportUnavailable(f"{what}: not permitted to trace process {pid} ({PTRACE_HELP})")
 
 
+def _forget_exited(pid: int) -> None:
+    """Stop tracing ``pid``, which has exited or is dying, without taking its exit status.
+
+    A traced zombie is reported to its tracer first and to its parent only after the
+    tracer has waited for it. If we are the parent, the status is ours to leave to
+    whoever waits for the child (multiprocessing, subprocess); else wait to release it.
+    """
+    if _status_fields(pid).get("PPid") == str(os.getpid()):
+        return
+    try:
+        os.waitpid(pid, _WALL)  # returns soon: the tracee is dead or dying
+    except ChildProcessError:  # someone in this process (a SIGCHLD handler) already did
+        pass
+
+
+def _await_stop(pid: int, what: str) -> int:
+    """Wait until the tracee ``pid`` is stopped; the signal its stop holds back (0 if none).
+
+    Polls rather than blocks: a SIGCHLD handler in this process may collect the stop
+    report first, and then /proc still shows the tracing stop. An exit is peeked at
+    (WNOWAIT), not collected, so ``_forget_exited`` can leave it to the parent.
+    """
+    while True:
+        try:
+            info = os.waitid(os.P_PID, pid, os.WEXITED | os.WSTOPPED | os.WNOWAIT | os.WNOHANG | _WALL)
+        except ChildProcessError as exc:
+            raise PeerGone(f"{what}: process {pid} has exited") from exc
+        if info is None:
+            if _status_fields(pid).get("State", "").startswith("t"):
+                return 0
+            time.sleep(_STOP_POLL_SECONDS)
+            continue
+        if info.si_code not in (os.CLD_TRAPPED, os.CLD_STOPPED):
+            _forget_exited(pid)
+            raise PeerGone(f"{what}: process {pid} exited while being stopped")
+        _, status = os.waitpid(pid, _WALL | os.WNOHANG)  # collect the stop report
+        if not os.WIFSTOPPED(status) or status >> 16 == _PTRACE_EVENT_STOP:
+            return 0
+        return os.WSTOPSIG(status)  # a signal-delivery stop: the signal waits for detach
+
+
 def ptrace_stop(pid: int, what: str) -> int:
     """Attach to ``pid`` (PTRACE_SEIZE) and stop it; the signal to hand back on detach.
 
-    PEEKDATA works only on a stopped tracee. PTRACE_INTERRUPT stops it wherever it is;
-    a blocking system call it was in restarts when it runs again. If a signal reached it
-    first, that signal's stop serves instead, and the signal is re-delivered at detach.
+    PEEKDATA works only on a stopped tracee. PTRACE_INTERRUPT stops the traced thread
+    (the main one; the peer's other threads run on) wherever it is. A system call it
+    was blocked in returns EINTR or restarts: Python retries on EINTR (PEP 475), C code
+    in the peer might not.
     """
     _ptrace_call(_PTRACE_SEIZE, pid, 0, what)
+    _ptrace(_PTRACE_INTERRUPT, pid, None, 0)  # fails only for a tracee already dying
     try:
-        _ptrace_call(_PTRACE_INTERRUPT, pid, 0, what)
-        _, status = os.waitpid(pid, _WALL)
-    except BaseException:
-        _abandon(pid)
+        return _await_stop(pid, what)
+    except PeerGone:
         raise
-    if not os.WIFSTOPPED(status):
-        raise PeerGone(f"{what}: process {pid} exited while being stopped")
-    signal = os.WSTOPSIG(status)
-    return 0 if status >> 16 == _PTRACE_EVENT_STOP else signal
-
-
-def _abandon(pid: int) -> None:
-    """Detach from ``pid`` after a failure between seize and stop, so it is not left stopped."""
-    try:
-        _, status = os.waitpid(pid, _WALL)
-    except ChildProcessError:  # gone, or never ours to wait for
-        return
-    if os.WIFSTOPPED(status):
-        _ptrace(_PTRACE_DETACH, pid, None, 0)
+    except BaseException:  # e.g. KeyboardInterrupt: the stop is on its way; do not leave it stopped
+        ptrace_resume(pid, _await_stop(pid, what), what)
+        raise
 
 
 def ptrace_resume(pid: int, signal: int, what: str) -> None:
     """Detach from the stopped ``pid`` and let it run, delivering ``signal`` if not 0."""
-    _ptrace_call(_PTRACE_DETACH, pid, signal, what)
+    if _ptrace(_PTRACE_DETACH, pid, None, signal) == -1:
+        err = ctypes.get_errno()
+        if err != errno.ESRCH:
+            raise_for_errno(err, what, pid)
+        _forget_exited(pid)  # a stopped tracee leaves its stop only to die (SIGKILL)
+        raise PeerGone(f"{what}: process {pid} was killed while stopped")
 
 
 def ptrace_peek_into(pid: int, addr: int, dest: memoryview, what: str) -> int:
     """Fill the byte view ``dest`` from ``addr`` in the stopped tracee; PEEKDATA calls made.
 
-    One call per aligned 8-byte word, so a word never straddles a page the region does
-    not touch. glibc returns the word, so a word of all ones looks like an error until
+    One call per aligned word, so a word never straddles a page the region does not
+    touch. glibc returns the word, so a word of all ones looks like an error until
     errno says otherwise.
     """
+    size = PTRACE_WORD_BYTES
     end = addr + dest.nbytes
     pack = _WORD.pack_into
     peek = _ptrace
     calls = 0
-    for word_addr in range(addr & ~7, end, 8):
+    for word_addr in range(addr - addr % size, end, size):
         word = peek(_PTRACE_PEEKDATA, pid, word_addr, None)
+        calls += 1
         if word == -1:
             ctypes.set_errno(0)
             word = peek(_PTRACE_PEEKDATA, pid, word_addr, None)
+            calls += 1
             err = ctypes.get_errno()
             if word == -1 and err:
                 if err in (errno.EIO, errno.EFAULT):
@@ -331,12 +372,11 @@ def ptrace_peek_into(pid: int, addr: int, dest: memoryview, what: str) -> int:
                         errno.EFAULT, f"{what}: address {word_addr:#x} is not mapped in process {pid}"
                     )
                 raise_for_errno(err, what, pid)
-        calls += 1
         lo = word_addr - addr
-        if lo >= 0 and word_addr + 8 <= end:
+        if lo >= 0 and word_addr + size <= end:
             pack(dest, lo, word)
         else:  # the region's first or last word: keep only the bytes inside it
-            part = _WORD.pack(word)[max(0, -lo) : min(8, end - word_addr)]
+            part = _WORD.pack(word)[max(0, -lo) : min(size, end - word_addr)]
             start = max(0, lo)
             dest[start : start + len(part)] = part
     return calls

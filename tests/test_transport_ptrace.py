@@ -5,8 +5,11 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import select
+import signal
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,7 +22,7 @@ import cma
 from cma.errors import BufferError, PeerGone, TransportFault, TransportUnavailable
 from cma.transports import REGISTRY
 from cma.transports.base import Copies, Region
-from cma.transports.ptrace import LOCK_ADDRESS, PtraceTransport, machine_lock
+from cma.transports.ptrace import LOCK_ADDRESS, PtraceTransport, machine_lock, stopped
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -211,6 +214,132 @@ def test_the_machine_lock_admits_one_holder_and_frees_on_exit() -> None:
         pass
 
 
+def test_a_fork_while_the_lock_is_held_does_not_keep_it() -> None:
+    started, tell = os.pipe()
+    with machine_lock():
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - runs in the child, after the at-fork hooks
+            os.write(tell, b"!")
+            time.sleep(5)
+            os._exit(0)
+    try:
+        assert select.select([started], [], [], 10)[0] and os.read(started, 1) == b"!"
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        probe.bind(LOCK_ADDRESS)  # EADDRINUSE if the child still held the name
+        probe.close()
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        os.close(started)
+        os.close(tell)
+
+
+def _stop_each_other(other: int, seconds: float) -> int:
+    stops, end = 0, time.monotonic() + seconds
+    while time.monotonic() < end:
+        with stopped(other, "test"):
+            stops += 1
+    return stops
+
+
+def test_two_processes_stopping_each_other_in_a_loop_do_not_deadlock() -> None:
+    """Without the machine lock each soon stops the other and both wait for ever."""
+    ends = [os.pipe() for _ in range(2)]
+    results = os.pipe()
+    pids = []
+    for k in range(2):
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - runs in the child
+            try:
+                other = int(os.read(ends[k][0], 32))
+                os.write(results[1], f"{_stop_each_other(other, 2.0)} ".encode())
+                time.sleep(60)  # stay to be stopped by the other until the test kills us
+            except BaseException as exc:
+                os.write(results[1], f"{type(exc).__name__} ".encode())
+            finally:
+                os._exit(0)
+        pids.append(pid)
+    try:
+        os.write(ends[0][1], str(pids[1]).encode())
+        os.write(ends[1][1], str(pids[0]).encode())
+        got = b""
+        while got.count(b" ") < 2:
+            ready, _, _ = select.select([results[0]], [], [], 30)
+            assert ready, f"stuck after {got!r}: {[tracer_of(p) for p in pids]} trace each other"
+            got += os.read(results[0], 64)
+        assert all(n.isdigit() and int(n) > 0 for n in got.decode().split()), got
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        for fd in (*sum(ends, ()), *results):
+            os.close(fd)
+
+
+def _kill_during_read(target: Target, ptrace: PtraceTransport) -> str:
+    region = target.alloc(8 << 20)  # ~3 s at a word per system call
+    killer = threading.Timer(0.3, os.kill, (target.pid, signal.SIGKILL))
+    killer.start()
+    try:
+        ptrace.read(FakePeer(target), [region], [memoryview(bytearray(region.nbytes))])
+    except PeerGone as exc:
+        return str(exc)
+    finally:
+        killer.join()
+    return "read completed"
+
+
+def test_a_peer_killed_mid_copy_is_peer_gone_and_its_parent_keeps_its_status(
+    target: Target, ptrace: PtraceTransport
+) -> None:
+    """We are the target's parent: its exit status stays for our own waitpid."""
+    message = _kill_during_read(target, ptrace)
+    assert "killed" in message or "exited" in message
+    _, status = os.waitpid(target.pid, 0)
+    target.pid = -1
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+
+
+def test_a_peer_killed_mid_copy_is_released_to_its_parent() -> None:
+    """The reader is not the target's parent: it must let the zombie go at once."""
+    with Target() as target:
+
+        def reader() -> tuple[str, int]:
+            message = _kill_during_read(target, PtraceTransport(FakeHost()))
+            return message, tracer_of(target.pid)  # still readable: we have not reaped it
+
+        message, tracer = run_in_child(reader)
+        assert "killed" in message or "exited" in message
+        assert tracer == 0
+        _, status = os.waitpid(target.pid, 0)
+        target.pid = -1
+        assert os.WTERMSIG(status) == signal.SIGKILL
+
+
+@pytest.mark.timeout(30)
+def test_a_sigchld_handler_that_reaps_does_not_hang_the_copy(target: Target, ptrace: PtraceTransport) -> None:
+    """The handler collects the stop report first; /proc still shows the tracing stop."""
+    region = target.alloc(64, seed=12)
+    stolen: list[int] = []
+
+    def reap(signum: int, frame: object) -> None:
+        try:
+            while (pid := os.waitpid(-1, os.WNOHANG | 0x40000000)[0]) > 0:  # __WALL
+                stolen.append(pid)
+        except ChildProcessError:
+            pass
+
+    previous = signal.signal(signal.SIGCHLD, reap)
+    try:
+        for _ in range(5):
+            received = bytearray(64)
+            ptrace.read(FakePeer(target), [region], [memoryview(received)])
+            assert received == pattern(64, 12)
+    finally:
+        signal.signal(signal.SIGCHLD, previous)
+    assert tracer_of(target.pid) == 0
+
+
 # ------------------------------------------------------------------ through a Pipe
 
 def _exchange(comm: cma.Comm) -> tuple[bool, dict[str, Any]]:
@@ -226,8 +355,8 @@ def _exchange(comm: cma.Comm) -> tuple[bool, dict[str, Any]]:
     return ok, stats
 
 
-def test_two_ranks_reading_each_other_at_once_do_not_deadlock() -> None:
-    """Each would stop the other and wait for ever without the machine lock."""
+def test_two_ranks_exchanging_rendezvous_messages_at_once() -> None:
+    """Both read at once through Comm (the stop loop above is what catches a missing lock)."""
     results = run_pair("ptrace", None, _exchange, _exchange, timeout=90)
     for ok, stats in results:
         assert ok

@@ -8,8 +8,9 @@ call per batch of pages, what the single-copy calls save. ``auto`` never picks i
 ``cma-bench``'s ``all`` leaves it out; name it to use it.
 
 Pull only. For each message the reader seizes the sender's main thread, stops it
-(``PTRACE_INTERRUPT``), peeks, and detaches, so the sender is stopped for the whole
-copy and nothing stays attached between messages. Permission is the same
+(``PTRACE_INTERRUPT``), peeks, and detaches, so that thread is stopped for the whole
+copy (its others run on) and nothing stays attached between messages. A system call
+the stop interrupts may return EINTR, which Python retries and C code might not. Permission is the same
 ptrace-attach check as ``cma``'s, plus: the sender must not be traced by anyone else.
 
 Two processes that read each other at once would each stop the other and wait for
@@ -30,17 +31,31 @@ from contextlib import contextmanager
 from typing import ClassVar
 
 from .. import _linux
-from ..errors import BufferError, CmaError, TransportFault
+from ..errors import BufferError, CmaError, TransportFault, TransportUnavailable
 from .base import Copies, Peer, Region, Transport, local_byte_views
 
 LOCK_ADDRESS = "\0cma-ptrace-copy"
 LOCK_RETRY_SECONDS = 0.0002
+LOCK_PATIENCE_SECONDS = 120.0  # a 4 MiB copy holds it ~1.3 s here
+
+_held: list[socket.socket] = []  # the lock sockets this process holds right now
+
+
+def _drop_inherited() -> None:
+    # a child forked while a thread held the lock must not keep the name bound
+    for sock in _held:
+        sock.close()
+    _held.clear()
+
+
+os.register_at_fork(after_in_child=_drop_inherited)
 
 
 @contextmanager
 def machine_lock() -> Iterator[None]:
     """Hold the machine-wide ptrace-copy lock for the block."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    deadline = time.monotonic() + LOCK_PATIENCE_SECONDS
     try:
         while True:
             try:
@@ -49,9 +64,18 @@ def machine_lock() -> Iterator[None]:
             except OSError as exc:
                 if exc.errno != errno.EADDRINUSE:
                     raise
+                if time.monotonic() > deadline:
+                    raise TransportUnavailable(
+                        f"ptrace: the machine-wide copy lock (abstract socket "
+                        f"@{LOCK_ADDRESS[1:]}) has been held for over {LOCK_PATIENCE_SECONDS:.0f} s; "
+                        "`ss -xlp | grep cma-ptrace` shows the holder"
+                    ) from exc
                 time.sleep(LOCK_RETRY_SECONDS)
+        _held.append(sock)
         yield
     finally:
+        if sock in _held:
+            _held.remove(sock)
         sock.close()
 
 
@@ -119,4 +143,4 @@ class PtraceTransport(Transport):
         with stopped(peer.pid, what):
             for addr, view in pieces(remote, views):
                 calls += _linux.ptrace_peek_into(peer.pid, addr, view, what)
-        self.stats.count_copy(user=total, kernel=16 * calls, syscalls=calls + 4)
+        self.stats.count_copy(user=total, kernel=2 * _linux.PTRACE_WORD_BYTES * calls, syscalls=calls + 4)

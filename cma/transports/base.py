@@ -16,12 +16,13 @@ Styles:
 
 from __future__ import annotations
 
+import errno
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, NamedTuple, Protocol
 
-from ..errors import BufferError, TransportUnavailable
+from ..errors import BufferError, TransportFault, TransportUnavailable
 
 
 class Region(NamedTuple):
@@ -171,6 +172,23 @@ def local_byte_views(buffers: Sequence[memoryview], *, writable: bool, what: str
             raise BufferError(f"{what}: local buffer {i} is read-only and cannot receive data")
         views.append(buf.cast("B") if buf.ndim != 1 or buf.format != "B" else buf)
     return views
+
+
+def matched_total(regions: Sequence[Region], views: Sequence[memoryview], *, what: str) -> int:
+    """The bytes to copy: the regions' total, each region checked, equal to the views' total."""
+    for i, (addr, nbytes) in enumerate(regions):
+        if addr < 0 or nbytes < 0 or addr + nbytes > 1 << 64:
+            raise TransportFault(
+                errno.EINVAL, f"{what}: region {i} (addr {addr:#x}, {nbytes} bytes) is not valid"
+            )
+    wanted = sum(region.nbytes for region in regions)
+    total = sum(view.nbytes for view in views)
+    if wanted != total:
+        raise BufferError(
+            f"{what}: the remote regions hold {wanted} bytes but the local buffers {total}; "
+            "they must be equal"
+        )
+    return wanted
 
 
 @dataclass

@@ -31,8 +31,8 @@ from contextlib import contextmanager
 from typing import ClassVar
 
 from .. import _linux
-from ..errors import BufferError, CmaError, TransportFault, TransportUnavailable
-from .base import Copies, Peer, Region, Transport, local_byte_views
+from ..errors import CmaError, TransportUnavailable
+from .base import Copies, Peer, Region, Transport, local_byte_views, matched_total
 
 LOCK_ADDRESS = "\0cma-ptrace-copy"
 LOCK_RETRY_SECONDS = 0.0002
@@ -125,18 +125,7 @@ class PtraceTransport(Transport):
     def read(self, peer: Peer, remote: Sequence[Region], local: Sequence[memoryview]) -> None:
         what = f"ptrace read from rank {peer.rank}"
         views = local_byte_views(local, writable=True, what=what)
-        total = 0
-        for i, (addr, nbytes) in enumerate(remote):
-            if addr < 0 or nbytes < 0 or addr + nbytes > 1 << 64:
-                raise TransportFault(
-                    errno.EINVAL, f"{what}: region {i} (addr {addr:#x}, {nbytes} bytes) is not valid"
-                )
-            total += nbytes
-        if total != sum(v.nbytes for v in views):
-            raise BufferError(
-                f"{what}: the remote regions hold {total} bytes but the local buffers "
-                f"{sum(v.nbytes for v in views)}; they must be equal"
-            )
+        total = matched_total(remote, views, what=what)
         if not total:
             return
         calls = 0

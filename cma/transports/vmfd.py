@@ -22,15 +22,23 @@ open it), read-only always and read-write only with ``push=True``, and exposes i
 
 from __future__ import annotations
 
-import errno
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
 from .. import _linux
-from ..errors import BufferError, CmaError, TransportFault, TransportUnavailable, WindowError
-from .base import Copies, Host, Peer, Region, Transport, TransportStats, local_byte_views
+from ..errors import CmaError, TransportUnavailable, WindowError
+from .base import (
+    Copies,
+    Host,
+    Peer,
+    Region,
+    Transport,
+    TransportStats,
+    local_byte_views,
+    matched_total,
+)
 
 
 def _advance(views: list[memoryview], nbytes: int) -> list[memoryview]:
@@ -244,18 +252,7 @@ def _pair(
     regions: Sequence[Region], views: list[memoryview], what: str
 ) -> list[tuple[Region, list[memoryview]]]:
     """Each non-empty region with the slices of ``views`` that hold its bytes, in order."""
-    for i, (addr, nbytes) in enumerate(regions):
-        if addr < 0 or nbytes < 0:
-            raise TransportFault(
-                errno.EINVAL, f"{what}: region {i} (addr {addr:#x}, {nbytes} bytes) is not valid"
-            )
-    wanted = sum(region.nbytes for region in regions)
-    total = sum(view.nbytes for view in views)
-    if wanted != total:
-        raise BufferError(
-            f"{what}: the remote regions hold {wanted} bytes but the local buffers {total}; "
-            "they must be equal"
-        )
+    matched_total(regions, views, what=what)
     pairs = []
     index, offset = 0, 0  # the next unassigned byte is views[index][offset]
     for region in regions:

@@ -539,10 +539,10 @@ def _transport_names(text: str, world: Any | None) -> list[str]:
     import cma
     from cma.transports import REGISTRY
 
-    available = [*cma.transport_names(), "auto"] + (["cma.mpi"] if world is not None else [])
-    if wanted == ["all"]:
-        teaching = set(cma.transport_names()) - set(REGISTRY.practical())
-        return [name for name in available if name not in teaching]
+    plugin = ["cma.mpi"] if world is not None else []
+    if wanted == ["all"]:  # the teaching transports only when named
+        return [*REGISTRY.practical(), "auto", *plugin]
+    available = [*cma.transport_names(), "auto", *plugin]
     unknown = [name for name in wanted if name not in available]
     if unknown:
         raise ValueError(f"transport {', '.join(unknown)} not available here: choose from "

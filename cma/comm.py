@@ -363,7 +363,7 @@ class Comm:
             raise CmaError("communicator is closed")
         world = World(self._fds, self.rank)
         self._world = world
-        names = (REGISTRY.practical() if self._transport_name == AUTO else [self._transport_name])
+        names = REGISTRY.practical() if self._transport_name == AUTO else [self._transport_name]
         # push concerns every transport (set up for RPUT); other options belong to the one named
         options = dict(self._transport_options)
         push = bool(options.pop("push", False))

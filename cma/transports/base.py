@@ -191,6 +191,32 @@ def matched_total(regions: Sequence[Region], views: Sequence[memoryview], *, wha
     return wanted
 
 
+def pair_regions(
+    regions: Sequence[Region], views: Sequence[memoryview], what: str
+) -> list[tuple[Region, list[memoryview]]]:
+    """Each non-empty region with the slices of ``views`` that hold its bytes, in order.
+
+    The regions are checked, and must hold as many bytes as the views (``matched_total``).
+    """
+    matched_total(regions, views, what=what)
+    pairs = []
+    index, offset = 0, 0  # the next unassigned byte is views[index][offset]
+    for region in regions:
+        part: list[memoryview] = []
+        need = region.nbytes
+        while need:
+            view = views[index]
+            n = min(need, view.nbytes - offset)
+            part.append(view[offset : offset + n] if n < view.nbytes else view)
+            need -= n
+            offset += n
+            if offset == view.nbytes:
+                index, offset = index + 1, 0
+        if part:
+            pairs.append((region, part))
+    return pairs
+
+
 @dataclass
 class Registry:
     """Transport classes by name, in the order ``auto`` prefers them for large messages."""

@@ -59,8 +59,8 @@ from typing import ClassVar
 
 from .. import _linux
 from .._pool import ProcessPool
-from ..errors import BufferError, CmaError, TransportFault
-from .base import Copies, Host, Peer, Region, Transport, local_byte_views
+from ..errors import CmaError, TransportFault
+from .base import Copies, Host, Peer, Region, Transport, local_byte_views, matched_total
 
 SPLIT_THRESHOLD = 4 << 20  # bytes; below it a thread hand-off costs about what it gains
 
@@ -161,23 +161,16 @@ def _copy(pid: int, local: _Stream, remote: _Stream, *, write: bool, what: str) 
     return outcome
 
 
-def _local_stream(buffers: Sequence[memoryview], *, writable: bool, what: str) -> _Stream:
+def _streams(
+    buffers: Sequence[memoryview], regions: Sequence[Region], *, writable: bool, what: str
+) -> tuple[_Stream, _Stream, int]:
+    """(local stream, remote stream, bytes to copy), everything checked first."""
     views = local_byte_views(buffers, writable=writable, what=what)
-    return _Stream([_linux.local_address(v) for v in views], [v.nbytes for v in views])
-
-
-def _remote_stream(regions: Sequence[Region], *, what: str) -> _Stream:
-    addrs: list[int] = []
-    lens: list[int] = []
-    for i, (addr, nbytes) in enumerate(regions):
-        if addr < 0 or nbytes < 0 or addr + nbytes > 1 << 64:
-            raise TransportFault(
-                errno.EINVAL, f"{what}: region {i} (addr {addr:#x}, {nbytes} bytes) is not valid"
-            )
-        if nbytes:
-            addrs.append(addr)
-            lens.append(nbytes)
-    return _Stream(addrs, lens)
+    total = matched_total(regions, views, what=what)
+    local = _Stream([_linux.local_address(v) for v in views], [v.nbytes for v in views])
+    nonempty = [region for region in regions if region.nbytes]
+    remote = _Stream([r.addr for r in nonempty], [r.nbytes for r in nonempty])
+    return local, remote, total
 
 
 class CmaTransport(Transport):
@@ -212,37 +205,21 @@ class CmaTransport(Transport):
 
     def read(self, peer: Peer, remote: Sequence[Region], local: Sequence[memoryview]) -> None:
         what = f"cma read from rank {peer.rank}"
-        self._transfer(
-            peer,
-            _local_stream(local, writable=True, what=what),
-            remote,
-            write=False,
-            what=what,
-        )
+        self._transfer(peer, local, remote, write=False, what=what)
 
     def write(self, peer: Peer, local: Sequence[memoryview], remote: Sequence[Region]) -> None:
         what = f"cma write to rank {peer.rank}"
-        self._transfer(
-            peer,
-            _local_stream(local, writable=False, what=what),
-            remote,
-            write=True,
-            what=what,
-        )
+        self._transfer(peer, local, remote, write=True, what=what)
 
     def close(self) -> None:
         self._pool.shutdown()
 
     def _transfer(
-        self, peer: Peer, local: _Stream, regions: Sequence[Region], *, write: bool, what: str
+        self, peer: Peer, buffers: Sequence[memoryview], regions: Sequence[Region], *,
+        write: bool, what: str
     ) -> None:
-        remote = _remote_stream(regions, what=what)
-        total = sum(remote.lens)
-        if sum(local.lens) != total:
-            raise BufferError(
-                f"{what}: the remote regions hold {total} bytes but the local buffers "
-                f"{sum(local.lens)}; they must be equal"
-            )
+        # a write reads the local buffers, so only a read needs them writable
+        local, remote, total = _streams(buffers, regions, writable=not write, what=what)
         if self.threads == 1 or total < SPLIT_THRESHOLD:
             outcomes = [_copy(peer.pid, local, remote, write=write, what=what)]
             starts = [0]

@@ -10,8 +10,9 @@ call per batch of pages, what the single-copy calls save. ``auto`` never picks i
 Pull only. For each message the reader seizes the sender's main thread, stops it
 (``PTRACE_INTERRUPT``), peeks, and detaches, so that thread is stopped for the whole
 copy (its others run on) and nothing stays attached between messages. A system call
-the stop interrupts may return EINTR, which Python retries and C code might not. Permission is the same
-ptrace-attach check as ``cma``'s, plus: the sender must not be traced by anyone else.
+the stop interrupts may return EINTR, which Python retries and C code might not.
+Permission is the same ptrace-attach check as ``cma``'s, plus: the sender must not be
+traced by anyone else.
 
 Two processes that read each other at once would each stop the other and wait for
 ever, so every ptrace copy on the machine runs under one lock: an abstract Unix
@@ -32,7 +33,7 @@ from typing import ClassVar
 
 from .. import _linux
 from ..errors import CmaError, TransportUnavailable
-from .base import Copies, Peer, Region, Transport, local_byte_views, matched_total
+from .base import Copies, Peer, Region, Transport, local_byte_views, pair_regions
 
 LOCK_ADDRESS = "\0cma-ptrace-copy"
 LOCK_RETRY_SECONDS = 0.0002
@@ -90,21 +91,6 @@ def stopped(pid: int, what: str) -> Iterator[None]:
             _linux.ptrace_resume(pid, signal, what)
 
 
-def pieces(remote: Sequence[Region], local: Sequence[memoryview]) -> Iterator[tuple[int, memoryview]]:
-    """(remote address, local byte view) pairs covering both equally long sequences."""
-    views = iter(local)
-    view = memoryview(b"")
-    for addr, nbytes in remote:
-        while nbytes:
-            if not view.nbytes:
-                view = next(views)
-            n = min(nbytes, view.nbytes)
-            yield addr, view[:n]
-            view = view[n:]
-            addr += n
-            nbytes -= n
-
-
 class PtraceTransport(Transport):
     name: ClassVar[str] = "ptrace"
     copies: ClassVar[Copies] = Copies(user=1, kernel=2)
@@ -124,12 +110,16 @@ class PtraceTransport(Transport):
 
     def read(self, peer: Peer, remote: Sequence[Region], local: Sequence[memoryview]) -> None:
         what = f"ptrace read from rank {peer.rank}"
-        views = local_byte_views(local, writable=True, what=what)
-        total = matched_total(remote, views, what=what)
-        if not total:
+        pairs = pair_regions(remote, local_byte_views(local, writable=True, what=what), what)
+        if not pairs:
             return
         calls = 0
         with stopped(peer.pid, what):
-            for addr, view in pieces(remote, views):
-                calls += _linux.ptrace_peek_into(peer.pid, addr, view, what)
+            for region, parts in pairs:
+                addr = region.addr
+                for part in parts:
+                    calls += _linux.ptrace_peek_into(peer.pid, addr, part, what)
+                    addr += part.nbytes
+        total = sum(region.nbytes for region, _ in pairs)
+        # besides the peeks: seize, interrupt, detach and the wait for the stop
         self.stats.count_copy(user=total, kernel=2 * _linux.PTRACE_WORD_BYTES * calls, syscalls=calls + 4)

@@ -37,7 +37,7 @@ from .base import (
     Transport,
     TransportStats,
     local_byte_views,
-    matched_total,
+    pair_regions,
 )
 
 
@@ -187,7 +187,7 @@ class VmfdTransport(Transport):
     def read(self, peer: Peer, remote: Sequence[Region], local: Sequence[memoryview]) -> None:
         memory = self._memory(peer)
         what = f"vmfd read from rank {peer.rank}"
-        for region, part in _pair(remote, local_byte_views(local, writable=True, what=what), what):
+        for region, part in pair_regions(remote, local_byte_views(local, writable=True, what=what), what):
             window = VmFd(memory.readable, *region, pid=memory.pid, stats=self.stats)
             window.move(region.addr, part, write=False)
 
@@ -199,7 +199,7 @@ class VmfdTransport(Transport):
                 "push=True in both processes"
             )
         what = f"vmfd write to rank {peer.rank}"
-        for region, part in _pair(remote, local_byte_views(local, writable=False, what=what), what):
+        for region, part in pair_regions(remote, local_byte_views(local, writable=False, what=what), what):
             window = VmFd(memory.writable, *region, pid=memory.pid, stats=self.stats)
             window.move(region.addr, part, write=True)
 
@@ -246,26 +246,3 @@ class VmfdTransport(Transport):
         _linux.close_fd(memory.readable)
         if memory.writable is not None:
             _linux.close_fd(memory.writable)
-
-
-def _pair(
-    regions: Sequence[Region], views: list[memoryview], what: str
-) -> list[tuple[Region, list[memoryview]]]:
-    """Each non-empty region with the slices of ``views`` that hold its bytes, in order."""
-    matched_total(regions, views, what=what)
-    pairs = []
-    index, offset = 0, 0  # the next unassigned byte is views[index][offset]
-    for region in regions:
-        part: list[memoryview] = []
-        need = region.nbytes
-        while need:
-            view = views[index]
-            n = min(need, view.nbytes - offset)
-            part.append(view[offset : offset + n] if n < view.nbytes else view)
-            need -= n
-            offset += n
-            if offset == view.nbytes:
-                index, offset = index + 1, 0
-        if part:
-            pairs.append((region, part))
-    return pairs

@@ -137,7 +137,11 @@ def counts_for(
 
 @dataclass
 class SizeResult:
-    """Every timed sample of one message size, plus both processes' ``comm.stats()`` deltas."""
+    """Every timed sample of one message size, plus both processes' ``comm.stats()`` deltas.
+
+    A run of several rounds (``cma-bench --rounds``) keeps every round's samples one after
+    the other in ``samples_ns``, with ``samples_per_round`` saying where each round ends.
+    """
 
     size: int
     iterations: int
@@ -145,6 +149,7 @@ class SizeResult:
     messages_per_sample: int
     samples_ns: list[int]
     stats: list[dict[str, dict[str, float]]] = field(default_factory=list)
+    samples_per_round: list[int] = field(default_factory=list)
 
     def per_message_us(self) -> list[float]:
         return [ns / self.messages_per_sample / 1e3 for ns in self.samples_ns]
@@ -163,20 +168,71 @@ class SizeResult:
         """Standard error of ``mean_us``."""
         return self.stdev_us / math.sqrt(len(self.samples_ns))
 
+    def round_means_us(self) -> list[float]:
+        """Each round's mean time per message, in the order the rounds ran."""
+        values = self.per_message_us()
+        means, start = [], 0
+        for count in self.samples_per_round or [len(values)]:
+            means.append(statistics.fmean(values[start:start + count]))
+            start += count
+        return means
+
+    @property
+    def time_us(self) -> float:
+        """The reported time per message: the mean, or over rounds the median of their means.
+
+        A slow spell of the machine lasts seconds to a minute and slows every sample in
+        it, so it shifts whole rounds; the median of the rounds' means leaves a minority
+        of slowed rounds out where the mean of all samples would take them in.
+        """
+        means = self.round_means_us()
+        return statistics.median(means) if len(means) > 1 else self.mean_us
+
+    @property
+    def time_sem_us(self) -> float:
+        """The uncertainty of ``time_us``: from the spread of the round means when there
+        are several rounds, as rounds differ far more than samples inside one round."""
+        means = self.round_means_us()
+        if len(means) > 1:
+            return statistics.stdev(means) / math.sqrt(len(means))
+        return self.sem_us
+
     @property
     def bandwidth_mbps(self) -> float:
-        """Payload bytes per second of one message at the mean time, in MB/s (10^6 B/s)."""
-        return self.size / self.mean_us
+        """Payload bytes per second of one message at ``time_us``, in MB/s (10^6 B/s)."""
+        return self.size / self.time_us
 
-    def summary(self) -> dict[str, float | int]:
+    def summary(self) -> dict[str, float | int | list[float]]:
         values = self.per_message_us()
-        return {
+        summary: dict[str, float | int | list[float]] = {
             "time_us_mean": self.mean_us,
             "time_us_median": statistics.median(values),
             "time_us_min": min(values),
             "time_us_stdev": self.stdev_us,
             "bandwidth_MBps": self.bandwidth_mbps,
         }
+        if len(self.samples_per_round) > 1:
+            summary["time_us_round_means"] = self.round_means_us()
+            summary["time_us_median_of_rounds"] = self.time_us
+        return summary
+
+
+def merge_rounds(rounds: Sequence[SizeResult]) -> SizeResult:
+    """One size's results from several rounds as one result that remembers its rounds."""
+    first = rounds[0]
+    if any(r.size != first.size or r.messages_per_sample != first.messages_per_sample
+           for r in rounds):
+        raise ValueError("rounds of different sizes or kinds cannot be merged")
+    return SizeResult(
+        size=first.size,
+        iterations=sum(r.iterations for r in rounds),
+        warmup=first.warmup,
+        messages_per_sample=first.messages_per_sample,
+        samples_ns=[ns for r in rounds for ns in r.samples_ns],
+        # copy_summary adds every process's counters, so the rounds' lists simply join
+        stats=[side for r in rounds for side in r.stats],
+        samples_per_round=[len(r.samples_ns) for r in rounds],
+    )
 
 
 @dataclass
@@ -189,6 +245,28 @@ class Series:
     reason: str = ""
     results: list[SizeResult] = field(default_factory=list)
     seconds: float = 0.0  # wall time of the whole series, peer start-up included
+
+
+def merge_series(runs: Sequence[Series]) -> Series:
+    """One series measured in several rounds, as one series.
+
+    A round that did not end ``ok`` decides the status, and then no results are kept:
+    the median of a subset of rounds would look as solid as one over all of them.
+    """
+    first = runs[0]
+    merged = Series(first.name, first.family, seconds=sum(r.seconds for r in runs))
+    broken = next((r for r in runs if r.status != "ok"), None)
+    if broken is not None:
+        merged.status = broken.status
+        merged.reason = (broken.reason if len(runs) == 1
+                         else f"round {runs.index(broken) + 1}: {broken.reason}")
+        return merged
+    by_size: dict[int, list[SizeResult]] = {}
+    for run in runs:
+        for result in run.results:
+            by_size.setdefault(result.size, []).append(result)
+    merged.results = [merge_rounds(rounds) for rounds in by_size.values()]
+    return merged
 
 
 # ---------------------------------------------------------------- copy counts
@@ -316,10 +394,11 @@ def format_crossovers(found: Iterable[Crossover]) -> str:
 
 def compared_series(series: Sequence[Series]) -> tuple[dict[str, dict[int, float]],
                                                          dict[str, dict[int, float]]]:
-    """Means and standard errors of the series a crossover report compares (not memcpy)."""
+    """Reported times and their standard errors for the series a crossover report compares
+    (not memcpy)."""
     chosen = [s for s in series if s.status == "ok" and s.results and s.name != "memcpy"]
-    return ({s.name: {r.size: r.mean_us for r in s.results} for s in chosen},
-            {s.name: {r.size: r.sem_us for r in s.results} for s in chosen})
+    return ({s.name: {r.size: r.time_us for r in s.results} for s in chosen},
+            {s.name: {r.size: r.time_sem_us for r in s.results} for s in chosen})
 
 
 # ---------------------------------------------------------------- tables
@@ -365,6 +444,11 @@ TIME_MEANING = {
 }
 
 
+def rounds_of(series: Sequence[Series]) -> int:
+    """How many rounds the results hold (1 for a run without ``--rounds``)."""
+    return max((len(r.samples_per_round) for s in series for r in s.results), default=1) or 1
+
+
 def format_results(kind: str, series: Sequence[Series]) -> str:
     """The main table: time, bandwidth and ratios for every series at every size."""
     memcpy = _ok(series, "memcpy")
@@ -372,7 +456,10 @@ def format_results(kind: str, series: Sequence[Series]) -> str:
     mem_bw = {r.size: r.bandwidth_mbps for r in memcpy.results} if memcpy else {}
     ref_bw = {r.size: r.bandwidth_mbps for r in ref.results} if ref else {}
     ref_col = f"bw/{ref.name}" if ref else "bw/baseline"
+    rounds = rounds_of(series)
     headers = ["size", "series", "time us", "MB/s", "bw/memcpy", ref_col, "+/- us", "iters"]
+    if rounds > 1:
+        headers.append("round means us")
     rows: list[list[str]] = []
     sizes = sorted({r.size for s in series for r in s.results})
     for size in sizes:
@@ -382,19 +469,27 @@ def format_results(kind: str, series: Sequence[Series]) -> str:
             if result is None:
                 continue
             bw = result.bandwidth_mbps
-            rows.append([
+            row = [
                 format_size(size) if first else "",
                 s.name,
-                format_number(result.mean_us),
+                format_number(result.time_us),
                 format_number(bw),
                 format_number(bw / mem_bw[size]) if size in mem_bw else "-",
                 format_number(bw / ref_bw[size]) if size in ref_bw else "-",
                 format_number(result.stdev_us),
                 str(result.iterations),
-            ])
+            ]
+            if rounds > 1:
+                row.append(" ".join(format_number(m) for m in result.round_means_us()))
+            rows.append(row)
             first = False
+    if rounds > 1:
+        statistic = (f"median over {rounds} rounds of each round's mean (rounds in the order "
+                     "they ran; +/- is the standard deviation of all samples)")
+    else:
+        statistic = "mean over the timed iterations"
     title = (
-        f"cma-bench {kind}: {TIME_MEANING[kind]}; mean over the timed iterations\n"
+        f"cma-bench {kind}: {TIME_MEANING[kind]}; {statistic}\n"
         "MB/s = size / time (10^6 bytes/s); bw/X = bandwidth / X's bandwidth\n"
         "memcpy = np.copyto inside one process (the ceiling)"
     )
@@ -441,7 +536,7 @@ def format_mpi4py(series: Sequence[Series]) -> str:
     for s in series:
         if s.status != "ok" or not s.results:
             continue
-        rows = [mpi4py_row(r.size, r.mean_us / 1e6, r.stdev_us / 1e6, r.iterations)
+        rows = [mpi4py_row(r.size, r.time_us / 1e6, r.stdev_us / 1e6, r.iterations)
                 for r in s.results]
         blocks.append("\n".join([f"# cma-bench series: {s.name}", mpi4py_header(), *rows]))
     return "\n".join(blocks)
@@ -471,6 +566,7 @@ def series_json(series: Series) -> dict[str, object]:
             },
             "stats": r.stats,
             "samples_ns": r.samples_ns,
+            "samples_per_round": r.samples_per_round or [len(r.samples_ns)],
         })
     return {"name": series.name, "family": series.family, "status": series.status,
             "reason": series.reason, "seconds": series.seconds, "results": results}
@@ -568,7 +664,7 @@ def plot(kind: str, series: Sequence[Series], path: str) -> None:
             continue
         sizes = [r.size for r in s.results]
         style = "--" if s.family == "baseline" else "-"
-        ax_time.plot(sizes, [r.mean_us for r in s.results], style, marker=".", label=s.name)
+        ax_time.plot(sizes, [r.time_us for r in s.results], style, marker=".", label=s.name)
         ax_bw.plot(sizes, [r.bandwidth_mbps for r in s.results], style, marker=".",
                    label=s.name)
     ax_time.set_ylabel("time per message (us)")

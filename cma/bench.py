@@ -9,6 +9,7 @@
     cma-bench bibw --cold                      # fresh receive buffers: page faults included
     cma-bench latency --format mpi4py          # rows like ``python -m mpi4py.bench pingpong``
     mpiexec -n 2 cma-bench latency             # adds plain mpi4py and cma.mpi.Comm(COMM_WORLD)
+    cma-bench latency --rounds 5               # every series 5 times in turn; medians of rounds
 
 Without mpiexec every peer is a child process this command starts (spawn) for each
 series and ends before the next one. Under mpiexec, rank 0 prints and runs the local
@@ -17,7 +18,8 @@ MPI series (``mpi4py``, ``cma.mpi``) run between ranks 0 and 1.
 
 Every number is measured in this run: times with ``time.perf_counter_ns`` per iteration
 (latency) or per window (bw, bibw), copies from both processes' ``comm.stats()`` over the
-timed loop only.
+timed loop only. With ``--rounds N`` the series take turns N times and each size reports
+the median of its N round means.
 """
 
 from __future__ import annotations
@@ -653,9 +655,10 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--max-size", type=_size_arg, default=None, metavar="SIZE",
                         help="largest message (default 64MiB for latency, 4MiB for bw/bibw)")
     common.add_argument("--iterations", type=_count_arg(1), metavar="N",
-                        help="timed iterations at every size (default: by size class, OSU style)")
+                        help="timed iterations at every size, in each round (default: by size class, "
+                             "OSU style)")
     common.add_argument("--warmup", type=_count_arg(0), metavar="N",
-                        help="untimed warm-up iterations at every size")
+                        help="untimed warm-up iterations at every size, in each round")
     common.add_argument("--quick", action="store_true",
                         help="about 5-10x fewer iterations: a short but noisier run")
     common.add_argument("--cold", action="store_true",
@@ -675,6 +678,12 @@ def build_parser() -> argparse.ArgumentParser:
                              "through fresh shared memory ran 4-6x slow for ~40 s after a "
                              "series freed hundreds of MiB; a pause keeps that out of the "
                              "next series")
+    common.add_argument("--rounds", type=_count_arg(1), default=1, metavar="N",
+                        help="run every series N times, in turn, each round starting one "
+                             "series later; each size then reports the median of its N "
+                             "round means, so a slow spell of the machine that hits one "
+                             "round does not decide a ratio (default 1; the run takes N "
+                             "times as long)")
     common.add_argument("--format", choices=("table", "mpi4py"), default="table",
                         help="'mpi4py' prints rows like python -m mpi4py.bench pingpong")
     parser = argparse.ArgumentParser(
@@ -737,6 +746,7 @@ def write_json(path: str, args: argparse.Namespace, plans: dict[str, Plan],
         "parameters": {
             "kind": args.kind, "sizes": args.sizes, "window": args.window, "cold": args.cold,
             "quick": args.quick, "iterations": args.iterations, "warmup": args.warmup,
+            "rounds": args.rounds,
             "transport": args.transport, "baseline": args.baseline, "cpus": dict(_cpus),
             "samples_ns": "nanoseconds per timed sample: a round trip (latency), a window "
                           "(bw, bibw) or one copy (memcpy); time per message = sample / "
@@ -770,14 +780,21 @@ def main(argv: Sequence[str] | None = None) -> int:
              "memcpy": build_plan("memcpy", args.sizes, **knobs)}
     progress = util.Progress() if rank == 0 else None
     started = time.time()
-    results: list[Series] = []
+    runs: list[list[Series]] = [[] for _ in specs]
     try:
-        for index, spec in enumerate(specs):
-            if index and args.settle > 0:
-                time.sleep(args.settle)
-            plan = plans["memcpy" if spec.name == "memcpy" else "messages"]
-            results.append(run_series(spec, plan, world, progress,
-                                      f"[{index + 1}/{len(specs)}]"))
+        for round_index in range(args.rounds):
+            for step in range(len(specs)):
+                # Each round starts one series further on, so that no series always runs
+                # first, right after the start-up of the run.
+                index = (round_index + step) % len(specs)
+                spec = specs[index]
+                if (round_index or step) and args.settle > 0:
+                    time.sleep(args.settle)
+                plan = plans["memcpy" if spec.name == "memcpy" else "messages"]
+                position = f"[{step + 1}/{len(specs)}]"
+                if args.rounds > 1:
+                    position = f"[round {round_index + 1}/{args.rounds} {position[1:]}"
+                runs[index].append(run_series(spec, plan, world, progress, position))
     except KeyboardInterrupt:
         if progress is not None:
             progress.clear()
@@ -787,7 +804,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         progress.clear()
     if rank != 0:
         return 0
-    results += not_run
+    results = [util.merge_series(series_runs) for series_runs in runs] + not_run
     text = report(args.kind, results, args.format)
     print(text, flush=True)
     if args.format == "mpi4py" and util.format_notes(results):

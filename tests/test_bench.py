@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import statistics
 import subprocess
 import sys
 import threading
@@ -182,6 +183,51 @@ def test_compared_series_leaves_out_memcpy_and_failures() -> None:
     assert errors["shm"][MIB] == 0.0  # identical fake samples
 
 
+def test_rounds_report_the_median_of_their_means() -> None:
+    # one size measured in three rounds; the second ran in a slow spell
+    rounds = [fake_result(MIB, 100.0), fake_result(MIB, 400.0, iterations=2),
+              fake_result(MIB, 110.0)]
+    merged = util.merge_rounds(rounds)
+    assert merged.samples_per_round == [4, 2, 4]
+    assert merged.iterations == 10
+    assert merged.round_means_us() == pytest.approx([100.0, 400.0, 110.0])
+    assert merged.time_us == pytest.approx(110.0)
+    assert merged.mean_us == pytest.approx((400 + 800 + 440) / 10)
+    assert merged.bandwidth_mbps == pytest.approx(MIB / 110.0)
+    assert merged.time_sem_us == pytest.approx(statistics.stdev([100, 400, 110]) / 3 ** 0.5)
+    summary = merged.summary()
+    assert summary["time_us_round_means"] == pytest.approx([100.0, 400.0, 110.0])
+    assert summary["time_us_median_of_rounds"] == pytest.approx(110.0)
+    single = fake_result(MIB, 100.0)
+    assert single.time_us == single.mean_us and single.time_sem_us == single.sem_us
+    assert "time_us_round_means" not in single.summary()
+    with pytest.raises(ValueError):
+        util.merge_rounds([fake_result(MIB, 1.0), fake_result(2 * MIB, 1.0)])
+
+
+def test_rounds_add_up_copy_counts() -> None:
+    side = {"shm": counters(8 * MIB, user=1.0, syscalls=8)}
+    merged = util.merge_rounds([fake_result(MIB, 1.0, stats=[side, side]),
+                                fake_result(MIB, 1.0, stats=[side, side])])
+    copies = util.result_copies(merged)
+    assert copies is not None  # 16 messages of 1 MiB, 2 user copies each, as in one round
+    assert (copies.user, copies.syscalls) == (2.0, 2.0)
+
+
+def test_merge_series_keeps_order_of_sizes_and_refuses_partial_runs() -> None:
+    runs = [Series("shm", "transport", results=[fake_result(8, t), fake_result(MIB, 10 * t)],
+                   seconds=1.0) for t in (1.0, 3.0, 2.0)]
+    merged = util.merge_series(runs)
+    assert [r.size for r in merged.results] == [8, MIB]
+    assert [r.time_us for r in merged.results] == pytest.approx([2.0, 20.0])
+    assert merged.seconds == 3.0
+    runs[2] = Series("shm", "transport", "failed", "PeerGone: gone")
+    broken = util.merge_series(runs)
+    assert (broken.status, broken.reason, broken.results) == (
+        "failed", "round 3: PeerGone: gone", [])
+    assert util.merge_series([runs[2]]).reason == "PeerGone: gone"
+
+
 # ---------------------------------------------------------------- tables
 
 
@@ -207,6 +253,20 @@ def test_results_table_ratios() -> None:
     # bandwidth 1 MiB / 250 us; memcpy took 100 us (0.40), mp-pipe 1000 us (4.00)
     assert shm_1m.split() == ["shm", "250.0", "4194", "0.40", "4.00", "0.00", "4"]
     assert "vmfd" not in text  # not measured: reported under "not measured", not here
+
+
+def test_results_table_with_rounds() -> None:
+    shm = util.merge_series([Series("shm", "transport", results=[fake_result(MIB, t)])
+                             for t in (250.0, 900.0, 240.0)])
+    memcpy = util.merge_series([Series("memcpy", "baseline", results=[fake_result(MIB, t)])
+                                for t in (100.0, 100.0, 100.0)])
+    text = util.format_results("latency", [memcpy, shm])
+    assert "median over 3 rounds" in text
+    row = next(line for line in text.splitlines() if line.split()[:1] == ["shm"]).split()
+    # the median round (250 us) decides time and ratio; every round's mean is shown
+    assert row[1:4] == ["250.0", "4194", "0.40"]
+    assert row[-3:] == ["250.0", "900.0", "240.0"]
+    assert "round means" not in util.format_results("latency", fake_series())
 
 
 def test_reference_baseline_prefers_mpi4py() -> None:
@@ -245,6 +305,7 @@ def test_series_json_keeps_every_sample() -> None:
     doc = util.series_json(fake_series()[2])
     big: Any = doc["results"][1]  # type: ignore[index]
     assert big["samples_ns"] == [500_000] * 4
+    assert big["samples_per_round"] == [4]
     assert big["copies"]["user"] == 2.0
     json.dumps(util.machine_info())
 
@@ -334,6 +395,35 @@ def test_peer_process_is_ended() -> None:
     assert set(multiprocessing.active_children()) == before
 
 
+def test_rounds_rotate_the_series_and_merge_them(monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    ran: list[str] = []
+
+    def fake_spec(name: str, one_way_us: float) -> bench.SeriesSpec:
+        def run(plan: bench.Plan, on_size: bench.OnSize | None) -> list[SizeResult]:
+            ran.append(name)
+            return [fake_result(sp.size, one_way_us) for sp in plan.sizes]
+
+        return bench.SeriesSpec(name, "transport", "local", run)
+
+    specs = [fake_spec("a", 1.0), fake_spec("b", 2.0), fake_spec("c", 3.0)]
+    monkeypatch.setattr(bench, "select_series", lambda *args: (specs, []))
+    assert bench.main(["latency", "--rounds", "3", "--max-size", "16", "--no-bind"]) == 0
+    assert ran == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    out = capsys.readouterr().out
+    assert "median over 3 rounds" in out
+    rows = [line.split() for line in out.splitlines()]
+    # the table keeps the order of the series, not that of the last round
+    assert [row[2] for row in rows if row[:2] == ["8", "B"]] == ["a"]
+    assert [row[0] for row in rows if row[:1] in (["b"], ["c"])][:2] == ["b", "c"]
+
+
+def test_rounds_must_be_positive() -> None:
+    assert bench.parse_args(["latency"]).rounds == 1
+    with pytest.raises(SystemExit):
+        bench.parse_args(["latency", "--rounds", "0"])
+
+
 # ---------------------------------------------------------------- end to end
 
 
@@ -367,3 +457,19 @@ def test_cli_shm_latency(tmp_path: Path) -> None:
         assert r["copies"]["user"] + r["copies"]["kernel"] > 0
     assert "copies per payload byte" in stdout
     assert "crossovers" in stdout
+
+
+def test_cli_rounds(tmp_path: Path) -> None:
+    stdout, doc = run_cli(["latency", "--transport", "shm", "--baseline", "mp-pipe",
+                           "--max-size", "1K", "--iterations", "5", "--warmup", "1",
+                           "--rounds", "2"], tmp_path)
+    assert doc["parameters"]["rounds"] == 2
+    assert [s["name"] for s in doc["series"]] == ["mp-pipe", "shm"]
+    for series in doc["series"]:
+        assert series["status"] == "ok", series["reason"]
+        for r in series["results"]:
+            assert r["samples_per_round"] == [5, 5] and len(r["samples_ns"]) == 10
+            assert len(r["time_us_round_means"]) == 2
+    shm_stats = [r["stats"] for r in doc["series"][1]["results"]]
+    assert all(len(stats) == 4 for stats in shm_stats)  # both sides, both rounds
+    assert "median over 2 rounds" in stdout

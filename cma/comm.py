@@ -721,11 +721,11 @@ class Comm:
             return
         self._closed = True
         self._send_obj = self._recv_obj = _NOTHING
-        # no pull may outlive the fds it reads through, and its sender waits for FIN
-        if self._copier.shutdown() and self._attached:
-            self._finish_pulls()
-            self._flush()
+        copier_stopped = self._copier.shutdown()
         if self._attached:
+            if copier_stopped:
+                self._finish_pulls()  # no pull may outlive the fds it reads through
+            self._deliver_queued()  # including the FINs their senders wait for
             for transport in self._transports.values():
                 for link in self._links:
                     if link is not None:
@@ -817,6 +817,19 @@ class Comm:
             return
         if self._peer_sleeping(dest):
             self._ring(dest)
+
+    def _deliver_queued(self) -> None:
+        """Wait until the packets queued for each live peer are in its ring.
+
+        A send that found the ring full returned with its packet queued here; the ring
+        outlives this process, the queue does not.
+        """
+        for dest in self._peers:
+            if self._txq[dest] and dest not in self._dead:
+                try:
+                    self._wait_until(lambda: not self._txq[dest], dest)  # noqa: B023 - called at once
+                except PeerGone:
+                    pass  # nobody is left to read them
 
     def _put(self, dest: int, packet: tuple[int, int, int, bytes]) -> bool:
         """Write one packet into ``dest``'s ring if it fits now."""

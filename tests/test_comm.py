@@ -1168,6 +1168,28 @@ def test_object_with_more_buffers_than_the_ring_holds(transport):
                     timeout=10) == [True, True]
 
 
+def queued_then_closed_rank0(comm):
+    time.sleep(0.5)  # rank 1 has long returned from its sends by now
+    buf = np.empty(1000, np.uint8)
+    for i in range(20):
+        comm.Recv(buf, source=1, tag=1)
+        assert (buf == i).all()
+    return True
+
+
+def queued_then_closed_rank1(comm):
+    for i in range(20):
+        comm.Send(np.full(1000, i, np.uint8), dest=0, tag=1)  # most wait in the send queue
+    comm.close()
+    return True
+
+
+def test_close_delivers_sends_still_queued_for_a_full_ring():
+    """A Send that found the ring full returned; closing must not lose its message."""
+    assert run_pair("shm", SMALL_RING, queued_then_closed_rank0, queued_then_closed_rank1,
+                    timeout=10) == [True, True]
+
+
 # ------------------------------------------------------------------ huge messages
 
 

@@ -721,21 +721,26 @@ class Comm:
             return
         self._closed = True
         self._send_obj = self._recv_obj = _NOTHING
-        copier_stopped = self._copier.shutdown()
-        if self._attached:
-            if copier_stopped:
-                self._finish_pulls()  # no pull may outlive the fds it reads through
-            self._deliver_queued()  # including the FINs their senders wait for
-            for transport in self._transports.values():
-                for link in self._links:
-                    if link is not None:
-                        transport.disconnect(link)
-                transport.close()
-        if self._world is not None:
-            self._world.close()
-            self._world = None
-        self._attached = False
-        self._fds.close()
+        try:
+            copier_stopped = self._copier.shutdown()
+            if self._attached and self._world is not None and self._world.owned_here():
+                if copier_stopped:
+                    self._finish_pulls()  # no pull may outlive the fds it reads through
+                self._overlap = False  # a pull matched from here on copies at once
+                self._deliver_queued()  # including the FINs their senders wait for
+                self._world.mark_closed()
+        finally:
+            if self._attached:
+                for transport in self._transports.values():
+                    for link in self._links:
+                        if link is not None:
+                            transport.disconnect(link)
+                    transport.close()
+            if self._world is not None:
+                self._world.close()
+                self._world = None
+            self._attached = False
+            self._fds.close()
 
     def Free(self) -> None:
         self.close()
@@ -819,17 +824,22 @@ class Comm:
             self._ring(dest)
 
     def _deliver_queued(self) -> None:
-        """Wait until the packets queued for each live peer are in its ring.
+        """Wait until the packets queued for each peer are in its ring, or moot.
 
         A send that found the ring full returned with its packet queued here; the ring
-        outlives this process, the queue does not.
+        outlives this process, the queue does not. Like MPI_Finalize after a buffered
+        send, this waits for the peer to read: a peer that has exited or closed never
+        will, and a peer that waits for this process to exit first deadlocks.
         """
+        world = self._world
+        assert world is not None
         for dest in self._peers:
-            if self._txq[dest] and dest not in self._dead:
+            queue = self._txq[dest]
+            if queue and dest not in self._dead:
                 try:
-                    self._wait_until(lambda: not self._txq[dest], dest)  # noqa: B023 - called at once
+                    self._wait_until(lambda: not queue or world.has_closed(dest), dest)  # noqa: B023
                 except PeerGone:
-                    pass  # nobody is left to read them
+                    pass
 
     def _put(self, dest: int, packet: tuple[int, int, int, bytes]) -> bool:
         """Write one packet into ``dest``'s ring if it fits now."""

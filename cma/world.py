@@ -42,6 +42,7 @@ from .errors import CmaError, PeerGone
 
 ENV_WORLD = "CMA_WORLD"
 CONNECT_TIMEOUT = float(os.environ.get("CMA_CONNECT_TIMEOUT", "60"))
+PHASE_CLOSED = 3  # a rank's PHASE word: 1 attaching, 2 attached, then closed
 
 
 @dataclass
@@ -277,6 +278,17 @@ class World:
         self.header[self._word(self.rank, SLEEPING)] = flag
 
     # -- teardown
+
+    def owned_here(self) -> bool:
+        """Whether this process attached this rank (not a child that inherited it by fork)."""
+        return self.pid_of(self.rank) == os.getpid()
+
+    def mark_closed(self) -> None:
+        """Tell the peers this rank reads its rings no more: what they queue for it is moot."""
+        self.header[self._word(self.rank, PHASE)] = PHASE_CLOSED
+
+    def has_closed(self, rank: int) -> bool:
+        return self.header[self._word(rank, PHASE)] == PHASE_CLOSED
 
     def close(self) -> None:
         if self._server is not None:

@@ -1190,6 +1190,72 @@ def test_close_delivers_sends_still_queued_for_a_full_ring():
                     timeout=10) == [True, True]
 
 
+def test_close_does_not_wait_for_a_peer_that_closed_without_reading():
+    """Nobody will read what is queued for a closed peer, even if its process lives on."""
+    sender_done = mp.get_context("fork").Event()
+
+    def rank0(comm):
+        comm.Barrier()  # attached
+        comm.close()
+        return sender_done.wait(5)
+
+    def rank1(comm):
+        comm.Barrier()
+        queued_then_closed_rank1(comm)
+        sender_done.set()
+        return True
+
+    assert run_pair("shm", SMALL_RING, rank0, rank1, timeout=10) == [True, True]
+
+
+def test_close_that_fails_while_draining_still_releases_everything():
+    def rank0(comm):
+        comm.Barrier()
+        return True
+
+    def rank1(comm):
+        comm.Barrier()
+        fds = len(os.listdir("/proc/self/fd"))
+
+        def interrupted():
+            raise KeyboardInterrupt
+
+        comm._deliver_queued = interrupted
+        with pytest.raises(KeyboardInterrupt):
+            comm.close()
+        return fds - len(os.listdir("/proc/self/fd"))  # the memfd, doorbells, pidfds...
+
+    released = run_pair("shm", None, rank0, rank1, timeout=10)[1]
+    assert released >= 3
+
+
+def test_close_in_a_forked_child_leaves_the_parents_queue_alone():
+    """Only the process that attached a rank writes its rings, also when closing."""
+    sender_done = mp.get_context("fork").Event()
+
+    def rank0(comm):
+        queued_then_closed_rank0(comm)
+        assert sender_done.wait(5)
+        return comm.Iprobe(source=1, tag=1)  # a packet written twice would show here
+
+    def rank1(comm):
+        for i in range(20):
+            comm.Send(np.full(1000, i, np.uint8), dest=0, tag=1)
+        pid = os.fork()
+        if pid == 0:
+            try:
+                comm.close()
+            finally:
+                os._exit(0)
+        os.waitpid(pid, 0)
+        marked_closed = comm._world.has_closed(comm.rank)  # the child must not speak for us
+        comm.close()
+        sender_done.set()
+        return marked_closed
+
+    assert run_pair("shm", SMALL_RING, rank0, rank1, timeout=10) == [False, False]
+
+
 # ------------------------------------------------------------------ huge messages
 
 

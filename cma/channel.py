@@ -11,15 +11,28 @@ One memfd-backed segment holds everything a world of N ranks shares:
         staging         ``stage_slots`` fragments of ``frag_size`` bytes for the PIPELINE protocol
 
 A packet is four int64 words (kind, tag, nbytes, aux) and its payload, rounded up to
-64 bytes, laid end to end; a packet that would cross the end of the ring is preceded
-by a PAD packet filling the rest. ``head`` and ``tail`` are running byte counts.
-Variable sizes keep small messages within a few cache lines and let an eager message
-of up to ``eager_limit`` bytes take one contiguous stretch.
+64 bytes, laid end to end; a PAD packet sends the reader back to the start of the ring.
+``head`` and ``tail`` are running byte counts. Variable sizes keep small messages
+within a few cache lines and let an eager message of up to ``eager_limit`` bytes take
+one contiguous stretch.
+
+The writer uses the first half of the ring (the window) while the reader keeps up: a
+packet that would cross the end of the window goes to the start instead, behind a PAD,
+as soon as the reader has freed the space there. Only a reader that falls behind lets
+packets spill into the second half. The bytes a PAD skips count as in flight until
+the reader passes it, so right after a jump the ring can look full: a further packet
+waits in the sender's queue (comm.py) until the reader takes the one at the start.
+On the project machine the bytes a ping-pong
+cycles through decide the cost of a large eager message: in one prototype run, 2 MiB
+reusing the same 2 MiB of ring took 113-142 us one-way, against 179-251 us cycling
+through the whole 8 MiB ring (and 1 MiB in an 8 MiB ring 90-102 us, against 53-75 us
+in a 4 MiB one).
 
 Publishing is a plain store to ``head``: on x86-64 stores become visible in program
 order, so the payload is visible before the head that announces it. The consumer
-publishes ``tail`` only every half ring (and whenever it goes idle), which keeps
-the hot path at one shared store per message on each side.
+publishes ``tail`` only every sixteenth of the ring (and whenever it goes idle), which
+keeps the hot path at one shared store per message on each side and lets the writer
+see the start of the ring free by the time it reaches the end of the window.
 """
 
 from __future__ import annotations
@@ -68,18 +81,21 @@ def packet_bytes(nbytes: int) -> int:
 class ChannelConfig:
     """Sizes of the shared segment.
 
-    ``eager_limit`` is the largest message sent inline; 1 MiB: on the project machine
+    ``eager_limit`` is the largest message sent inline; 2 MiB: on the project machine
     (a 2-vCPU VM, processes pinned) one-way ping-pong of 128 KiB took 8.5 us eager,
     46 us through the shm pipeline and 56 us through cma; of 1 MiB, 50 us eager and
-    78-141 us pipelined; at 2 MiB the two tie and at 4 MiB the pipeline wins (242 vs
-    481 us). A rendezvous pays a handshake in Python and, for cma, the pinning of a
-    running peer's pages, where two cache-warm memcpys cost little. ``ring_bytes`` (a
-    power of two, at least 4 x eager_limit) bounds what is in flight per direction; a
-    4 MiB ring stays cache-warm.
+    78-141 us pipelined. Of 2 MiB, in one interleaved run of 7 rounds, 104-111 us eager
+    in this ring against 136-182 us through the shm pipeline under the former limit of
+    1 MiB and 4 MiB ring (other sizes, 8 B to 4 MiB: 2 % slower to 5 % faster). At 4 MiB an earlier run
+    had the pipeline at 242 us against 481 us eager. A rendezvous pays a handshake in
+    Python and, for cma, the pinning of a running peer's pages, where two cache-warm
+    memcpys cost little. ``ring_bytes`` (a power of two, at least 4 x eager_limit)
+    bounds what is in flight per direction; its first half, which a reader that keeps
+    up never leaves, stays cache-warm.
     """
 
-    eager_limit: int = 1 << 20
-    ring_bytes: int = 4 << 20
+    eager_limit: int = 2 << 20
+    ring_bytes: int = 8 << 20
     frag_size: int = 1 << 20
     stage_slots: int = 4
 
@@ -121,8 +137,8 @@ class ChannelConfig:
 class Outbox:
     """Producer end of the ring from this rank to one peer."""
 
-    __slots__ = ("ctl", "data", "words", "size", "mask", "head", "tail_seen", "staging",
-                 "filled", "peer_sleeping", "eager_bytes", "eager_count")
+    __slots__ = ("ctl", "data", "words", "size", "window", "mask", "head", "tail_seen",
+                 "staging", "filled", "peer_sleeping", "eager_bytes", "eager_count")
 
     def __init__(self, pair: memoryview, config: ChannelConfig, peer_sleeping: memoryview) -> None:
         self.peer_sleeping = peer_sleeping  # the receiver's "about to sleep" word
@@ -130,6 +146,7 @@ class Outbox:
         self.eager_count = 0
         self.ctl = pair[:PAGE_SIZE].cast("q")
         self.size = config.ring_bytes
+        self.window = config.ring_bytes // 2
         self.mask = config.ring_bytes - 1
         self.data = pair[PAGE_SIZE : PAGE_SIZE + self.size]
         self.words = self.data.cast("q")
@@ -139,20 +156,30 @@ class Outbox:
         self.tail_seen = self.ctl[TAIL]
         self.filled = self.ctl[FILLED]
 
+    def _fits(self, end: int) -> bool:
+        """Whether the ring may hold bytes up to the running count ``end``."""
+        if end - self.tail_seen > self.size:
+            self.tail_seen = self.ctl[TAIL]
+            return end - self.tail_seen <= self.size
+        return True
+
     def _reserve(self, need: int) -> int:
-        """Byte offset where a packet of ``need`` bytes goes (after padding), or -1 if full."""
+        """Byte offset where a packet of ``need`` bytes goes (after padding), or -1 if full.
+
+        Past the window, back to the start of the ring once the reader has freed it; else
+        on into the second half while the packet fits before the end.
+        """
         h = self.head
         pos = h & self.mask
-        pad = self.size - pos if pos + need > self.size else 0
-        if h + pad + need - self.tail_seen > self.size:
-            self.tail_seen = self.ctl[TAIL]
-            if h + pad + need - self.tail_seen > self.size:
+        if pos + need > self.window:
+            lap = h + self.size - pos  # where the next lap starts
+            if self._fits(lap + need):
+                self.words[pos >> 3] = PAD
+                self.head = lap
+                return 0
+            if pos + need > self.size:
                 return -1
-        if pad:
-            self.words[pos >> 3] = PAD
-            self.head = h + pad
-            return 0
-        return pos
+        return pos if self._fits(h + need) else -1
 
     def put_eager(self, tag: int, payload: memoryview, n: int) -> int:
         """The hot path: one EAGER packet of at most eager_limit bytes.
@@ -163,9 +190,8 @@ class Outbox:
         need = (PACKET_ROUND + n) & PACKET_MASK
         h = self.head
         pos = h & self.mask
-        size = self.size
-        if pos + need > size or h + need - self.tail_seen > size:
-            pos = self._reserve(need)  # wraps, or finds the ring full
+        if pos + need > self.window or h + need - self.tail_seen > self.size:
+            pos = self._reserve(need)  # goes back to the start, or finds the ring full
             if pos < 0:
                 return -1
             h = self.head
@@ -211,7 +237,8 @@ class Inbox:
     """Consumer end of the ring from one peer to this rank."""
 
     __slots__ = ("ctl", "data", "words", "size", "mask", "tail", "tail_published", "staging",
-                 "drained_count", "half", "last_tag", "eager_bytes", "eager_count", "pending")
+                 "drained_count", "publish_every", "last_tag", "eager_bytes", "eager_count",
+                 "pending")
 
     def __init__(self, pair: memoryview, config: ChannelConfig) -> None:
         self.last_tag = 0
@@ -220,7 +247,7 @@ class Inbox:
         self.pending = 0  # size of the packet returned by take(), consumed by release()
         self.ctl = pair[:PAGE_SIZE].cast("q")
         self.size = config.ring_bytes
-        self.half = config.ring_bytes // 2
+        self.publish_every = config.ring_bytes // 16
         self.mask = config.ring_bytes - 1
         self.data = pair[PAGE_SIZE : PAGE_SIZE + self.size]
         self.words = self.data.cast("q")
@@ -248,7 +275,7 @@ class Inbox:
 
     def _advance(self, need: int) -> None:
         self.tail = t = self.tail + need
-        if t - self.tail_published >= self.half:
+        if t - self.tail_published >= self.publish_every:
             self.tail_published = t
             self.ctl[TAIL] = t
 
@@ -283,7 +310,7 @@ class Inbox:
         self.eager_count += 1
         self.last_tag = t
         self.tail = tail = tail + ((PACKET_ROUND + n) & PACKET_MASK)
-        if tail - self.tail_published >= self.half:
+        if tail - self.tail_published >= self.publish_every:
             self.tail_published = tail
             self.ctl[TAIL] = tail
         return n

@@ -15,7 +15,7 @@ from cma.errors import CmaError, TransportUnavailable
 from cma.transports import REGISTRY
 
 NBYTES = 24 << 20  # above the eager limit and the SPLIT point, small enough to be quick
-SMALL = 2 << 20  # above the eager limit, below auto's cma threshold
+SMALL = 3 << 20  # above the eager limit, below auto's cma threshold
 PULLERS = [n for n in REGISTRY.practical() if "pull" in REGISTRY.classes[n].styles]
 
 
@@ -142,7 +142,7 @@ def test_an_unrelated_call_does_not_raise_a_failed_copy(failed_copy):
 @pytest.mark.skipif(not TWO_WAY_PTRACE, reason=NO_TWO_WAY_PTRACE)
 def test_overlap_under_auto_pulls_instead_of_staging():
     """A pipeline needs both processes inside cma calls; with overlap auto takes cma
-    from the eager limit up (here a 2 MiB message, which auto otherwise stages)."""
+    from the eager limit up (here a 3 MiB message, which auto otherwise stages)."""
     with sender(cma.AUTO, nbytes=SMALL) as comm:
         buf = np.zeros(SMALL, np.uint8)
         comm.Recv(buf, source=1, tag=1)

@@ -1,0 +1,130 @@
+"""The packet ring of cma/channel.py, one process: an Outbox and an Inbox over one buffer.
+
+These pin where packets land (the writer stays in the first half of the ring while the
+reader keeps up) and that packets come out in order, whole, whatever the interleaving.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+
+import pytest
+
+from cma.channel import EAGER, ChannelConfig, Inbox, Outbox, packet_bytes
+from cma.protocol import ANY_TAG
+
+CONFIG = ChannelConfig(eager_limit=16 << 10, ring_bytes=64 << 10, frag_size=4096, stage_slots=1)
+BIG = CONFIG.eager_limit
+BIG_PACKET = packet_bytes(BIG)
+
+
+@pytest.fixture
+def ring():
+    pair = memoryview(bytearray(CONFIG.pair_bytes))
+    sleeping = memoryview(bytearray(8)).cast("q")
+    return Outbox(pair, CONFIG, sleeping), Inbox(pair, CONFIG)
+
+
+def put(out: Outbox, tag: int, n: int) -> bool:
+    return out.put_eager(tag, memoryview(bytes([tag % 256]) * n), n) >= 0
+
+
+def take(inbox: Inbox) -> tuple[int, int, int]:
+    """(offset in the ring, tag, size) of the oldest packet, consumed and checked."""
+    offset = inbox._position()
+    assert offset >= 0, "the ring is empty"
+    buf = memoryview(bytearray(BIG))
+    n = inbox.take_eager(buf, ANY_TAG)
+    assert n >= 0
+    assert bytes(buf[:n]) == bytes([inbox.last_tag % 256]) * n
+    return offset, inbox.last_tag, n
+
+
+def test_ping_pong_of_large_packets_reuses_the_start_of_the_ring(ring):
+    out, inbox = ring
+    offsets = []
+    for i in range(10):
+        assert put(out, i, BIG)
+        offsets.append(take(inbox)[0])
+    assert offsets == [0] * 10
+
+
+def test_small_packets_cycle_through_the_first_half_only(ring):
+    out, inbox = ring
+    offsets = set()
+    for i in range(2000):
+        assert put(out, i, 1000)
+        offsets.add(take(inbox)[0])
+    assert max(offsets) + packet_bytes(1000) <= CONFIG.ring_bytes // 2
+    assert len(offsets) > 20  # it does move on: a packet is not written over its unread self
+
+
+def test_lagging_reader_lets_packets_spill_into_the_second_half(ring):
+    out, inbox = ring
+    assert put(out, 1, BIG) and put(out, 2, BIG)  # 2 goes past the window: 1 is unread
+    assert take(inbox) == (0, 1, BIG)
+    assert put(out, 3, BIG)  # the start is free again
+    assert [take(inbox) for _ in range(2)] == [(BIG_PACKET, 2, BIG), (0, 3, BIG)]
+
+
+def test_full_ring_refuses_until_the_reader_frees_the_start(ring):
+    out, inbox = ring
+    fitted = 0
+    while put(out, fitted, BIG):
+        fitted += 1
+    assert fitted == CONFIG.ring_bytes // BIG_PACKET
+    assert take(inbox) == (0, 0, BIG)
+    assert put(out, fitted, BIG)
+    assert [take(inbox) for _ in range(fitted)] == [
+        (i * BIG_PACKET, i, BIG) for i in range(1, fitted)] + [(0, fitted, BIG)]
+
+
+def test_packet_waits_when_neither_the_end_nor_the_freed_start_holds_it(ring):
+    out, inbox = ring
+    small = BIG - 84  # a packet 64 bytes shorter than BIG_PACKET
+    assert put(out, 0, small) and put(out, 1, BIG) and put(out, 2, BIG)
+    assert take(inbox) == (0, 0, small)
+    assert not put(out, 3, BIG)  # 64 bytes short at the start, 192 at the end
+    assert take(inbox) == (packet_bytes(small), 1, BIG)
+    assert put(out, 3, BIG)
+    assert [take(inbox)[:2] for _ in range(2)] == [(packet_bytes(small) + BIG_PACKET, 2), (0, 3)]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_random_interleaving_keeps_every_packet_in_order(ring, seed):
+    """Both writers (put, put_eager) and both readers (take, take_eager) in random turns."""
+    out, inbox = ring
+    rnd = random.Random(seed)
+    in_flight: deque[tuple[int, int]] = deque()
+    buf = memoryview(bytearray(BIG))
+    sent = 0
+    for _ in range(3000):
+        if rnd.random() < 0.5:
+            n = rnd.choice([0, 8, 1000, rnd.randrange(BIG + 1)])
+            payload = bytes([sent % 256]) * n
+            if rnd.random() < 0.5:
+                written = out.put(EAGER, sent, 0, payload)
+            else:
+                written = out.put_eager(sent, memoryview(payload), n) >= 0
+            if written:
+                in_flight.append((sent, n))
+                sent += 1
+            continue
+        if not inbox.ready():
+            assert not in_flight, "a written packet is not visible"
+            inbox.publish_tail()
+            continue
+        if rnd.random() < 0.5:
+            n = inbox.take_eager(buf, ANY_TAG)
+            tag, data = inbox.last_tag, bytes(buf[:n])
+        else:
+            kind, tag, n, _, view = inbox.take()
+            assert kind == EAGER
+            data = bytes(view)
+            inbox.release()
+        assert (tag, n) == in_flight.popleft()
+        assert data == bytes([tag % 256]) * n
+        if rnd.random() < 0.2:
+            inbox.publish_tail()
+    assert sent > 500

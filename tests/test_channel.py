@@ -128,3 +128,16 @@ def test_random_interleaving_keeps_every_packet_in_order(ring, seed):
         if rnd.random() < 0.2:
             inbox.publish_tail()
     assert sent > 500
+
+
+@pytest.mark.parametrize("start", range(0, CONFIG.ring_bytes, 1472))
+def test_drained_ring_takes_the_largest_control_packet_from_any_position(ring, start):
+    out, inbox = ring
+    while out.head < start:  # move both ends to ``start`` (give or take one packet)
+        assert put(out, 0, 1000)
+        take(inbox)
+    inbox.publish_tail()
+    payload = bytes(range(256)) * (CONFIG.max_packet // 256) + bytes(CONFIG.max_packet % 256)
+    assert out.put(EAGER, 7, 0, payload)
+    kind, tag, n, _, view = inbox.take()
+    assert (kind, tag, n, bytes(view)) == (EAGER, 7, CONFIG.max_packet, payload)

@@ -679,8 +679,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "series freed hundreds of MiB; a pause keeps that out of the "
                              "next series")
     common.add_argument("--rounds", type=_count_arg(1), default=1, metavar="N",
-                        help="run every series N times, in turn, each round starting one "
-                             "series later; each size then reports the median of its N "
+                        help="run every series N times, in turn, each round in another "
+                             "order (no series always first or always after the same "
+                             "one); each size then reports the median of its N "
                              "round means, so a slow spell of the machine that hits one "
                              "round does not decide a ratio (default 1; the run takes N "
                              "times as long)")
@@ -783,10 +784,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     runs: list[list[Series]] = [[] for _ in specs]
     try:
         for round_index in range(args.rounds):
-            for step in range(len(specs)):
-                # Each round starts one series further on, so that no series always runs
-                # first, right after the start-up of the run.
-                index = (round_index + step) % len(specs)
+            for step, index in enumerate(util.round_order(len(specs), round_index)):
                 spec = specs[index]
                 if (round_index or step) and args.settle > 0:
                     time.sleep(args.settle)

@@ -406,16 +406,40 @@ def test_rounds_rotate_the_series_and_merge_them(monkeypatch: pytest.MonkeyPatch
 
         return bench.SeriesSpec(name, "transport", "local", run)
 
-    specs = [fake_spec("a", 1.0), fake_spec("b", 2.0), fake_spec("c", 3.0)]
+    specs = [fake_spec("a", 1.0), fake_spec("b", 2.0), fake_spec("c", 3.0), fake_spec("d", 4.0)]
     monkeypatch.setattr(bench, "select_series", lambda *args: (specs, []))
     assert bench.main(["latency", "--rounds", "3", "--max-size", "16", "--no-bind"]) == 0
-    assert ran == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    assert ran == ["a", "b", "d", "c", "b", "c", "a", "d", "c", "d", "b", "a"]
     out = capsys.readouterr().out
     assert "median over 3 rounds" in out
     rows = [line.split() for line in out.splitlines()]
     # the table keeps the order of the series, not that of the last round
     assert [row[2] for row in rows if row[:2] == ["8", "B"]] == ["a"]
     assert [row[0] for row in rows if row[:1] in (["b"], ["c"])][:2] == ["b", "c"]
+
+
+def predecessors(orders: list[list[int]]) -> dict[int, list[int]]:
+    """For each series, the series that ran just before it, round by round."""
+    before: dict[int, list[int]] = {}
+    for order in orders:
+        for previous, series in zip(order[:-1], order[1:], strict=True):
+            before.setdefault(series, []).append(previous)
+    return before
+
+
+@pytest.mark.parametrize("count", range(1, 10))
+def test_round_order_varies_what_runs_first_and_what_runs_before(count: int) -> None:
+    rounds = [util.round_order(count, r) for r in range(count)]
+    assert all(sorted(order) == list(range(count)) for order in rounds)
+    assert len({order[0] for order in rounds}) == count
+    repeats = max((max(map(ran.count, ran)) for ran in predecessors(rounds).values()), default=1)
+    assert repeats <= (1 if count % 2 == 0 else 2)
+
+
+def test_round_order_of_the_usual_run_never_repeats_a_predecessor() -> None:
+    """cma-bench under mpiexec: 7 series (memcpy, mpi4py, 4 transports, cma.mpi), 3 rounds."""
+    before = predecessors([util.round_order(7, r) for r in range(3)])
+    assert all(len(set(ran)) == len(ran) for ran in before.values())
 
 
 def test_rounds_must_be_positive() -> None:

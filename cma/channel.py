@@ -22,11 +22,10 @@ as soon as the reader has freed the space there. Only a reader that falls behind
 packets spill into the second half. The bytes a PAD skips count as in flight until
 the reader passes it, so right after a jump the ring can look full: a further packet
 waits in the sender's queue (comm.py) until the reader takes the one at the start.
-On the project machine the bytes a ping-pong
-cycles through decide the cost of a large eager message: in one prototype run, 2 MiB
-reusing the same 2 MiB of ring took 113-142 us one-way, against 179-251 us cycling
-through the whole 8 MiB ring (and 1 MiB in an 8 MiB ring 90-102 us, against 53-75 us
-in a 4 MiB one).
+On the project machine the bytes a ping-pong cycles through decide the cost of a
+large eager message: in one prototype run, 2 MiB reusing the same 2 MiB of ring took
+113-142 us one-way, against 179-251 us cycling through the whole 8 MiB ring (and
+1 MiB in an 8 MiB ring 90-102 us, against 53-75 us in a 4 MiB one).
 
 Publishing is a plain store to ``head``: on x86-64 stores become visible in program
 order, so the payload is visible before the head that announces it. The consumer
@@ -86,10 +85,10 @@ class ChannelConfig:
     46 us through the shm pipeline and 56 us through cma; of 1 MiB, 50 us eager and
     78-141 us pipelined. Of 2 MiB, in one interleaved run of 7 rounds, 104-111 us eager
     in this ring against 136-182 us through the shm pipeline under the former limit of
-    1 MiB and 4 MiB ring (other sizes, 8 B to 4 MiB: 2 % slower to 5 % faster). At 4 MiB an earlier run
-    had the pipeline at 242 us against 481 us eager. A rendezvous pays a handshake in
-    Python and, for cma, the pinning of a running peer's pages, where two cache-warm
-    memcpys cost little. ``ring_bytes`` (a power of two, at least 4 x eager_limit)
+    1 MiB and 4 MiB ring (other sizes, 8 B to 4 MiB: 2 % slower to 5 % faster). At
+    4 MiB an earlier run had the pipeline at 242 us against 481 us eager. A rendezvous
+    pays a handshake in Python and, for cma, the pinning of a running peer's pages,
+    where two cache-warm memcpys cost little. ``ring_bytes`` (a power of two, at least 4 x eager_limit)
     bounds what is in flight per direction; its first half, which a reader that keeps
     up never leaves, stays cache-warm.
     """

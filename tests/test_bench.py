@@ -395,7 +395,7 @@ def test_peer_process_is_ended() -> None:
     assert set(multiprocessing.active_children()) == before
 
 
-def test_rounds_rotate_the_series_and_merge_them(monkeypatch: pytest.MonkeyPatch,
+def test_rounds_vary_the_order_and_merge_them(monkeypatch: pytest.MonkeyPatch,
                                                 capsys: pytest.CaptureFixture[str]) -> None:
     ran: list[str] = []
 

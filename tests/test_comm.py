@@ -1177,9 +1177,13 @@ def queued_then_closed_rank0(comm):
     return True
 
 
-def queued_then_closed_rank1(comm):
+def send_more_than_the_ring_holds(comm):
     for i in range(20):
         comm.Send(np.full(1000, i, np.uint8), dest=0, tag=1)  # most wait in the send queue
+
+
+def queued_then_closed_rank1(comm):
+    send_more_than_the_ring_holds(comm)
     comm.close()
     return True
 
@@ -1239,8 +1243,7 @@ def test_close_in_a_forked_child_leaves_the_parents_queue_alone():
         return comm.Iprobe(source=1, tag=1)  # a packet written twice would show here
 
     def rank1(comm):
-        for i in range(20):
-            comm.Send(np.full(1000, i, np.uint8), dest=0, tag=1)
+        send_more_than_the_ring_holds(comm)
         pid = os.fork()
         if pid == 0:
             try:

@@ -42,7 +42,10 @@ from .errors import CmaError, PeerGone
 
 ENV_WORLD = "CMA_WORLD"
 CONNECT_TIMEOUT = float(os.environ.get("CMA_CONNECT_TIMEOUT", "60"))
-PHASE_CLOSED = 3  # a rank's PHASE word: 1 attaching, 2 attached, then closed
+# A rank's PHASE word moves up through these; peers wait until every rank reaches one.
+PHASE_PUBLISHED = 1  # pid and server are up
+PHASE_PROBED = 2  # reach masks towards every peer are written
+PHASE_CLOSED = 3  # reads its rings no more
 
 
 @dataclass
@@ -150,15 +153,15 @@ class World:
         """Publish this rank, wait for all, probe (``publish_reach``), wait for all again."""
         self._start_server()
         self.header[self._word(self.rank, PID)] = os.getpid()
-        self.header[self._word(self.rank, PHASE)] = 1
-        self._await_phase(1)
+        self.header[self._word(self.rank, PHASE)] = PHASE_PUBLISHED
+        self._await_phase(PHASE_PUBLISHED)
         for peer in range(self.size):
             if peer != self.rank:
                 self._watch(peer)
         for peer, mask in publish_reach(self).items():
             self.header[self._reach_word(self.rank, peer)] = mask
-        self.header[self._word(self.rank, PHASE)] = 2
-        self._await_phase(2)
+        self.header[self._word(self.rank, PHASE)] = PHASE_PROBED
+        self._await_phase(PHASE_PROBED)
 
     def _watch(self, rank: int) -> int:
         """The pidfd of ``rank``'s published pid, opened once (it reports the exit)."""

@@ -141,3 +141,26 @@ def test_drained_ring_takes_the_largest_control_packet_from_any_position(ring, s
     assert out.put(EAGER, 7, 0, payload)
     kind, tag, n, _, view = inbox.take()
     assert (kind, tag, n, bytes(view)) == (EAGER, 7, CONFIG.max_packet, payload)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_taken_payload_stays_intact_until_released(ring, seed):
+    """The writer fills every byte the reader has published free; the held view survives."""
+    out, inbox = ring
+    rnd = random.Random(seed)
+    filler = 255
+    for i in range(100):
+        tag = i % filler
+        assert put(out, tag, rnd.choice([0, 8, rnd.randrange(BIG + 1)]))
+        kind, taken_tag, n, _, view = inbox.take()
+        held = bytes(view)
+        assert (kind, taken_tag, held) == (EAGER, tag, bytes([tag]) * n)
+        inbox.publish_tail()
+        fillers = 0
+        while put(out, filler, rnd.randrange(1, BIG + 1)):
+            fillers += 1
+        assert fillers > 0
+        assert bytes(view) == held
+        inbox.release()
+        for _ in range(fillers):
+            assert take(inbox)[1] == filler

@@ -166,3 +166,38 @@ def test_close_with_a_pull_in_flight_releases_the_sender(gate):
     finally:
         stop_process(p)
         a.close()
+
+
+def _pull_arrives_during_close(comm, closing):
+    comm.attach()
+    assert closing.wait(JOIN_TIMEOUT)
+    comm.Send(expected(), dest=0, tag=1)  # returns on the FIN of a pull made inside close()
+    buf = np.empty(1000, np.uint8)
+    for i in range(20):
+        comm.Recv(buf, source=0, tag=2)
+        assert (buf == i).all()
+    comm.close()
+
+
+def test_pull_matched_while_close_drains_copies_at_once():
+    """Behind the shut-down copy thread, close() must not start another one."""
+    ring = cma.ChannelConfig(eager_limit=1024, ring_bytes=4096, frag_size=4096, stage_slots=2)
+    a, b = cma.Pipe(transport="vmfd", config=ring, overlap=True)
+    closing = mp.get_context("fork").Event()
+    p = mp.get_context("fork").Process(target=_pull_arrives_during_close, args=(b, closing))
+    try:
+        p.start()
+        b.close()
+        buf = np.zeros(NBYTES, np.uint8)
+        a.Irecv(buf, source=1, tag=1)
+        for i in range(20):
+            a.Send(np.full(1000, i, np.uint8), dest=1, tag=2)  # most wait in the send queue
+        closing.set()
+        a.close()  # drains the queue, so it takes rank 1's RTS and matches the Irecv
+        p.join(JOIN_TIMEOUT)
+        assert p.exitcode == 0
+        assert np.array_equal(buf, expected())
+        assert not [t.name for t in threading.enumerate() if t.name.startswith("cma-pull")]
+    finally:
+        stop_process(p)
+        a.close()

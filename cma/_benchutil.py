@@ -150,6 +150,11 @@ class SizeResult:
     samples_ns: list[int]
     stats: list[dict[str, dict[str, float]]] = field(default_factory=list)
     samples_per_round: list[int] = field(default_factory=list)
+    # cma-bench --guard: seconds spent waiting for a quiet machine, every probe's ratio
+    # (cma.bench.handoff_ratio) and the mean time per message of every timed loop redone
+    waited_s: float = 0.0
+    probes: list[float] = field(default_factory=list)
+    redone_us: list[float] = field(default_factory=list)
 
     def per_message_us(self) -> list[float]:
         return [ns / self.messages_per_sample / 1e3 for ns in self.samples_ns]
@@ -232,6 +237,9 @@ def merge_rounds(rounds: Sequence[SizeResult]) -> SizeResult:
         # copy_summary adds every process's counters, so the rounds' lists simply join
         stats=[side for r in rounds for side in r.stats],
         samples_per_round=[len(r.samples_ns) for r in rounds],
+        waited_s=sum(r.waited_s for r in rounds),
+        probes=[ratio for r in rounds for ratio in r.probes],
+        redone_us=[mean for r in rounds for mean in r.redone_us],
     )
 
 
@@ -562,6 +570,28 @@ def format_mpi4py(series: Sequence[Series]) -> str:
     return "\n".join(blocks)
 
 
+def format_guard(series: Sequence[Series], shown: int = 12) -> str:
+    """What ``--guard`` did: the waits for a quiet machine and the timed loops it redid."""
+    loops = [r for s in series for r in s.results if r.probes]
+    if not loops:
+        return ""
+    waits = [r for r in loops if r.waited_s >= 0.5]
+    lines = [f"{len(loops)} sizes probed; waited {sum(r.waited_s for r in loops):.0f} s in all "
+             f"for a quiet machine before {len(waits)} of them; slowest probe "
+             f"{max(ratio for r in loops for ratio in r.probes):.2f}x"]
+    redone = [(s.name, r) for s in series for r in s.results if r.redone_us]
+    if redone:
+        count = sum(len(r.redone_us) for _, r in redone)
+        lines.append(f"redone after a slow probe: {count} timed loop{'s' if count > 1 else ''} "
+                     "(the means left out, then the time kept):")
+        for name, r in redone[:shown]:
+            dropped = ", ".join(f"{us:.2f}" for us in r.redone_us)
+            lines.append(f"  {name} {format_size(r.size)}: {dropped} -> {r.time_us:.2f} us")
+        if len(redone) > shown:
+            lines.append(f"  ... and {len(redone) - shown} more sizes (all in the JSON)")
+    return "\n".join(lines)
+
+
 def format_notes(series: Sequence[Series]) -> str:
     return "\n".join(f"{s.name}: {s.status}: {s.reason}" for s in series if s.status != "ok")
 
@@ -587,6 +617,7 @@ def series_json(series: Series) -> dict[str, object]:
             "stats": r.stats,
             "samples_ns": r.samples_ns,
             "samples_per_round": r.samples_per_round or [len(r.samples_ns)],
+            "guard": {"waited_s": r.waited_s, "probes": r.probes, "redone_us": r.redone_us},
         })
     return {"name": series.name, "family": series.family, "status": series.status,
             "reason": series.reason, "seconds": series.seconds, "results": results}

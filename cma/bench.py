@@ -10,6 +10,7 @@
     cma-bench latency --format mpi4py          # rows like ``python -m mpi4py.bench pingpong``
     mpiexec -n 2 cma-bench latency             # adds plain mpi4py and cma.mpi.Comm(COMM_WORLD)
     cma-bench latency --rounds 5               # every series 5 times in turn; medians of rounds
+    cma-bench latency --guard 120              # time each size only while the CPUs are quiet
 
 Without mpiexec every peer is a child process this command starts (spawn) for each
 series and ends before the next one. Under mpiexec, rank 0 prints and runs the local
@@ -30,11 +31,13 @@ import mmap
 import multiprocessing
 import os
 import signal
+import statistics
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -49,6 +52,7 @@ TAG_DATA = 1
 TAG_ACK = 2
 TAG_STATS = 3
 TAG_CTRL = 4
+TAG_GUARD = 5
 
 # A peer that has not exited this long after its last message is stuck: it is killed.
 JOIN_TIMEOUT = 10.0
@@ -171,6 +175,8 @@ class Plan:
     sizes: tuple[SizePlan, ...]
     window: int
     cold: bool
+    guard: float = 0.0  # --guard: seconds to wait for a quiet machine per timed loop
+    guard_cpus: tuple[int, ...] = ()  # the two CPUs the probe copies between
 
 
 def build_plan(kind: str, sizes: Sequence[int], *, window: int, cold: bool, quick: bool,
@@ -292,33 +298,141 @@ def _bibandwidth(ep: Endpoint, bufs: _Buffers, n: int, cold: bool, window: int) 
 KERNELS = {"latency": _pingpong, "bw": _bandwidth, "bibw": _bibandwidth}
 
 
+# --guard. On the project VM the two CPUs sometimes hand data to each other slowly for
+# seconds to minutes (a buffer one CPU has just written takes the other ~1.9x as long to
+# copy, and a ping-pong of 64 KiB-4 MiB ~4-7x as long), while copies within one CPU keep
+# their speed. The probe measures exactly that ratio.
+PROBE_BYTES = 1 << 20
+PROBE_HANDOFFS = 12
+QUIET_RATIO = 1.4  # quiet: 0.9-1.3 measured here; slow spells 1.7-2.1
+PROBE_PEER_SLEEP = 0.05  # rank 1 sleeps while rank 0 probes (which takes ~5 ms), so
+#                          its CPU is free for the probe's second thread
+GUARD_PAUSE = 1.0  # between probes while the machine is slow
+GUARD_REDO = 2  # timed loops of one size redone at most, when the probe after them is slow
+
+
+def _handoff_us(writer_cpu: int, reader_cpu: int) -> float:
+    """Median time for ``reader_cpu`` to copy out a buffer ``writer_cpu`` has just filled."""
+    shared, source, sink = (np.full(PROBE_BYTES, value, np.uint8) for value in (0, 1, 2))
+    written, taken = threading.Event(), threading.Event()
+    times: list[int] = []
+
+    def write() -> None:
+        os.sched_setaffinity(0, {writer_cpu})  # 0: this thread
+        for _ in range(PROBE_HANDOFFS):
+            np.copyto(shared, source)
+            written.set()
+            if not taken.wait(1.0):
+                return
+            taken.clear()
+
+    def read() -> None:
+        os.sched_setaffinity(0, {reader_cpu})
+        for _ in range(PROBE_HANDOFFS):
+            if not written.wait(1.0):
+                return
+            written.clear()
+            t0 = time.perf_counter_ns()
+            np.copyto(sink, shared)
+            times.append(time.perf_counter_ns() - t0)
+            taken.set()
+
+    threads = [threading.Thread(target=write), threading.Thread(target=read)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if len(times) < PROBE_HANDOFFS:
+        raise RuntimeError(f"the --guard probe between CPUs {writer_cpu} and {reader_cpu} "
+                           "did not finish")
+    return float(np.median(times)) / 1e3
+
+
+def handoff_ratio(cpus: Sequence[int]) -> float:
+    """How much longer a copy of data the other CPU just wrote takes than of data this
+    CPU wrote itself: ~1 on a quiet machine."""
+    a, b = cpus
+    return _handoff_us(a, b) / _handoff_us(b, b)
+
+
+def _probe_together(ep: Endpoint, plan: Plan, stop_after: float | None) -> tuple[float, bool]:
+    """Rank 0 probes while rank 1 sleeps; both get the ratio and rank 0's verdict.
+
+    The verdict (stop waiting) is rank 0's alone, so both ranks take the same turn
+    whatever their clocks say: ``stop_after`` is the monotonic time after which rank 0
+    gives up waiting (None: the ratio alone decides).
+    """
+    ep.comm.Barrier()
+    if ep.rank == 1:
+        time.sleep(PROBE_PEER_SLEEP)
+        ratio, stop = ep.comm.recv(source=0, tag=TAG_GUARD)
+        return ratio, stop
+    ratio = handoff_ratio(plan.guard_cpus)
+    stop = ratio <= QUIET_RATIO or (stop_after is not None and time.monotonic() >= stop_after)
+    ep.comm.send((ratio, stop), 1, tag=TAG_GUARD)
+    return ratio, stop
+
+
+def _await_quiet(ep: Endpoint, plan: Plan, record: SizeResult) -> None:
+    """Probe until the machine is quiet or ``plan.guard`` seconds have passed."""
+    start = time.monotonic()
+    while True:
+        ratio, stop = _probe_together(ep, plan, start + plan.guard)
+        record.probes.append(ratio)
+        if stop:
+            break
+        time.sleep(GUARD_PAUSE)
+    record.waited_s += time.monotonic() - start
+
+
 def _run_size(ep: Endpoint, plan: Plan, sp: SizePlan) -> SizeResult | None:
-    """One size on one rank; rank 0 gets the result, rank 1 sends it its stats, others idle."""
+    """One size on one rank; rank 0 gets the result, rank 1 sends it its stats, others idle.
+
+    Under ``plan.guard`` (two ranks only) each timed loop waits for a quiet machine and
+    is redone, at most GUARD_REDO times, when the probe after it finds the machine slow;
+    the result lists every probe and the mean of every loop left out.
+    """
     comm = ep.comm
     kernel = KERNELS[plan.kind]
     active = ep.rank < 2
+    result = SizeResult(size=sp.size, iterations=sp.iterations, warmup=sp.warmup,
+                        messages_per_sample=util.messages_per_sample(plan.kind, plan.window),
+                        samples_ns=[])
+    guarded = plan.guard > 0 and active
+    redos = 0
     comm.Barrier()
     if active:
         bufs = _Buffers(_touched(sp.size, 0x5A), _touched(sp.size, 0), _touched(1, 1))
-        kernel(ep, bufs, sp.warmup, plan.cold, plan.window)
-    # After this barrier no message of the warm-up is left to process, so resetting
-    # the counters right away makes them cover exactly the timed loop.
-    comm.Barrier()
-    if not active:
-        return None
-    if ep.has_stats:
-        comm.reset_stats()
-    samples = kernel(ep, bufs, sp.iterations, plan.cold, plan.window)
-    own = ep.stats()
+    while True:
+        if guarded:
+            _await_quiet(ep, plan, result)
+        if active:
+            kernel(ep, bufs, sp.warmup, plan.cold, plan.window)
+        # After this barrier no message of the warm-up is left to process, so resetting
+        # the counters right away makes them cover exactly the timed loop.
+        comm.Barrier()
+        if not active:
+            return None
+        if ep.has_stats:
+            comm.reset_stats()
+        samples = kernel(ep, bufs, sp.iterations, plan.cold, plan.window)
+        own = ep.stats()
+        if not guarded:
+            break
+        ratio, _ = _probe_together(ep, plan, None)
+        result.probes.append(ratio)
+        if ratio <= QUIET_RATIO or redos == GUARD_REDO:
+            break
+        redos += 1
+        if samples:  # rank 0 times, rank 1 only answers
+            result.redone_us.append(statistics.fmean(samples) / result.messages_per_sample / 1e3)
     if ep.rank == 1:
         comm.send(own, 0, tag=TAG_STATS)
         return None
     peer = comm.recv(source=1, tag=TAG_STATS)
-    return SizeResult(
-        size=sp.size, iterations=sp.iterations, warmup=sp.warmup,
-        messages_per_sample=util.messages_per_sample(plan.kind, plan.window),
-        samples_ns=samples, stats=[s for s in (own, peer) if s is not None],
-    )
+    result.samples_ns = samples
+    result.stats = [s for s in (own, peer) if s is not None]
+    return result
 
 
 def run_plan(ep: Endpoint, plan: Plan, on_size: OnSize | None = None) -> list[SizeResult]:
@@ -678,6 +792,12 @@ def build_parser() -> argparse.ArgumentParser:
                              "through fresh shared memory ran 4-6x slow for ~40 s after a "
                              "series freed hundreds of MiB; a pause keeps that out of the "
                              "next series")
+    common.add_argument("--guard", type=float, default=0.0, metavar="SECONDS",
+                        help="before every timed loop, wait up to SECONDS until a probe "
+                             "finds the two CPUs handing data to each other at their usual "
+                             "speed, and redo a loop (at most twice) when the probe after "
+                             "it does not; every wait and redone loop is reported (default "
+                             "0: off; needs 2 CPUs and, under mpiexec, 2 ranks)")
     common.add_argument("--rounds", type=_count_arg(1), default=1, metavar="N",
                         help="run every series N times, in turn, each round in another "
                              "order (no series always first or always after the same "
@@ -731,6 +851,10 @@ def report(kind: str, series: Sequence[Series], fmt: str) -> str:
     if crossing:
         parts.append("crossovers: time per message, differences within 2 standard errors "
                      "count as ties\n" + crossing)
+    guard = util.format_guard(series)
+    if guard:
+        parts.append("--guard: CPU-to-CPU copy probed before and after every timed loop "
+                     f"(quiet up to {QUIET_RATIO}x)\n" + guard)
     notes = util.format_notes(series)
     if notes:
         parts.append("not measured\n" + notes)
@@ -747,7 +871,7 @@ def write_json(path: str, args: argparse.Namespace, plans: dict[str, Plan],
         "parameters": {
             "kind": args.kind, "sizes": args.sizes, "window": args.window, "cold": args.cold,
             "quick": args.quick, "iterations": args.iterations, "warmup": args.warmup,
-            "rounds": args.rounds,
+            "rounds": args.rounds, "guard": args.guard, "settle": args.settle,
             "transport": args.transport, "baseline": args.baseline, "cpus": dict(_cpus),
             "samples_ns": "nanoseconds per timed sample: a round trip (latency), a window "
                           "(bw, bibw) or one copy (memcpy); time per message = sample / "
@@ -779,6 +903,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                  iterations=args.iterations, warmup=args.warmup)
     plans = {"messages": build_plan(args.kind, args.sizes, **knobs),
              "memcpy": build_plan("memcpy", args.sizes, **knobs)}
+    if args.guard > 0:
+        # the in-process memcpy has no second CPU to wait for
+        cpus = (_cpus["self"], _cpus["peer"]) if _cpus else tuple(sorted(os.sched_getaffinity(0)))
+        if len(cpus) < 2 or (world is not None and world.Get_size() > 2):
+            print("cma-bench: --guard needs two CPUs and, under mpiexec, exactly 2 ranks",
+                  file=sys.stderr)
+            return 2
+        plans["messages"] = replace(plans["messages"], guard=args.guard, guard_cpus=cpus[:2])
     progress = util.Progress() if rank == 0 else None
     started = time.time()
     runs: list[list[Series]] = [[] for _ in specs]

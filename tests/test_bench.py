@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
 import statistics
 import subprocess
 import sys
@@ -416,6 +417,68 @@ def test_rounds_vary_the_order_and_merge_them(monkeypatch: pytest.MonkeyPatch,
     # the table keeps the order of the series, not that of the last round
     assert [row[2] for row in rows if row[:2] == ["8", "B"]] == ["a"]
     assert [row[0] for row in rows if row[:1] in (["b"], ["c"])][:2] == ["b", "c"]
+
+
+def run_guarded(monkeypatch: pytest.MonkeyPatch, ratios: list[float], guard: float,
+                sizes: list[int]) -> list[SizeResult]:
+    """A latency plan under --guard over two threads, the probe replaced by ``ratios``."""
+    probe = iter(ratios)
+    monkeypatch.setattr(bench, "handoff_ratio", lambda cpus: next(probe))
+    monkeypatch.setattr(bench, "GUARD_PAUSE", 0.01)
+    monkeypatch.setattr(bench, "PROBE_PEER_SLEEP", 0.0)
+    plan = bench.build_plan("latency", sizes, window=4, cold=False, quick=True,
+                            iterations=5, warmup=1)
+    plan = bench.replace(plan, guard=guard, guard_cpus=(0, 1))
+    a, b = bench.mp_pipe_pair()
+    peer = threading.Thread(target=bench.run_plan, args=(bench.Endpoint(b, "pipe"), plan))
+    peer.start()
+    results = bench.run_plan(bench.Endpoint(a, "pipe"), plan)
+    peer.join(timeout=30)
+    a.close()
+    b.close()
+    assert not peer.is_alive()
+    assert next(probe, None) is None, "fewer probes than scripted"
+    return results
+
+
+def test_guard_waits_for_a_quiet_machine_and_redoes_a_loop_that_ended_slow(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    slow, quiet = 2.0, 1.0
+    first, second = run_guarded(
+        monkeypatch, [slow, slow, quiet, slow, quiet, quiet, quiet, quiet], 60.0, [8, 64])
+    assert first.probes == [slow, slow, quiet, slow, quiet, quiet]
+    assert len(first.redone_us) == 1 and first.redone_us[0] > 0
+    assert first.waited_s >= 2 * bench.GUARD_PAUSE
+    assert len(first.samples_ns) == 5  # the kept loop only
+    assert (second.probes, second.redone_us) == ([quiet, quiet], [])
+
+
+def test_guard_gives_up_waiting_and_redoing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A machine that stays slow: one probe past the time limit, GUARD_REDO redos, no more."""
+    (result,) = run_guarded(monkeypatch, [2.0] * (2 + 2 * bench.GUARD_REDO), 1e-9, [8])
+    assert len(result.redone_us) == bench.GUARD_REDO
+    assert len(result.probes) == 2 + 2 * bench.GUARD_REDO
+    assert len(result.samples_ns) == 5
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the probe needs two CPUs")
+def test_handoff_probe_measures_a_ratio() -> None:
+    cpus = sorted(os.sched_getaffinity(0))[:2]
+    assert 0.2 < bench.handoff_ratio(cpus) < 20
+
+
+def test_guard_report_and_merged_rounds() -> None:
+    waited = fake_result(8, 1.0)
+    waited.waited_s, waited.probes, waited.redone_us = 3.0, [2.0, 1.0, 1.9, 1.1], [9.5]
+    quiet = fake_result(8, 1.0)
+    quiet.probes = [1.0, 1.0]
+    merged = util.merge_rounds([waited, quiet])
+    assert (merged.waited_s, merged.probes, merged.redone_us) == (
+        3.0, [2.0, 1.0, 1.9, 1.1, 1.0, 1.0], [9.5])
+    text = util.format_guard([Series("shm", "transport", results=[merged])])
+    assert "waited 3 s in all for a quiet machine before 1 of them; slowest probe 2.00x" in text
+    assert "shm 8 B: 9.50 -> 1.00 us" in text
+    assert util.format_guard([Series("shm", "transport", results=[fake_result(8, 1.0)])]) == ""
 
 
 def predecessors(orders: list[list[int]]) -> dict[int, list[int]]:

@@ -788,10 +788,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="pin each process to its own CPU, as OSU runs are bound "
                              "(default: on when there are 2 or more CPUs)")
     common.add_argument("--settle", type=float, default=0.0, metavar="SECONDS",
-                        help="pause between series (default 0). On the project VM, copies "
-                             "through fresh shared memory ran 4-6x slow for ~40 s after a "
-                             "series freed hundreds of MiB; a pause keeps that out of the "
-                             "next series")
+                        help="pause between series (default 0; --guard is the better "
+                             "defence against a machine's slow spells)")
     common.add_argument("--guard", type=float, default=0.0, metavar="SECONDS",
                         help="before every timed loop, wait up to SECONDS until a probe "
                              "finds the two CPUs handing data to each other at their usual "

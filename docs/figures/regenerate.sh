@@ -16,13 +16,16 @@
 #                 `cma.mpi` series. Without mpiexec, cma-bench spawns its own
 #                 two processes and those two series are absent.
 #   1b. latency-large - the same from 64 MiB to 256 MiB, into latency-large.txt,
-#                 with a 60 s pause between series (--settle): on the project VM,
-#                 copies through fresh shared memory ran 4-6x slow for ~40 s after
-#                 a series freed hundreds of MiB, which would tax whichever series
-#                 came next.
+#                 with a 60 s pause between series (--settle), chosen when slow
+#                 spells seemed to follow large frees; they do not (guide.md,
+#                 section 6), and --guard is the better defence.
 #   1c. latency-mpi - cma.mpi.Comm against plain mpi4py alone (only under
 #                 mpiexec), 8 B .. 64 MiB, into latency-mpi.txt: in the big run
 #                 cma.mpi comes last, where the slow spells hit it most.
+#   1d. latency-rounds - under mpiexec only: every series 1 B .. 64 MiB, three
+#                 rounds, --guard 60, into latency-rounds.txt (each size's round
+#                 means, the waits and every timed loop the guard left out). The
+#                 run that issues 3 and 4 quote for their speed targets.
 #   2. bw       - window of 64 Isends + ack, 4 KiB .. 4 MiB, --quick.
 #                 Writes bw.txt, bw.json, bw.png.
 #   3. latency --cold - a never-touched receive buffer each iteration,
@@ -58,6 +61,8 @@ if [ ${#launch[@]} -gt 0 ]; then
     sleep 60
     "${launch[@]}" python -m cma.bench latency --transport cma.mpi --baseline mpi4py \
         --min-size 8 --max-size 64M > docs/figures/latency-mpi.txt
+    "${launch[@]}" python -m cma.bench latency --transport all --baseline memcpy,mpi4py \
+        --min-size 1 --max-size 64M --rounds 3 --guard 60 > docs/figures/latency-rounds.txt
 fi
 
 python -m cma.bench bw --transport all --min-size 4K --max-size 4M --quick \

@@ -261,9 +261,9 @@ def round_order(count: int, round_index: int) -> list[int]:
     Round 0 zigzags (0, 1, n-1, 2, n-2, ...: a row of a Williams design) and each later
     round adds one to every index. So every round starts with another series, and over
     up to ``count`` rounds a series follows a different one each time (the same one at
-    most twice when ``count`` is odd). What ran just before matters on the project VM:
-    a series that freed hundreds of MiB slowed the next one's copies for tens of
-    seconds, and a plain rotation kept that on the same victim in every round.
+    most twice when ``count`` is odd). With a plain rotation every series follows the
+    same one in every round, so whatever that one leaves behind, or a slow spell that
+    tends to start at the same point of the run, always lands on the same victim.
     """
     zigzag, low, high = [0], 1, count - 1
     while low <= high:

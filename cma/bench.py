@@ -31,7 +31,6 @@ import mmap
 import multiprocessing
 import os
 import signal
-import statistics
 import sys
 import threading
 import time
@@ -424,8 +423,9 @@ def _run_size(ep: Endpoint, plan: Plan, sp: SizePlan) -> SizeResult | None:
         if ratio <= QUIET_RATIO or redos == GUARD_REDO:
             break
         redos += 1
+        result.samples_ns = samples
         if samples:  # rank 0 times, rank 1 only answers
-            result.redone_us.append(statistics.fmean(samples) / result.messages_per_sample / 1e3)
+            result.redone_us.append(result.mean_us)
     if ep.rank == 1:
         comm.send(own, 0, tag=TAG_STATS)
         return None

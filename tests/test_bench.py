@@ -358,20 +358,27 @@ def test_mpi4py_baseline_needs_mpiexec() -> None:
 # ---------------------------------------------------------------- kernels over an in-process pipe
 
 
+def run_over_threads(plan: bench.Plan, on_size: bench.OnSize | None = None) -> list[SizeResult]:
+    """Both ranks of ``plan`` as two threads on a multiprocessing.Pipe; rank 0's results."""
+    a, b = bench.mp_pipe_pair()
+    peer = threading.Thread(target=bench.run_plan, args=(bench.Endpoint(b, "pipe"), plan))
+    peer.start()
+    results = bench.run_plan(bench.Endpoint(a, "pipe"), plan, on_size)
+    peer.join(timeout=30)
+    a.close()
+    b.close()
+    assert not peer.is_alive()
+    return results
+
+
 @pytest.mark.parametrize("kind", util.KINDS)
 @pytest.mark.parametrize("cold", [False, True])
 def test_kernels_over_threads(kind: str, cold: bool) -> None:
     """Both ranks of every kernel, as two threads on a multiprocessing.Pipe."""
     plan = bench.build_plan(kind, [8, 64], window=4, cold=cold, quick=True,
                             iterations=5, warmup=2)
-    a, b = bench.mp_pipe_pair()
-    peer = threading.Thread(target=bench.run_plan, args=(bench.Endpoint(b, "pipe"), plan))
-    peer.start()
     seen: list[int] = []
-    results = bench.run_plan(bench.Endpoint(a, "pipe"), plan, lambda i, sp: seen.append(sp.size))
-    peer.join(timeout=30)
-    a.close()
-    b.close()
+    results = run_over_threads(plan, lambda i, sp: seen.append(sp.size))
     assert seen == [8, 64]
     assert [(r.size, r.iterations, len(r.samples_ns)) for r in results] == [(8, 5, 5), (64, 5, 5)]
     assert results[0].messages_per_sample == util.messages_per_sample(kind, 4)
@@ -428,15 +435,7 @@ def run_guarded(monkeypatch: pytest.MonkeyPatch, ratios: list[float], guard: flo
     monkeypatch.setattr(bench, "PROBE_PEER_SLEEP", 0.0)
     plan = bench.build_plan("latency", sizes, window=4, cold=False, quick=True,
                             iterations=5, warmup=1)
-    plan = bench.replace(plan, guard=guard, guard_cpus=(0, 1))
-    a, b = bench.mp_pipe_pair()
-    peer = threading.Thread(target=bench.run_plan, args=(bench.Endpoint(b, "pipe"), plan))
-    peer.start()
-    results = bench.run_plan(bench.Endpoint(a, "pipe"), plan)
-    peer.join(timeout=30)
-    a.close()
-    b.close()
-    assert not peer.is_alive()
+    results = run_over_threads(bench.replace(plan, guard=guard, guard_cpus=(0, 1)))
     assert next(probe, None) is None, "fewer probes than scripted"
     return results
 

@@ -19,6 +19,7 @@ import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 import pytest
 
 import cma
@@ -31,6 +32,23 @@ CMD_TAG = 1_000_001
 RESULT_TAG = 1_000_002
 JOIN_TIMEOUT = 10.0
 FOREIGN_SHM_PREFIXES = ("mpich_shm_",)
+# A 4 KiB ring: a few 1000-byte messages fill it, and the rest wait in the send queue.
+SMALL_RING = cma.ChannelConfig(eager_limit=1024, ring_bytes=4096, frag_size=4096, stage_slots=2)
+QUEUED_SENDS = 20
+
+
+def send_more_than_the_ring_holds(comm, dest, tag):
+    """QUEUED_SENDS Sends of 1000 bytes, message i all bytes i: most wait in the queue."""
+    for i in range(QUEUED_SENDS):
+        comm.Send(np.full(1000, i, np.uint8), dest=dest, tag=tag)
+
+
+def receive_what_was_queued(comm, source, tag):
+    """The messages of send_more_than_the_ring_holds, each checked."""
+    buf = np.empty(1000, np.uint8)
+    for i in range(QUEUED_SENDS):
+        comm.Recv(buf, source=source, tag=tag)
+        assert (buf == i).all()
 
 
 def _yama_scope() -> int:

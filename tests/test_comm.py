@@ -14,7 +14,16 @@ import time
 
 import numpy as np
 import pytest
-from conftest import JOIN_TIMEOUT, Peer, mem_available, run_pair, stop_process
+from conftest import (
+    JOIN_TIMEOUT,
+    SMALL_RING,
+    Peer,
+    mem_available,
+    receive_what_was_queued,
+    run_pair,
+    send_more_than_the_ring_holds,
+    stop_process,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -1086,9 +1095,6 @@ def test_none_buffer_on_first_use(call):
 
 
 
-SMALL_RING = cma.ChannelConfig(eager_limit=1024, ring_bytes=4096, frag_size=4096, stage_slots=2)
-
-
 def small_ring_rank0(comm):
     for i in range(60):  # more eager messages than the 4 KiB ring holds
         comm.Send(np.full(100, i, np.uint8), dest=1, tag=1)
@@ -1170,20 +1176,12 @@ def test_object_with_more_buffers_than_the_ring_holds(transport):
 
 def queued_then_closed_rank0(comm):
     time.sleep(0.5)  # rank 1 has long returned from its sends by now
-    buf = np.empty(1000, np.uint8)
-    for i in range(20):
-        comm.Recv(buf, source=1, tag=1)
-        assert (buf == i).all()
+    receive_what_was_queued(comm, source=1, tag=1)
     return True
 
 
-def send_more_than_the_ring_holds(comm):
-    for i in range(20):
-        comm.Send(np.full(1000, i, np.uint8), dest=0, tag=1)  # most wait in the send queue
-
-
 def queued_then_closed_rank1(comm):
-    send_more_than_the_ring_holds(comm)
+    send_more_than_the_ring_holds(comm, dest=0, tag=1)
     comm.close()
     return True
 
@@ -1243,7 +1241,7 @@ def test_close_in_a_forked_child_leaves_the_parents_queue_alone():
         return comm.Iprobe(source=1, tag=1)  # a packet written twice would show here
 
     def rank1(comm):
-        send_more_than_the_ring_holds(comm)
+        send_more_than_the_ring_holds(comm, dest=0, tag=1)
         pid = os.fork()
         if pid == 0:
             try:

@@ -8,7 +8,15 @@ import time
 
 import numpy as np
 import pytest
-from conftest import JOIN_TIMEOUT, NO_TWO_WAY_PTRACE, TWO_WAY_PTRACE, stop_process
+from conftest import (
+    JOIN_TIMEOUT,
+    NO_TWO_WAY_PTRACE,
+    SMALL_RING,
+    TWO_WAY_PTRACE,
+    receive_what_was_queued,
+    send_more_than_the_ring_holds,
+    stop_process,
+)
 
 import cma
 from cma.errors import CmaError, TransportUnavailable
@@ -172,17 +180,13 @@ def _pull_arrives_during_close(comm, closing):
     comm.attach()
     assert closing.wait(JOIN_TIMEOUT)
     comm.Send(expected(), dest=0, tag=1)  # returns on the FIN of a pull made inside close()
-    buf = np.empty(1000, np.uint8)
-    for i in range(20):
-        comm.Recv(buf, source=0, tag=2)
-        assert (buf == i).all()
+    receive_what_was_queued(comm, source=0, tag=2)
     comm.close()
 
 
 def test_pull_matched_while_close_drains_copies_at_once():
     """Behind the shut-down copy thread, close() must not start another one."""
-    ring = cma.ChannelConfig(eager_limit=1024, ring_bytes=4096, frag_size=4096, stage_slots=2)
-    a, b = cma.Pipe(transport="vmfd", config=ring, overlap=True)
+    a, b = cma.Pipe(transport="vmfd", config=SMALL_RING, overlap=True)
     closing = mp.get_context("fork").Event()
     p = mp.get_context("fork").Process(target=_pull_arrives_during_close, args=(b, closing))
     try:
@@ -190,8 +194,7 @@ def test_pull_matched_while_close_drains_copies_at_once():
         b.close()
         buf = np.zeros(NBYTES, np.uint8)
         a.Irecv(buf, source=1, tag=1)
-        for i in range(20):
-            a.Send(np.full(1000, i, np.uint8), dest=1, tag=2)  # most wait in the send queue
+        send_more_than_the_ring_holds(a, dest=1, tag=2)
         closing.set()
         a.close()  # drains the queue, so it takes rank 1's RTS and matches the Irecv
         p.join(JOIN_TIMEOUT)

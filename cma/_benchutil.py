@@ -575,9 +575,10 @@ def format_guard(series: Sequence[Series], shown: int = 12) -> str:
     loops = [r for s in series for r in s.results if r.probes]
     if not loops:
         return ""
-    waits = [r for r in loops if r.waited_s >= 0.5]
-    lines = [f"{len(loops)} sizes probed; waited {sum(r.waited_s for r in loops):.0f} s in all "
-             f"for a quiet machine before {len(waits)} of them; slowest probe "
+    waits = [r for r in loops if r.waited_s > 0]
+    lines = [f"{len(loops)} sizes probed (each series' own, rounds together); waited "
+             f"{sum(r.waited_s for r in loops):.0f} s in all for a quiet machine before "
+             f"{len(waits)} of them; slowest probe "
              f"{max(ratio for r in loops for ratio in r.probes):.2f}x"]
     redone = [(s.name, r) for s in series for r in s.results if r.redone_us]
     if redone:

@@ -373,15 +373,23 @@ def _probe_together(ep: Endpoint, plan: Plan, stop_after: float | None) -> tuple
 
 
 def _await_quiet(ep: Endpoint, plan: Plan, record: SizeResult) -> None:
-    """Probe until the machine is quiet or ``plan.guard`` seconds have passed."""
+    """Probe until the machine is quiet or ``plan.guard`` seconds have passed.
+
+    ``record.waited_s`` grows by the time from the first slow probe to the quiet one:
+    a size that found the machine quiet waited 0 s, however long its probe took.
+    """
     start = time.monotonic()
+    slow_since = None
     while True:
         ratio, stop = _probe_together(ep, plan, start + plan.guard)
         record.probes.append(ratio)
         if stop:
             break
+        if slow_since is None:
+            slow_since = time.monotonic()
         time.sleep(GUARD_PAUSE)
-    record.waited_s += time.monotonic() - start
+    if slow_since is not None:
+        record.waited_s += time.monotonic() - slow_since
 
 
 def _run_size(ep: Endpoint, plan: Plan, sp: SizePlan) -> SizeResult | None:

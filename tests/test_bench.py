@@ -449,7 +449,7 @@ def test_guard_waits_for_a_quiet_machine_and_redoes_a_loop_that_ended_slow(
     assert len(first.redone_us) == 1 and first.redone_us[0] > 0
     assert first.waited_s >= 2 * bench.GUARD_PAUSE
     assert len(first.samples_ns) == 5  # the kept loop only
-    assert (second.probes, second.redone_us) == ([quiet, quiet], [])
+    assert (second.probes, second.redone_us, second.waited_s) == ([quiet, quiet], [], 0.0)
 
 
 def test_guard_gives_up_waiting_and_redoing(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -88,9 +88,9 @@ class ChannelConfig:
     1 MiB and 4 MiB ring (other sizes, 8 B to 4 MiB: 2 % slower to 5 % faster). At
     4 MiB an earlier run had the pipeline at 242 us against 481 us eager. A rendezvous
     pays a handshake in Python and, for cma, the pinning of a running peer's pages,
-    where two cache-warm memcpys cost little. ``ring_bytes`` (a power of two, at least 4 x eager_limit)
-    bounds what is in flight per direction; its first half, which a reader that keeps
-    up never leaves, stays cache-warm.
+    where two cache-warm memcpys cost little. ``ring_bytes`` (a power of two, at least
+    4 x eager_limit) bounds what is in flight per direction; its first half, which a
+    reader that keeps up never leaves, stays cache-warm.
     """
 
     eager_limit: int = 2 << 20

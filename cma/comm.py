@@ -548,13 +548,21 @@ class Comm:
     # -- non-blocking buffer point-to-point
 
     def Isend(self, buf: Any, dest: int, tag: int = 0) -> Request:
-        if not self._attached:
-            self._attach()
+        mv = self._cached_view(buf, send_view)
+        lane = self._lanes.get(dest)
+        if lane is not None and mv.nbytes <= self._eager_limit and type(tag) is int and tag >= 0:
+            # Room in the ring: written there now, as Send does. The general path would
+            # first copy the payload into a packet that may have to wait in a queue.
+            sleeping = lane.put_eager(tag, mv, mv.nbytes)
+            if sleeping >= 0:
+                if sleeping:
+                    self._ring(dest)
+                return Request(self, None)
         dest = self._check_dest(dest)
         tag = self._check_tag(tag)
         if dest == PROC_NULL:
             return Request(self, None)
-        return Request(self, self._start_send([send_view(buf)], dest, tag, False))
+        return Request(self, self._start_send([mv], dest, tag, False))
 
     def Irecv(self, buf: Any, source: int = ANY_SOURCE, tag: int = ANY_TAG) -> Request:
         if not self._attached:

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from conftest import (
     JOIN_TIMEOUT,
+    QUEUED_SENDS,
     SMALL_RING,
     Peer,
     mem_available,
@@ -889,7 +890,7 @@ def test_stats_count_copies(peer, transport):
     comm.reset_stats()
     comm.Send(data, 1, 1)
     comm.Send(np.zeros(eager_sizes[0], np.uint8), 1, 2)  # eager fast path
-    comm.Isend(np.zeros(eager_sizes[1], np.uint8), 1, 2).Wait()  # through the engine
+    comm.Isend(np.zeros(eager_sizes[1], np.uint8), 1, 2).Wait()  # straight into the ring too
     comm.Send(bytes(eager_sizes[2]), 1, 2)
     mine = comm.stats()
     theirs, got = peer.result()
@@ -897,6 +898,7 @@ def test_stats_count_copies(peer, transport):
     for side in (mine, theirs):
         assert side["eager"]["messages"] == 3
         assert side["eager"]["bytes"] == sum(eager_sizes)
+        assert side["eager"]["user_copies"] == 1.0  # nothing waited in a queue
     if transport == "shm":
         for side in (mine, theirs):
             assert side["shm"]["messages"] == 1
@@ -1184,6 +1186,34 @@ def queued_then_closed_rank1(comm):
     send_more_than_the_ring_holds(comm, dest=0, tag=1)
     comm.close()
     return True
+
+
+def test_isends_that_find_the_ring_full_wait_in_order():
+    """Isends go straight into the ring while it has room, then queue (copied once more,
+    and counted), and none overtakes another."""
+    posted = mp.get_context("fork").Event()
+
+    def rank0(comm):
+        comm.attach()
+        assert posted.wait(5)  # nothing read from the ring until every Isend was posted
+        receive_what_was_queued(comm, source=1, tag=1)
+        comm.Barrier()
+        return True
+
+    def rank1(comm):
+        comm.reset_stats()
+        requests = [comm.Isend(np.full(1000, i, np.uint8), dest=0, tag=1)
+                    for i in range(QUEUED_SENDS)]
+        posted.set()
+        cma.Request.Waitall(requests)  # done once queued, as a buffered send
+        comm.Barrier()  # rank 0 has every message: the queue went into the ring
+        return comm.stats()["eager"]
+
+    _, eager = run_pair("shm", SMALL_RING, rank0, rank1, timeout=10)
+    assert eager["bytes"] == QUEUED_SENDS * 1000
+    # The 4 KiB ring takes three 1000-byte packets; the other 17 were copied into the
+    # queue first (before, every Isend was: 2.0).
+    assert eager["user_copies"] == pytest.approx(1 + (QUEUED_SENDS - 3) / QUEUED_SENDS)
 
 
 def test_close_delivers_sends_still_queued_for_a_full_ring():

@@ -6,7 +6,7 @@
 #
 #     bash docs/figures/regenerate.sh
 #
-# What it runs (about 25 minutes on a 2-vCPU machine). Every step passes
+# What it runs (15-30 minutes on a 2-vCPU machine, depending on the guard's waits). Every step passes
 # --guard 60 when the machine has two CPUs: each size is timed only while a probe finds
 # the CPUs passing data at their usual speed (guide.md, section 6).
 #   1. latency  - blocking ping-pong, 8 B .. 64 MiB, every transport, one round.

@@ -549,15 +549,12 @@ class Comm:
 
     def Isend(self, buf: Any, dest: int, tag: int = 0) -> Request:
         mv = self._cached_view(buf, send_view)
-        lane = self._lanes.get(dest)
-        if lane is not None and mv.nbytes <= self._eager_limit and type(tag) is int and tag >= 0:
-            # Room in the ring: written there now, as Send does. The general path would
-            # first copy the payload into a packet that may have to wait in a queue.
-            sleeping = lane.put_eager(tag, mv, mv.nbytes)
-            if sleeping >= 0:
-                if sleeping:
-                    self._ring(dest)
-                return Request(self, None)
+        if mv.nbytes <= self._eager_limit:
+            # An eager send is complete once its packet is in the ring or queued, so Send
+            # never blocks on one, and its path writes straight into the ring when there
+            # is room instead of copying the payload into a packet for the queue first.
+            self.Send(buf, dest, tag)
+            return Request(self, None)
         dest = self._check_dest(dest)
         tag = self._check_tag(tag)
         if dest == PROC_NULL:

@@ -162,8 +162,8 @@ class Outbox:
             return end - self.tail_seen <= self.size
         return True
 
-    def _reserve(self, need: int) -> int:
-        """Byte offset where a packet of ``need`` bytes goes (after padding), or -1 if full.
+    def _place(self, need: int) -> int:
+        """The running count where a packet of ``need`` bytes would start now, or -1 if full.
 
         Past the window, back to the start of the ring once the reader has freed it; else
         on into the second half while the packet fits before the end.
@@ -173,12 +173,24 @@ class Outbox:
         if pos + need > self.window:
             lap = h + self.size - pos  # where the next lap starts
             if self._fits(lap + need):
-                self.words[pos >> 3] = PAD
-                self.head = lap
-                return 0
+                return lap
             if pos + need > self.size:
                 return -1
-        return pos if self._fits(h + need) else -1
+        return h if self._fits(h + need) else -1
+
+    def _reserve(self, need: int) -> int:
+        """Byte offset where a packet of ``need`` bytes goes (after padding), or -1 if full."""
+        start = self._place(need)
+        if start < 0:
+            return -1
+        if start != self.head:
+            self.words[(self.head & self.mask) >> 3] = PAD
+            self.head = start
+        return start & self.mask
+
+    def fits(self, nbytes: int) -> bool:
+        """Whether a packet of ``nbytes`` payload bytes would be published now."""
+        return self._place(packet_bytes(nbytes)) >= 0
 
     def put_eager(self, tag: int, payload: memoryview, n: int) -> int:
         """The hot path: one EAGER packet of at most eager_limit bytes.

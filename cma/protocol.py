@@ -436,12 +436,14 @@ class Engine:
         segments: list[memoryview],
         is_object: bool = False,
         expose: bool = True,
+        eager: bool = True,
     ) -> tuple[SendOp, list[Action]]:
-        """``expose``: offer the receiver to pull from ``segments`` (RGET) by their regions."""
+        """``expose``: offer the receiver to pull from ``segments`` (RGET) by their regions;
+        ``eager=False``: a rendezvous even for a message within the eager limit."""
         nbytes = sum(s.nbytes for s in segments)
         op = SendOp(dest, tag, segments, nbytes, is_object)
         flag = OBJECT if is_object else 0
-        if nbytes <= self.eager_limit and len(segments) == 1:
+        if eager and nbytes <= self.eager_limit and len(segments) == 1:
             op.done = True
             payload = segments[0].tobytes()
             return op, [Transmit(dest, EAGER | flag, tag, 0, payload), Complete(op)]

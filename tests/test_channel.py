@@ -93,7 +93,8 @@ def test_packet_waits_when_neither_the_end_nor_the_freed_start_holds_it(ring):
 
 @pytest.mark.parametrize("seed", range(20))
 def test_random_interleaving_keeps_every_packet_in_order(ring, seed):
-    """Both writers (put, put_eager) and both readers (take, take_eager) in random turns."""
+    """Both writers (put, put_eager) and both readers (take, take_eager) in random turns;
+    ``fits`` foretells every write."""
     out, inbox = ring
     rnd = random.Random(seed)
     in_flight: deque[tuple[int, int]] = deque()
@@ -103,10 +104,12 @@ def test_random_interleaving_keeps_every_packet_in_order(ring, seed):
         if rnd.random() < 0.5:
             n = rnd.choice([0, 8, 1000, rnd.randrange(BIG + 1)])
             payload = bytes([sent % 256]) * n
+            fits = out.fits(n)
             if rnd.random() < 0.5:
                 written = out.put(EAGER, sent, 0, payload)
             else:
                 written = out.put_eager(sent, memoryview(payload), n) >= 0
+            assert written == fits
             if written:
                 in_flight.append((sent, n))
                 sent += 1

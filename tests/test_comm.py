@@ -1216,6 +1216,77 @@ def test_isends_that_find_the_ring_full_wait_in_order():
     assert eager["user_copies"] == pytest.approx(1 + (QUEUED_SENDS - 3) / QUEUED_SENDS)
 
 
+def test_large_isends_that_find_the_ring_full_go_as_rendezvous(monkeypatch):
+    """From QUEUED_COPY_LIMIT bytes an Isend that finds the ring full is not copied into the
+    queue: it goes as a rendezvous, complete only once received, and keeps its place."""
+    monkeypatch.setattr(cma.comm, "QUEUED_COPY_LIMIT", 512)  # inherited by the forks
+    posted = mp.get_context("fork").Event()
+
+    def rank0(comm):
+        comm.attach()
+        assert posted.wait(5)
+        receive_what_was_queued(comm, source=1, tag=1)
+        comm.Barrier()
+        return True
+
+    def rank1(comm):
+        comm.reset_stats()
+        buffers = [np.full(1000, i, np.uint8) for i in range(QUEUED_SENDS)]
+        requests = [comm.Isend(buf, dest=0, tag=1) for buf in buffers]
+        waiting = not requests[-1].Test()  # nothing received yet: a rendezvous waits
+        posted.set()
+        cma.Request.Waitall(requests)
+        comm.Barrier()
+        stats = comm.stats()
+        return waiting, stats["eager"], stats["shm"]
+
+    _, (waiting, eager, shm) = run_pair("shm", SMALL_RING, rank0, rank1, timeout=10)
+    assert waiting
+    # the 4 KiB ring takes three 1000-byte packets; no payload was copied into the queue
+    assert eager["bytes"] == 3 * 1000
+    assert eager["user_copies"] == 1.0
+    assert shm["messages"] == QUEUED_SENDS - 3
+
+
+def test_irecv_takes_a_message_waiting_in_the_ring_at_once(monkeypatch):
+    """An Irecv whose message is already next in the ring completes without posting a
+    receive; one posted earlier first takes what arrived for it, so none is passed over."""
+    posts = mp.get_context("fork").Value("i", 0)
+    engine_recv = cma.protocol.Engine.recv
+
+    def counted_recv(self, source, tag, buffer):
+        with posts.get_lock():
+            posts.value += 1
+        return engine_recv(self, source, tag, buffer)
+
+    monkeypatch.setattr(cma.protocol.Engine, "recv", counted_recv)
+    first_posted, sent = (mp.get_context("fork").Event() for _ in range(2))
+
+    def rank0(comm):
+        comm.attach()
+        bufs = [np.zeros(8, np.int64) for _ in range(4)]
+        early = comm.Irecv(bufs[0], source=1, tag=cma.ANY_TAG)  # nothing has arrived
+        first_posted.set()
+        assert sent.wait(5)
+        later = [comm.Irecv(buf, source=1, tag=cma.ANY_TAG) for buf in bufs[1:]]
+        statuses = [cma.Status() for _ in bufs]
+        cma.Request.Waitall([early, *later], statuses)
+        return [int(buf[0]) for buf in bufs], [(st.source, st.tag, st.count) for st in statuses]
+
+    def rank1(comm):
+        comm.attach()
+        assert first_posted.wait(5)
+        for i in range(4):
+            comm.Send(np.full(8, i, np.int64), dest=0, tag=10 + i)  # into the ring at once
+        sent.set()
+        return True
+
+    (values, statuses), _ = run_pair("shm", None, rank0, rank1, timeout=10)
+    assert values == [0, 1, 2, 3]
+    assert statuses == [(1, 10 + i, 64) for i in range(4)]
+    assert posts.value == 1  # only the early Irecv was posted to the engine
+
+
 def test_close_delivers_sends_still_queued_for_a_full_ring():
     """A Send that found the ring full returned; closing must not lose its message."""
     assert run_pair("shm", SMALL_RING, queued_then_closed_rank0, queued_then_closed_rank1,

@@ -275,6 +275,26 @@ def round_order(count: int, round_index: int) -> list[int]:
     return [(index + round_index) % count for index in zigzag]
 
 
+Step = tuple[int, int, int]  # (series, round, size): indices of one timed loop
+
+
+def schedule(series: int, sizes: int, rounds: int, interleave: bool) -> list[list[Step]]:
+    """Every timed loop of a run in order, grouped in sessions (a series' peer process
+    lives for one session).
+
+    Normally a session is one series in one round: rounds in turn, the series of a round
+    in ``round_order``, each over every size. With ``interleave`` the run is one session
+    that measures every series at a size, in every round, before the next size: a slow
+    spell of the machine then lands on the series compared at one size alike, not on
+    one series' stretch of sizes.
+    """
+    if not interleave:
+        return [[(index, r, k) for k in range(sizes)]
+                for r in range(rounds) for index in round_order(series, r)]
+    return [[(index, r, k) for k in range(sizes)
+             for r in range(rounds) for index in round_order(series, r)]]
+
+
 def merge_series(runs: Sequence[Series]) -> Series:
     """One series measured in several rounds, as one series.
 

@@ -10,17 +10,19 @@
     cma-bench latency --format mpi4py          # rows like ``python -m mpi4py.bench pingpong``
     mpiexec -n 2 cma-bench latency             # adds plain mpi4py and cma.mpi.Comm(COMM_WORLD)
     cma-bench latency --rounds 5               # every series 5 times in turn; medians of rounds
+    cma-bench latency --rounds 5 --interleave  # ... taking those turns at every size
     cma-bench latency --guard 120              # time each size only while the CPUs are quiet
 
 Without mpiexec every peer is a child process this command starts (spawn) for each
-series and ends before the next one. Under mpiexec, rank 0 prints and runs the local
-series (with its own child processes) while the other ranks wait without spinning; the
-MPI series (``mpi4py``, ``cma.mpi``) run between ranks 0 and 1.
+series and ends before the next one (with ``--interleave``, one per series for the
+whole run). Under mpiexec, rank 0 prints and runs the local series (with its own child
+processes) while the other ranks wait without spinning; the MPI series (``mpi4py``,
+``cma.mpi``) run between ranks 0 and 1.
 
 Every number is measured in this run: times with ``time.perf_counter_ns`` per iteration
 (latency) or per window (bw, bibw), copies from both processes' ``comm.stats()`` over the
 timed loop only. With ``--rounds N`` the series take turns N times and each size reports
-the median of its N round means.
+the median of its N round means; ``--interleave`` takes those turns at every size.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from multiprocessing.connection import Connection
 from typing import Any
@@ -57,7 +59,6 @@ TAG_GUARD = 5
 JOIN_TIMEOUT = 10.0
 
 Bytes = npt.NDArray[np.uint8]
-OnSize = Callable[[int, "SizePlan"], None]
 
 
 # ---------------------------------------------------------------- the multiprocessing.Pipe baseline
@@ -443,36 +444,29 @@ def _run_size(ep: Endpoint, plan: Plan, sp: SizePlan) -> SizeResult | None:
     return result
 
 
-def run_plan(ep: Endpoint, plan: Plan, on_size: OnSize | None = None) -> list[SizeResult]:
+def run_plan(ep: Endpoint, plan: Plan) -> list[SizeResult]:
     """Run every size of ``plan`` on this rank; only rank 0's list is non-empty."""
     results = []
-    for index, sp in enumerate(plan.sizes):
-        if on_size is not None:
-            on_size(index, sp)
+    for sp in plan.sizes:
         result = _run_size(ep, plan, sp)
         if result is not None:
             results.append(result)
     return results
 
 
-def run_memcpy(plan: Plan, on_size: OnSize | None = None) -> list[SizeResult]:
+def memcpy_size(plan: Plan, sp: SizePlan) -> SizeResult:
     """The ceiling: ``np.copyto`` of the same size inside one process."""
-    results = []
     clock = time.perf_counter_ns
-    for index, sp in enumerate(plan.sizes):
-        if on_size is not None:
-            on_size(index, sp)
-        src, dst = _touched(sp.size, 0x5A), _touched(sp.size, 0)
-        samples = []
-        for i in range(sp.warmup + sp.iterations):
-            if plan.cold:
-                dst = _fresh(sp.size)
-            t0 = clock()
-            np.copyto(dst, src)
-            if i >= sp.warmup:
-                samples.append(clock() - t0)
-        results.append(SizeResult(sp.size, sp.iterations, sp.warmup, 1, samples))
-    return results
+    src, dst = _touched(sp.size, 0x5A), _touched(sp.size, 0)
+    samples = []
+    for i in range(sp.warmup + sp.iterations):
+        if plan.cold:
+            dst = _fresh(sp.size)
+        t0 = clock()
+        np.copyto(dst, src)
+        if i >= sp.warmup:
+            samples.append(clock() - t0)
+    return SizeResult(sp.size, sp.iterations, sp.warmup, 1, samples)
 
 
 # ---------------------------------------------------------------- peer processes
@@ -511,33 +505,85 @@ def _close(comm: Any) -> None:
         print(f"cma-bench: closing {type(comm).__name__}: {exc}", file=sys.stderr)
 
 
-def run_with_peer(pair: tuple[Any, Any], flavor: str, plan: Plan,
-                  on_size: OnSize | None = None) -> list[SizeResult]:
-    """Run ``plan`` with rank 0 here and rank 1 in a spawned child; always end the child."""
-    local, remote = pair
-    proc = multiprocessing.get_context("spawn").Process(
-        target=_peer_main, args=(remote, flavor, plan, _cpus.get("peer")), name="cma-bench-peer",
-        daemon=True)
-    ok = False
-    try:
-        proc.start()
-        if flavor == "pipe":
+class Runner:
+    """One series for one session of the schedule: ``open`` with the sizes it will run,
+    then ``run_size`` for each in that order, then ``close``."""
+
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+
+    def open(self, sizes: Sequence[SizePlan]) -> None:
+        pass
+
+    def run_size(self, sp: SizePlan) -> SizeResult | None:
+        raise NotImplementedError
+
+    def close(self, completed: bool) -> None:
+        """``completed``: every size ran, so a peer process ends on its own."""
+
+
+class MemcpyRunner(Runner):
+    def run_size(self, sp: SizePlan) -> SizeResult:
+        return memcpy_size(self.plan, sp)
+
+
+class PeerRunner(Runner):
+    """Rank 0 here, rank 1 in a spawned child that runs the session's sizes in turn."""
+
+    def __init__(self, plan: Plan, pair: Callable[[], tuple[Any, Any]], flavor: str) -> None:
+        super().__init__(plan)
+        self.pair = pair
+        self.flavor = flavor
+        self.ends: tuple[Any, Any] | None = None
+        self.proc: multiprocessing.process.BaseProcess | None = None
+
+    def open(self, sizes: Sequence[SizePlan]) -> None:
+        local, remote = self.ends = self.pair()
+        self.ep = Endpoint(local, self.flavor)
+        self.proc = multiprocessing.get_context("spawn").Process(
+            target=_peer_main, name="cma-bench-peer", daemon=True,
+            args=(remote, self.flavor, replace(self.plan, sizes=tuple(sizes)), _cpus.get("peer")))
+        self.proc.start()
+        if self.flavor == "pipe":
             # The child holds its own copy now; dropping ours turns the child's death
             # into EOF here instead of a receive that waits forever.
             remote.close()
-        results = run_plan(Endpoint(local, flavor), plan, on_size)
-        ok = True
-        return results
-    finally:
+
+    def run_size(self, sp: SizePlan) -> SizeResult | None:
+        return _run_size(self.ep, self.plan, sp)
+
+    def close(self, completed: bool) -> None:
+        if self.ends is None:
+            return
+        local, remote = self.ends
         _close(local)
-        if ok:
-            proc.join(JOIN_TIMEOUT)
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
-        if ok and proc.exitcode:
-            print(f"cma-bench: peer process exited with code {proc.exitcode}", file=sys.stderr)
+        proc = self.proc
+        if proc is not None:
+            if completed:
+                proc.join(JOIN_TIMEOUT)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+            if completed and proc.exitcode:
+                print(f"cma-bench: peer process exited with code {proc.exitcode}",
+                      file=sys.stderr)
         _close(remote)
+
+
+class WorldRunner(Runner):
+    """Ranks 0 and 1 of an MPI world (every rank takes part)."""
+
+    def __init__(self, plan: Plan, comm: Callable[[], Any], flavor: str) -> None:
+        super().__init__(plan)
+        self.make_comm = comm
+        self.flavor = flavor
+
+    def open(self, sizes: Sequence[SizePlan]) -> None:
+        # (a cma.mpi.Comm over COMM_WORLD is left open: its Free would free COMM_WORLD)
+        self.ep = Endpoint(self.make_comm(), self.flavor)
+
+    def run_size(self, sp: SizePlan) -> SizeResult | None:
+        return _run_size(self.ep, self.plan, sp)
 
 
 def serve_echo(comm: Any, flavor: str = "cma") -> None:
@@ -602,7 +648,7 @@ class SeriesSpec:
     name: str
     family: str
     where: str
-    run: Callable[[Plan, OnSize | None], list[SizeResult]]
+    runner: Callable[[Plan], Runner]
     skip: str = ""
 
 
@@ -627,24 +673,22 @@ def select_series(kind: str, transports: str, baselines: str,
         if name not in wanted_baselines:
             continue
         if name == "memcpy":
-            specs.append(SeriesSpec(name, "baseline", "local", run_memcpy))
+            specs.append(SeriesSpec(name, "baseline", "local", MemcpyRunner))
         elif name == "mp-pipe":
             specs.append(SeriesSpec(
-                name, "baseline", "local",
-                lambda plan, on_size: run_with_peer(mp_pipe_pair(), "pipe", plan, on_size),
+                name, "baseline", "local", lambda plan: PeerRunner(plan, mp_pipe_pair, "pipe"),
                 skip="bibw needs sends that do not block; multiprocessing.Pipe has none"
                 if kind == "bibw" else ""))
         elif world is not None:
-            specs.append(SeriesSpec(
-                name, "baseline", "world",
-                lambda plan, on_size: run_plan(Endpoint(world, "mpi"), plan, on_size)))
+            specs.append(SeriesSpec(name, "baseline", "world",
+                                    lambda plan: WorldRunner(plan, lambda: world, "mpi")))
         else:
             not_run.append(Series(name, "baseline", "skipped", _mpi_hint()))
     for name in _transport_names(transports, world):
         if name == "cma.mpi":
-            specs.append(SeriesSpec(name, "transport", "world", _run_cma_mpi(world)))
+            specs.append(SeriesSpec(name, "transport", "world", _cma_mpi_runner(world)))
         else:
-            specs.append(SeriesSpec(name, "transport", "local", _run_cma_pipe(name)))
+            specs.append(SeriesSpec(name, "transport", "local", _cma_pipe_runner(name)))
     return specs, not_run
 
 
@@ -674,63 +718,102 @@ def _transport_names(text: str, world: Any | None) -> list[str]:
     return wanted
 
 
-def _run_cma_pipe(name: str) -> Callable[[Plan, OnSize | None], list[SizeResult]]:
-    def run(plan: Plan, on_size: OnSize | None) -> list[SizeResult]:
+def _cma_pipe_runner(name: str) -> Callable[[Plan], Runner]:
+    def pair() -> tuple[Any, Any]:
         import cma
 
-        return run_with_peer(cma.Pipe(transport=name), "cma", plan, on_size)
+        return cma.Pipe(transport=name)
 
-    return run
+    return lambda plan: PeerRunner(plan, pair, "cma")
 
 
-def _run_cma_mpi(world: Any) -> Callable[[Plan, OnSize | None], list[SizeResult]]:
-    def run(plan: Plan, on_size: OnSize | None) -> list[SizeResult]:
+def _cma_mpi_runner(world: Any) -> Callable[[Plan], Runner]:
+    def comm() -> Any:
         from cma import mpi as cma_mpi
 
-        comm = cma_mpi.Comm(world)
-        try:
-            return run_plan(Endpoint(comm, "cma.mpi"), plan, on_size)
-        finally:
-            if hasattr(comm, "close"):
-                comm.close()
+        return cma_mpi.Comm(world)
 
-    return run
+    return lambda plan: WorldRunner(plan, comm, "cma.mpi")
 
 
-def run_series(spec: SeriesSpec, plan: Plan, world: Any | None,
-               progress: util.Progress | None, position: str) -> Series:
-    """Run one series on this rank; a series that cannot run is reported, not fatal."""
-    series = Series(spec.name, spec.family)
-    rank = world.Get_rank() if world is not None else 0
-    if spec.skip:
-        series.status, series.reason = "skipped", spec.skip
-        return series
-
-    def on_size(index: int, sp: SizePlan) -> None:
-        if progress is not None:
-            progress.update(f"{position} {spec.name}: {plan.kind} {util.format_size(sp.size)} "
-                            f"({index + 1}/{len(plan.sizes)})")
-
-    if spec.where == "local" and rank != 0:
-        _wait_for_rank0(world)
-        return series
-    start = time.perf_counter()
-    try:
-        series.results = spec.run(plan, on_size)
-    except ImportError as exc:
-        series.status, series.reason = "unavailable", f"cannot import: {exc}"
-    except Exception as exc:
-        if spec.where == "world" and world is not None:
-            # the other ranks are blocked in this series and would wait forever
-            traceback.print_exc()
-            world.Abort(1)
-        # One broken series must not cost the others: report it and go on.
-        series.status = "unavailable" if isinstance(exc, TransportUnavailable) else "failed"
-        series.reason = f"{type(exc).__name__}: {exc}"
-    series.seconds = time.perf_counter() - start
-    if spec.where == "local" and world is not None:
+def _meet_rank0(world: Any) -> None:
+    """Every rank of ``world`` meets rank 0 here; the others wait without spinning."""
+    if world.Get_rank() == 0:
         world.Ibarrier().Wait()
-    return series
+    else:
+        _wait_for_rank0(world)
+
+
+def run_schedule(specs: Sequence[SeriesSpec], plans: Mapping[str, Plan],
+                 sessions: Sequence[Sequence[util.Step]], world: Any | None,
+                 progress: util.Progress | None, settle: float = 0.0) -> list[list[Series]]:
+    """Run every step of ``sessions`` that involves this rank; per series, one Series per
+    round (filled on rank 0). A series that cannot run is reported, not fatal: its
+    remaining steps are skipped."""
+    rank = world.Get_rank() if world is not None else 0
+    rounds = 1 + max((r for session in sessions for _, r, _ in session), default=0)
+    runs = [[Series(spec.name, spec.family) for _ in range(rounds)] for spec in specs]
+    for spec, series_runs in zip(specs, runs, strict=True):
+        if spec.skip:
+            for series in series_runs:
+                series.status, series.reason = "skipped", spec.skip
+    total = sum(len(session) for session in sessions)
+    done = 0
+    previous = -1
+    for session in sessions:
+        runners: dict[int, Runner] = {}
+        completed = False
+        try:
+            for index, round_index, size_index in session:
+                done += 1
+                spec, series = specs[index], runs[index][round_index]
+                if spec.where == "local" and rank != 0 or any(
+                        s.status != "ok" for s in runs[index]):
+                    continue
+                plan = plans["memcpy" if spec.name == "memcpy" else "messages"]
+                sp = plan.sizes[size_index]
+                if settle > 0 and previous not in (-1, index):
+                    time.sleep(settle)
+                previous = index
+                if spec.where == "world" and world is not None:
+                    _meet_rank0(world)  # rank 0 may come from a local step
+                if progress is not None:
+                    where = f"round {round_index + 1}/{rounds} " if rounds > 1 else ""
+                    progress.update(f"[{done}/{total}] {where}{spec.name}: {plan.kind} "
+                                    f"{util.format_size(sp.size)}")
+                start = time.perf_counter()
+                try:
+                    runner = runners.get(index)
+                    if runner is None:
+                        runner = runners[index] = spec.runner(plan)
+                        runner.open([plan.sizes[k] for i, _, k in session if i == index])
+                    result = runner.run_size(sp)
+                except Exception as exc:
+                    if isinstance(exc, ImportError):  # (on every rank alike)
+                        series.status, series.reason = "unavailable", f"cannot import: {exc}"
+                    else:
+                        if spec.where == "world" and world is not None:
+                            # the other ranks are blocked in this series and would wait
+                            traceback.print_exc()
+                            world.Abort(1)
+                        # One broken series must not cost the others: report it, go on.
+                        series.status = ("unavailable" if isinstance(exc, TransportUnavailable)
+                                         else "failed")
+                        series.reason = f"{type(exc).__name__}: {exc}"
+                    broken = runners.pop(index, None)
+                    if broken is not None:
+                        broken.close(False)
+                else:
+                    if result is not None:
+                        series.results.append(result)
+                series.seconds += time.perf_counter() - start
+            completed = True
+        finally:
+            for runner in runners.values():
+                runner.close(completed)
+    if world is not None:
+        _meet_rank0(world)  # the others must not finalize MPI while rank 0 still runs
+    return runs
 
 
 # ---------------------------------------------------------------- command line
@@ -811,6 +894,12 @@ def build_parser() -> argparse.ArgumentParser:
                              "round means, so a slow spell of the machine that hits one "
                              "round does not decide a ratio (default 1; the run takes N "
                              "times as long)")
+    common.add_argument("--interleave", action="store_true",
+                        help="measure every series at one size (in every round) before "
+                             "the next size, all their peer processes alive at once, "
+                             "instead of one series over all sizes after another: series "
+                             "compared at a size then share the machine's slow spells "
+                             "(default off)")
     common.add_argument("--format", choices=("table", "mpi4py"), default="table",
                         help="'mpi4py' prints rows like python -m mpi4py.bench pingpong")
     parser = argparse.ArgumentParser(
@@ -877,7 +966,8 @@ def write_json(path: str, args: argparse.Namespace, plans: dict[str, Plan],
         "parameters": {
             "kind": args.kind, "sizes": args.sizes, "window": args.window, "cold": args.cold,
             "quick": args.quick, "iterations": args.iterations, "warmup": args.warmup,
-            "rounds": args.rounds, "guard": args.guard, "settle": args.settle,
+            "rounds": args.rounds, "interleave": args.interleave, "guard": args.guard,
+            "settle": args.settle,
             "transport": args.transport, "baseline": args.baseline, "cpus": dict(_cpus),
             "samples_ns": "nanoseconds per timed sample: a round trip (latency), a window "
                           "(bw, bibw) or one copy (memcpy); time per message = sample / "
@@ -919,18 +1009,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         plans["messages"] = replace(plans["messages"], guard=args.guard, guard_cpus=cpus[:2])
     progress = util.Progress() if rank == 0 else None
     started = time.time()
-    runs: list[list[Series]] = [[] for _ in specs]
+    sessions = util.schedule(len(specs), len(args.sizes), args.rounds, args.interleave)
     try:
-        for round_index in range(args.rounds):
-            for step, index in enumerate(util.round_order(len(specs), round_index)):
-                spec = specs[index]
-                if (round_index or step) and args.settle > 0:
-                    time.sleep(args.settle)
-                plan = plans["memcpy" if spec.name == "memcpy" else "messages"]
-                position = f"[{step + 1}/{len(specs)}]"
-                if args.rounds > 1:
-                    position = f"[round {round_index + 1}/{args.rounds} {position[1:]}"
-                runs[index].append(run_series(spec, plan, world, progress, position))
+        runs = run_schedule(specs, plans, sessions, world, progress, args.settle)
     except KeyboardInterrupt:
         if progress is not None:
             progress.clear()

@@ -358,12 +358,12 @@ def test_mpi4py_baseline_needs_mpiexec() -> None:
 # ---------------------------------------------------------------- kernels over an in-process pipe
 
 
-def run_over_threads(plan: bench.Plan, on_size: bench.OnSize | None = None) -> list[SizeResult]:
+def run_over_threads(plan: bench.Plan) -> list[SizeResult]:
     """Both ranks of ``plan`` as two threads on a multiprocessing.Pipe; rank 0's results."""
     a, b = bench.mp_pipe_pair()
     peer = threading.Thread(target=bench.run_plan, args=(bench.Endpoint(b, "pipe"), plan))
     peer.start()
-    results = bench.run_plan(bench.Endpoint(a, "pipe"), plan, on_size)
+    results = bench.run_plan(bench.Endpoint(a, "pipe"), plan)
     peer.join(timeout=30)
     a.close()
     b.close()
@@ -377,9 +377,7 @@ def test_kernels_over_threads(kind: str, cold: bool) -> None:
     """Both ranks of every kernel, as two threads on a multiprocessing.Pipe."""
     plan = bench.build_plan(kind, [8, 64], window=4, cold=cold, quick=True,
                             iterations=5, warmup=2)
-    seen: list[int] = []
-    results = run_over_threads(plan, lambda i, sp: seen.append(sp.size))
-    assert seen == [8, 64]
+    results = run_over_threads(plan)
     assert [(r.size, r.iterations, len(r.samples_ns)) for r in results] == [(8, 5, 5), (64, 5, 5)]
     assert results[0].messages_per_sample == util.messages_per_sample(kind, 4)
     assert all(ns > 0 for r in results for ns in r.samples_ns)
@@ -389,41 +387,123 @@ def test_kernels_over_threads(kind: str, cold: bool) -> None:
 def test_memcpy_baseline() -> None:
     plan = bench.build_plan("memcpy", [8, MIB], window=64, cold=True, quick=True,
                             iterations=3, warmup=1)
-    results = bench.run_memcpy(plan)
+    results = [bench.memcpy_size(plan, sp) for sp in plan.sizes]
     assert [(r.size, len(r.samples_ns), r.messages_per_sample) for r in results] == [
         (8, 3, 1), (MIB, 3, 1)]
 
 
-def test_peer_process_is_ended() -> None:
-    plan = bench.build_plan("latency", [8], window=64, cold=False, quick=True,
+@pytest.mark.parametrize("completed", [True, False])
+def test_peer_process_is_ended(completed: bool) -> None:
+    """A session that ran every size lets the child finish; one cut short kills it."""
+    plan = bench.build_plan("latency", [8, 16], window=64, cold=False, quick=True,
                             iterations=10, warmup=1)
     before = set(multiprocessing.active_children())
-    results = bench.run_with_peer(bench.mp_pipe_pair(), "pipe", plan)
-    assert len(results[0].samples_ns) == 10
+    runner = bench.PeerRunner(plan, bench.mp_pipe_pair, "pipe")
+    try:
+        runner.open(plan.sizes)
+        result = runner.run_size(plan.sizes[0])
+        if completed:
+            runner.run_size(plan.sizes[1])
+    finally:
+        runner.close(completed)
+    assert result is not None and len(result.samples_ns) == 10
     assert set(multiprocessing.active_children()) == before
+    assert runner.proc is not None and runner.proc.exitcode == (0 if completed else -9)
+
+
+class FakeRunner(bench.Runner):
+    """Every size of series ``name`` takes ``one_way_us``; ``ran`` records each step."""
+
+    def __init__(self, plan: bench.Plan, name: str, one_way_us: float,
+                 ran: list[tuple[str, int]]) -> None:
+        super().__init__(plan)
+        self.name, self.one_way_us, self.ran = name, one_way_us, ran
+
+    def run_size(self, sp: bench.SizePlan) -> SizeResult:
+        self.ran.append((self.name, sp.size))
+        return fake_result(sp.size, self.one_way_us)
+
+
+def fake_specs(ran: list[tuple[str, int]]) -> list[bench.SeriesSpec]:
+    def spec(name: str, one_way_us: float) -> bench.SeriesSpec:
+        return bench.SeriesSpec(name, "transport", "local",
+                                lambda plan: FakeRunner(plan, name, one_way_us, ran))
+
+    return [spec("a", 1.0), spec("b", 2.0), spec("c", 3.0), spec("d", 4.0)]
 
 
 def test_rounds_vary_the_order_and_merge_them(monkeypatch: pytest.MonkeyPatch,
                                                 capsys: pytest.CaptureFixture[str]) -> None:
-    ran: list[str] = []
-
-    def fake_spec(name: str, one_way_us: float) -> bench.SeriesSpec:
-        def run(plan: bench.Plan, on_size: bench.OnSize | None) -> list[SizeResult]:
-            ran.append(name)
-            return [fake_result(sp.size, one_way_us) for sp in plan.sizes]
-
-        return bench.SeriesSpec(name, "transport", "local", run)
-
-    specs = [fake_spec("a", 1.0), fake_spec("b", 2.0), fake_spec("c", 3.0), fake_spec("d", 4.0)]
-    monkeypatch.setattr(bench, "select_series", lambda *args: (specs, []))
+    ran: list[tuple[str, int]] = []
+    monkeypatch.setattr(bench, "select_series", lambda *args: (fake_specs(ran), []))
     assert bench.main(["latency", "--rounds", "3", "--max-size", "16", "--no-bind"]) == 0
-    assert ran == ["a", "b", "d", "c", "b", "c", "a", "d", "c", "d", "b", "a"]
+    # each series over every size (8, 16) before the next
+    assert [name for name, size in ran if size == 16] == [name for name, _ in ran[::2]]
+    assert [name for name, _ in ran[::2]] == [
+        "a", "b", "d", "c", "b", "c", "a", "d", "c", "d", "b", "a"]
     out = capsys.readouterr().out
     assert "median over 3 rounds" in out
     rows = [line.split() for line in out.splitlines()]
     # the table keeps the order of the series, not that of the last round
     assert [row[2] for row in rows if row[:2] == ["8", "B"]] == ["a"]
     assert [row[0] for row in rows if row[:1] in (["b"], ["c"])][:2] == ["b", "c"]
+
+
+def test_schedule_holds_every_step_once_in_either_order() -> None:
+    plain = util.schedule(3, 4, 2, interleave=False)
+    mixed = util.schedule(3, 4, 2, interleave=True)
+    steps = [step for session in plain for step in session]
+    assert sorted(steps) == sorted(mixed[0]) == sorted(
+        (i, r, k) for i in range(3) for r in range(2) for k in range(4))
+    assert len(steps) == len(set(steps))
+    # plain: a session per series and round, sizes ascending; interleaved: one session,
+    # every series and round at a size before the next size, rounds in round_order
+    assert [[k for _, _, k in session] for session in plain] == [[0, 1, 2, 3]] * 6
+    assert len(mixed) == 1
+    assert [k for _, _, k in mixed[0]] == sorted(k for _, _, k in mixed[0])
+    assert [(i, r) for i, r, k in mixed[0] if k == 0] == [
+        (i, r) for r in range(2) for i in util.round_order(3, r)]
+
+
+def test_interleave_runs_every_series_at_a_size_before_the_next(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    ran: list[tuple[str, int]] = []
+    opened: list[list[int]] = []
+    monkeypatch.setattr(bench, "select_series", lambda *args: (fake_specs(ran), []))
+    monkeypatch.setattr(FakeRunner, "open",
+                        lambda self, sizes: opened.append([sp.size for sp in sizes]))
+    argv = ["latency", "--rounds", "2", "--max-size", "16", "--no-bind", "--interleave"]
+    assert bench.main(argv) == 0
+    assert [size for _, size in ran] == [8] * 8 + [16] * 8
+    assert [name for name, _ in ran[:8]] == ["a", "b", "d", "c", "b", "c", "a", "d"]
+    assert opened == [[8, 8, 16, 16]] * 4  # one peer per series for the whole run
+    out = capsys.readouterr().out
+    assert "median over 2 rounds" in out
+
+
+def test_a_series_that_fails_midway_is_reported_and_the_others_go_on(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    ran: list[tuple[str, int]] = []
+    closed: list[tuple[str, bool]] = []
+
+    def run_size(self: FakeRunner, sp: bench.SizePlan) -> SizeResult:
+        if (self.name, sp.size) == ("b", 16):
+            raise RuntimeError("peer lost")
+        self.ran.append((self.name, sp.size))
+        return fake_result(sp.size, self.one_way_us)
+
+    monkeypatch.setattr(FakeRunner, "run_size", run_size)
+    monkeypatch.setattr(FakeRunner, "close",
+                        lambda self, completed: closed.append((self.name, completed)))
+    monkeypatch.setattr(bench, "select_series", lambda *args: (fake_specs(ran), []))
+    argv = ["latency", "--rounds", "2", "--max-size", "16", "--no-bind", "--interleave",
+            "--json", os.devnull]
+    assert bench.main(argv) == 1  # a failed series fails the run
+    assert [name for name, size in ran if size == 16] == ["a", "d", "c", "c", "a", "d"]
+    assert ("b", False) in closed and sorted(closed) == [
+        ("a", True), ("b", False), ("c", True), ("d", True)]
+    out = capsys.readouterr().out
+    assert "RuntimeError: peer lost" in out
 
 
 def run_guarded(monkeypatch: pytest.MonkeyPatch, ratios: list[float], guard: float,
@@ -545,11 +625,13 @@ def test_cli_shm_latency(tmp_path: Path) -> None:
     assert "crossovers" in stdout
 
 
-def test_cli_rounds(tmp_path: Path) -> None:
+@pytest.mark.parametrize("interleave", [[], ["--interleave"]])
+def test_cli_rounds(tmp_path: Path, interleave: list[str]) -> None:
     stdout, doc = run_cli(["latency", "--transport", "shm", "--baseline", "mp-pipe",
                            "--max-size", "1K", "--iterations", "5", "--warmup", "1",
-                           "--rounds", "2"], tmp_path)
+                           "--rounds", "2", *interleave], tmp_path)
     assert doc["parameters"]["rounds"] == 2
+    assert doc["parameters"]["interleave"] == bool(interleave)
     assert [s["name"] for s in doc["series"]] == ["mp-pipe", "shm"]
     for series in doc["series"]:
         assert series["status"] == "ok", series["reason"]

@@ -19,9 +19,9 @@
 #                 two processes, those two series are absent and 1c is skipped.
 #   1b. latency-large - the same from 64 MiB to 256 MiB, into latency-large.txt.
 #   1c. latency-mpi - cma.mpi.Comm against plain mpi4py alone, 1 B .. 64 MiB, nine
-#                 rounds in turn, into latency-mpi.txt: issue 4's comparison. A round
-#                 of both takes ~20 s, so a slow stretch of the machine lands on
-#                 both series alike or on too few rounds to move a median.
+#                 rounds interleaved (at each size both series take all their turns
+#                 before the next size), into latency-mpi.txt: issue 4's comparison.
+#                 A slow stretch of the machine then lands on both series alike.
 #   1d. latency-rounds - every series 1 B .. 64 MiB with the memcpy and mpi4py
 #                 baselines, five rounds, into latency-rounds.txt (each size's
 #                 round means, the waits and every timed loop the guard left out):
@@ -64,7 +64,8 @@ fi
 
 if [ ${#launch[@]} -gt 0 ]; then
     "${launch[@]}" python -m cma.bench latency --transport cma.mpi --baseline mpi4py \
-        --min-size 1 --max-size 64M --rounds 9 "${guard[@]}" > docs/figures/latency-mpi.txt
+        --min-size 1 --max-size 64M --rounds 9 --interleave "${guard[@]}" \
+        > docs/figures/latency-mpi.txt
     "${launch[@]}" python -m cma.bench latency --transport all --baseline memcpy,mpi4py \
         --min-size 1 --max-size 64M --rounds 5 "${guard[@]}" > docs/figures/latency-rounds.txt
 fi

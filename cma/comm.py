@@ -1158,7 +1158,9 @@ class Comm:
                 self._control_syscalls += 1
             finally:
                 world.set_sleeping(0)
-            deadline = 0.0
+            # The deadline stays expired: only progress (above) earns a new spin, so a
+            # waiter that wakes to nothing every SLEEP_MS sleeps again at once instead of
+            # spinning (1 ms in 11 was 9 % of a CPU per idle waiter, taken from the peer).
             if gone:
                 self._peers_gone(gone, done, peer)
 

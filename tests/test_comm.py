@@ -1287,6 +1287,27 @@ def test_irecv_takes_a_message_waiting_in_the_ring_at_once(monkeypatch):
     assert posts.value == 1  # only the early Irecv was posted to the engine
 
 
+def test_a_long_wait_sleeps_instead_of_spinning():
+    """A receive that waits a second for its message spins once, then sleeps: it wakes
+    every SLEEP_MS to nothing, and must not spin again each time."""
+
+    def rank0(comm):
+        comm.attach()
+        time.sleep(1.0)
+        comm.Send(np.zeros(8, np.uint8), dest=1, tag=1)
+        return True
+
+    def rank1(comm):
+        comm.attach()
+        start = time.process_time()
+        comm.Recv(np.zeros(8, np.uint8), source=0, tag=1)
+        return time.process_time() - start
+
+    _, cpu_seconds = run_pair("shm", None, rank0, rank1, timeout=10)
+    # spinning 1 ms after every 10 ms wake-up took ~0.09 s of CPU here; sleeping, ~0.005
+    assert cpu_seconds < 0.04
+
+
 def test_close_delivers_sends_still_queued_for_a_full_ring():
     """A Send that found the ring full returned; closing must not lose its message."""
     assert run_pair("shm", SMALL_RING, queued_then_closed_rank0, queued_then_closed_rank1,

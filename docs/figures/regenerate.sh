@@ -6,7 +6,7 @@
 #
 #     bash docs/figures/regenerate.sh
 #
-# What it runs (15-30 minutes on a 2-vCPU machine, depending on the guard's waits). Every step passes
+# What it runs (25-45 minutes on a 2-vCPU machine, depending on the guard's waits). Every step passes
 # --guard 60 when the machine has two CPUs: each size is timed only while a probe finds
 # the CPUs passing data at their usual speed (guide.md, section 6).
 #   1. latency  - blocking ping-pong, 8 B .. 64 MiB, every transport, one round.
@@ -16,7 +16,7 @@
 #                 `mpiexec -n 2` with mpi4py 4.1), the latency steps run under
 #                 `mpiexec -n 2`, which adds the plain `mpi4py` baseline and the
 #                 `cma.mpi` series. Without mpiexec, cma-bench spawns its own
-#                 two processes, those two series are absent and 1c is skipped.
+#                 two processes, those two series are absent and 1c-1e are skipped.
 #   1b. latency-large - the same from 64 MiB to 256 MiB, into latency-large.txt.
 #   1c. latency-mpi - cma.mpi.Comm against plain mpi4py alone, 1 B .. 64 MiB, nine
 #                 rounds interleaved (at each size both series take all their turns
@@ -26,6 +26,10 @@
 #                 baselines, five rounds, into latency-rounds.txt (each size's
 #                 round means, the waits and every timed loop the guard left out):
 #                 issue 3's comparison.
+#   1e. latency-interleaved - as 1d with --interleave (at each size every series takes
+#                 its five turns before the next size), into latency-interleaved.txt:
+#                 how far series on the same code path still differ when measured
+#                 side by side.
 #   2. bw       - window of 64 Isends + ack, 4 KiB .. 4 MiB, --quick.
 #                 Writes bw.txt, bw.json, bw.png.
 #   3. latency --cold - a never-touched receive buffer each iteration,
@@ -68,6 +72,9 @@ if [ ${#launch[@]} -gt 0 ]; then
         > docs/figures/latency-mpi.txt
     "${launch[@]}" python -m cma.bench latency --transport all --baseline memcpy,mpi4py \
         --min-size 1 --max-size 64M --rounds 5 "${guard[@]}" > docs/figures/latency-rounds.txt
+    "${launch[@]}" python -m cma.bench latency --transport all --baseline memcpy,mpi4py \
+        --min-size 1 --max-size 64M --rounds 5 --interleave "${guard[@]}" \
+        > docs/figures/latency-interleaved.txt
 fi
 
 python -m cma.bench bw --transport all --min-size 4K --max-size 4M --quick "${guard[@]}" \

@@ -326,6 +326,10 @@ class Inbox:
             self.ctl[TAIL] = tail
         return n
 
+    def head_tag(self) -> int:
+        """The tag of the oldest packet (the ring must be ready), left in the ring."""
+        return self.words[(self._position() >> 3) + 1]
+
     def take(self) -> tuple[int, int, int, int, memoryview]:
         """The oldest packet (the ring must be ready): kind, tag, nbytes, aux, payload.
 

@@ -579,16 +579,17 @@ class Comm:
         matcher = self._matcher
         box = self._rlanes.get(self._only_peer if source == ANY_SOURCE else source)
         if box is not None and type(tag) is int and tag >= ANY_TAG:
+            peer = self._rlane_rank[box]
             if matcher.posted:
                 # Receives posted earlier match first: let them take what has arrived
-                # (a window of Irecvs then finds its messages waiting, below).
-                self._drain(self._rlane_rank[box], True)
+                # for them (a window of Irecvs then finds its messages waiting, below).
+                self._drain(peer, True)
             if not matcher.posted and not matcher.unexpected:
                 # Already at the head of the ring with nothing ahead of it in matching
                 # order: complete now, as Recv would, instead of posting to the engine.
                 n = box.take_eager(mv, tag)
                 if n >= 0:
-                    op = RecvOp(source, tag, mv, matched_source=self._rlane_rank[box],
+                    op = RecvOp(source, tag, mv, matched_source=peer,
                                 matched_tag=box.last_tag, nbytes=n, done=True)
                     return Request(self, op)
         source = self._check_source(source)
@@ -1020,18 +1021,19 @@ class Comm:
             moved = self._finish_pulls() or moved
         return moved
 
-    def _drain(self, peer: int, while_posted: bool) -> bool:
+    def _drain(self, peer: int, only_expected: bool) -> bool:
         """Hand the packets that arrived from ``peer`` to the engine; True if there were any.
 
-        ``while_posted``: stop once no posted receive is left, so that later messages
-        stay in the ring for the fast paths instead of being copied out as unexpected.
+        ``only_expected``: stop at the first packet no posted receive takes, so that
+        the messages behind it stay in the ring for the fast paths instead of being
+        copied out as unexpected.
         """
         box = self._inboxes[peer]
         assert box is not None
         engine = self._engine
-        posted = self._matcher.posted
+        matcher = self._matcher
         moved = False
-        while box.ready() and (posted or not while_posted):
+        while box.ready() and (not only_expected or matcher.expects(peer, box.head_tag())):
             kind, tag, n, aux, payload = box.take()
             moved = True
             if kind & MORE or peer in self._partial:

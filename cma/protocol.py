@@ -287,12 +287,19 @@ class Matcher:
             self.unexpected.remove(arrival)
         return arrival
 
-    def take_posted(self, source: int, tag: int) -> RecvOp | None:
+    def _posted_index(self, source: int, tag: int) -> int:
         for i, op in enumerate(self.posted):
             if source_matches(op.source, source) and tag_matches(op.tag, tag):
-                del self.posted[i]
-                return op
-        return None
+                return i
+        return -1
+
+    def expects(self, source: int, tag: int) -> bool:
+        """Whether a posted receive would take an arrival from ``source`` with ``tag``."""
+        return self._posted_index(source, tag) >= 0
+
+    def take_posted(self, source: int, tag: int) -> RecvOp | None:
+        i = self._posted_index(source, tag)
+        return None if i < 0 else self.posted.pop(i)
 
 
 # ------------------------------------------------------------------ pipeline schedule

@@ -1287,6 +1287,46 @@ def test_irecv_takes_a_message_waiting_in_the_ring_at_once(monkeypatch):
     assert posts.value == 1  # only the early Irecv was posted to the engine
 
 
+def test_irecv_leaves_in_the_ring_what_no_posted_receive_takes(monkeypatch):
+    """A posted receive for another tag makes Irecv go the general way, and the messages
+    it passes over stay in the ring: none is copied out as an unexpected arrival."""
+    arrivals = mp.get_context("fork").Value("i", 0)
+    arrival = cma.protocol.Arrival
+
+    def counted_arrival(source, tag, is_object, nbytes, eager, rts):
+        if eager is not None:  # a payload copied out of the ring to wait for its receive
+            with arrivals.get_lock():
+                arrivals.value += 1
+        return arrival(source, tag, is_object, nbytes, eager, rts)
+
+    monkeypatch.setattr(cma.protocol, "Arrival", counted_arrival)  # inherited by the forks
+    first_posted, sent = (mp.get_context("fork").Event() for _ in range(2))
+
+    def rank0(comm):
+        comm.attach()
+        later = np.zeros(8, np.int64)
+        waiting = comm.Irecv(later, source=1, tag=5)  # its message comes last
+        first_posted.set()
+        assert sent.wait(5)
+        bufs = [np.zeros(1000, np.uint8) for _ in range(4)]
+        requests = [comm.Irecv(buf, source=1, tag=1) for buf in bufs]
+        cma.Request.Waitall([*requests, waiting])
+        return [int(buf[0]) for buf in bufs], int(later[0])
+
+    def rank1(comm):
+        comm.attach()
+        assert first_posted.wait(5)
+        for i in range(4):
+            comm.Send(np.full(1000, i, np.uint8), dest=0, tag=1)  # into the ring at once
+        sent.set()
+        comm.Send(np.full(8, 5, np.int64), dest=0, tag=5)
+        return True
+
+    (values, later), _ = run_pair("shm", None, rank0, rank1, timeout=10)
+    assert values == [0, 1, 2, 3] and later == 5
+    assert arrivals.value == 0  # (4 when Irecv drained them while any receive was posted)
+
+
 def test_a_long_wait_sleeps_instead_of_spinning():
     """A receive that waits a second for its message spins once, then sleeps: it wakes
     every SLEEP_MS to nothing, and must not spin again each time."""

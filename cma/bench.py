@@ -527,7 +527,16 @@ class MemcpyRunner(Runner):
         return memcpy_size(self.plan, sp)
 
 
-class PeerRunner(Runner):
+class EndpointRunner(Runner):
+    """A series between two endpoints; ``open`` sets ``ep``, this rank's."""
+
+    ep: Endpoint
+
+    def run_size(self, sp: SizePlan) -> SizeResult | None:
+        return _run_size(self.ep, self.plan, sp)
+
+
+class PeerRunner(EndpointRunner):
     """Rank 0 here, rank 1 in a spawned child that runs the session's sizes in turn."""
 
     def __init__(self, plan: Plan, pair: Callable[[], tuple[Any, Any]], flavor: str) -> None:
@@ -549,9 +558,6 @@ class PeerRunner(Runner):
             # into EOF here instead of a receive that waits forever.
             remote.close()
 
-    def run_size(self, sp: SizePlan) -> SizeResult | None:
-        return _run_size(self.ep, self.plan, sp)
-
     def close(self, completed: bool) -> None:
         if self.ends is None:
             return
@@ -570,7 +576,7 @@ class PeerRunner(Runner):
         _close(remote)
 
 
-class WorldRunner(Runner):
+class WorldRunner(EndpointRunner):
     """Ranks 0 and 1 of an MPI world (every rank takes part)."""
 
     def __init__(self, plan: Plan, comm: Callable[[], Any], flavor: str) -> None:
@@ -581,9 +587,6 @@ class WorldRunner(Runner):
     def open(self, sizes: Sequence[SizePlan]) -> None:
         # (a cma.mpi.Comm over COMM_WORLD is left open: its Free would free COMM_WORLD)
         self.ep = Endpoint(self.make_comm(), self.flavor)
-
-    def run_size(self, sp: SizePlan) -> SizeResult | None:
-        return _run_size(self.ep, self.plan, sp)
 
 
 def serve_echo(comm: Any, flavor: str = "cma") -> None:
@@ -744,6 +747,19 @@ def _meet_rank0(world: Any) -> None:
         _wait_for_rank0(world)
 
 
+def _report_broken(series: Series, exc: Exception, world: Any | None) -> None:
+    """Mark ``series`` unavailable or failed by ``exc``; a ``world`` series that failed
+    other than on import aborts the job, since the other ranks would wait for it forever."""
+    if isinstance(exc, ImportError):  # (on every rank alike)
+        series.status, series.reason = "unavailable", f"cannot import: {exc}"
+        return
+    if world is not None:
+        traceback.print_exc()
+        world.Abort(1)
+    series.status = "unavailable" if isinstance(exc, TransportUnavailable) else "failed"
+    series.reason = f"{type(exc).__name__}: {exc}"
+
+
 def run_schedule(specs: Sequence[SeriesSpec], plans: Mapping[str, Plan],
                  sessions: Sequence[Sequence[util.Step]], world: Any | None,
                  progress: util.Progress | None, settle: float = 0.0) -> list[list[Series]]:
@@ -789,17 +805,8 @@ def run_schedule(specs: Sequence[SeriesSpec], plans: Mapping[str, Plan],
                         runner.open([plan.sizes[k] for i, _, k in session if i == index])
                     result = runner.run_size(sp)
                 except Exception as exc:
-                    if isinstance(exc, ImportError):  # (on every rank alike)
-                        series.status, series.reason = "unavailable", f"cannot import: {exc}"
-                    else:
-                        if spec.where == "world" and world is not None:
-                            # the other ranks are blocked in this series and would wait
-                            traceback.print_exc()
-                            world.Abort(1)
-                        # One broken series must not cost the others: report it, go on.
-                        series.status = ("unavailable" if isinstance(exc, TransportUnavailable)
-                                         else "failed")
-                        series.reason = f"{type(exc).__name__}: {exc}"
+                    # One broken series must not cost the others: report it and go on.
+                    _report_broken(series, exc, world if spec.where == "world" else None)
                     broken = runners.pop(index, None)
                     if broken is not None:
                         broken.close(False)

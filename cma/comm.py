@@ -335,7 +335,8 @@ class Comm:
         self._recv_obj: Any = _NOTHING
         self._recv_view = memoryview(bytearray())
         self._eager_base = (0, 0)  # ring counts at the last reset_stats()
-        self._eager_extra = 0
+        self._eager_extra = 0  # copies into packets queued for a full ring
+        self._looped = (0, 0)  # eager messages and bytes sent to ourselves
         self._control_syscalls = 0
 
     # -- mpi4py-style accessors
@@ -718,19 +719,23 @@ class Comm:
     def stats(self) -> dict[str, dict[str, float]]:
         """What this process moved, per mechanism, counted as it happened.
 
-        ``eager`` is the inline path (one user copy on each side); the others are the
+        ``eager`` is the inline path (one user copy on each side, two on the receiving
+        side for a message that arrived before its receive); the others are the
         transports that moved rendezvous messages. ``user_copies``/``kernel_copies`` are
         copied bytes per payload byte, so 1.0 means each byte was copied once here.
         """
-        eager = TransportStats(syscalls=self._control_syscalls)
+        eager = TransportStats(*self._looped, syscalls=self._control_syscalls)
+        held = 0
         if self._attached:
+            held = self._engine.held_bytes
             boxes: list[Outbox | Inbox] = [*self._all_lanes.values(), *self._all_rlanes.values()]
             for box in boxes:
                 eager.messages += box.eager_count
                 eager.bytes += box.eager_bytes
             eager.messages -= self._eager_base[0]
             eager.bytes -= self._eager_base[1]
-        eager.user_copy_bytes = eager.bytes + self._eager_extra
+        # a message to ourselves is copied twice here: into its packet and out of it
+        eager.user_copy_bytes = eager.bytes + self._eager_extra + self._looped[1] + held
         out = {"eager": eager.as_dict()}
         if self._attached:
             for name, transport in self._transports.items():
@@ -739,8 +744,9 @@ class Comm:
 
     def reset_stats(self) -> None:
         self._eager_extra = self._control_syscalls = 0
-        self._eager_base = (0, 0)
+        self._eager_base = self._looped = (0, 0)
         if self._attached:
+            self._engine.held_bytes = 0
             current = self.stats()["eager"]
             self._eager_base = (int(current["messages"]), int(current["bytes"]))
             for transport in self._transports.values():
@@ -834,6 +840,8 @@ class Comm:
 
     def _transmit(self, dest: int, kind: int, tag: int, aux: int, payload: bytes) -> None:
         if dest == self.rank:
+            if kind & KIND_MASK == EAGER:
+                self._looped = (self._looped[0] + 1, self._looped[1] + len(payload))
             self._loopback.append((kind, tag, aux, payload))
             self._rlanes = {}
             return

@@ -433,6 +433,8 @@ class Engine:
         self._ids = itertools.count(1)
         self.sends: dict[int, SendOp] = {}
         self.recvs: dict[int, RecvOp] = {}
+        # bytes copied to keep an eager payload that arrived before its receive (stats)
+        self.held_bytes = 0
 
     # -- user events
 
@@ -481,8 +483,12 @@ class Engine:
         if base == EAGER:
             op = self.matcher.take_posted(source, tag)
             if op is None:
-                arrival = Arrival(source, tag, is_object, len(payload), bytes(payload), None)
-                self.matcher.unexpected.append(arrival)
+                if isinstance(payload, bytes):
+                    held = payload  # already owned (a loopback packet): kept without a copy
+                else:
+                    held = bytes(payload)
+                    self.held_bytes += len(held)
+                self.matcher.unexpected.append(Arrival(source, tag, is_object, len(held), held, None))
                 return []
             return self._match(op, Arrival(source, tag, is_object, len(payload), None, None), payload)
         if base == RTS:

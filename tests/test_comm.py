@@ -173,12 +173,23 @@ def op_barrier(comm, delay, times):
 
 def op_stats(comm, nbytes, eager_sizes):
     comm.reset_stats()
+    # posted before anything is sent, so that no eager message waits in a queue
+    reqs = [comm.Irecv(np.empty(n, np.uint8), 0, 2) for n in eager_sizes]
     big = np.empty(nbytes, np.uint8)
     comm.Recv(big, 0, 1)
-    small = np.empty(EAGER, np.uint8)
-    for _ in eager_sizes:
-        comm.Recv(small, 0, 2)
+    cma.Request.Waitall(reqs)
     return comm.stats(), digest(big)
+
+
+def op_stats_late(comm, eager_sizes):
+    """Receive the last message first, so the others wait as unexpected."""
+    # the sender starts on "ready": a command recv may drain what follows it in the ring
+    comm.send("ready", 0, 5)
+    comm.reset_stats()
+    comm.Recv(np.empty(eager_sizes[-1], np.uint8), 0, 3)
+    for n in eager_sizes[:-1]:
+        comm.Recv(np.empty(n, np.uint8), 0, 2)
+    return comm.stats()
 
 
 def op_recv_one(comm, nbytes, tag):
@@ -909,6 +920,42 @@ def test_stats_count_copies(peer, transport):
         # a single-copy transport: the receiver copied, and counted it
         assert theirs[transport]["messages"] == 1 and theirs[transport]["bytes"] == nbytes
         assert theirs[transport]["user_copies"] == 0.0
+
+
+def test_stats_count_the_copy_of_a_message_that_waited(peer):
+    """An eager message that arrives before its receive is copied out of the ring to
+    wait, then again into the buffer: the receiver counts both copies."""
+    comm = peer.comm
+    eager_sizes = [1000, 3000, 500]
+    peer.start(op_stats_late, eager_sizes)
+    assert comm.recv(source=1, tag=5) == "ready"
+    comm.reset_stats()
+    for n in eager_sizes[:-1]:
+        comm.Send(np.ones(n, np.uint8), 1, 2)
+    comm.Send(np.ones(eager_sizes[-1], np.uint8), 1, 3)
+    theirs = peer.result()["eager"]
+    waited = sum(eager_sizes[:-1])
+    assert theirs["messages"] == 3 and theirs["bytes"] == sum(eager_sizes)
+    assert theirs["user_copies"] == pytest.approx((2 * waited + eager_sizes[-1]) / sum(eager_sizes))
+    assert comm.stats()["eager"]["user_copies"] == 1.0
+
+
+@pytest.mark.parametrize("order", ["send-first", "recv-first"])
+def test_stats_count_a_message_to_ourselves_once_with_both_copies(peer, order):
+    comm = peer.comm
+    data = pattern(1000, 3)
+    got = np.empty_like(data)
+    comm.reset_stats()
+    if order == "send-first":
+        comm.Send(data, comm.rank, 4)
+        comm.Recv(got, comm.rank, 4)
+    else:
+        req = comm.Irecv(got, comm.rank, 4)
+        comm.Send(data, comm.rank, 4)
+        req.Wait()
+    assert np.array_equal(got, data)
+    eager = comm.stats()["eager"]
+    assert (eager["messages"], eager["bytes"], eager["user_copies"]) == (1, 1000, 2.0)
 
 
 # ------------------------------------------------------------------ liveness

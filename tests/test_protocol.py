@@ -316,6 +316,17 @@ def test_unexpected_eager_payload_is_copied_out_of_the_ring():
     ring[:] = b"XXXXXXXX"  # the ring slot is reused
     op, actions = engine.recv(0, 1, memoryview(bytearray(8)))
     assert isinstance(actions[0], Deliver) and bytes(actions[0].payload) == b"original"
+    assert engine.held_bytes == len(ring)
+
+
+def test_an_owned_unexpected_payload_is_kept_without_a_copy():
+    engine = Net().engines[1]
+    looped = b"to myself"
+    engine.packet(1, EAGER, 1, 0, looped)
+    assert engine.matcher.unexpected[0].eager is looped
+    assert engine.held_bytes == 0
+    engine.packet(1, EAGER, 2, 0, memoryview(bytearray(3)))
+    assert engine.held_bytes == 3
 
 
 @pytest.mark.parametrize("size", [0, 1, LIMIT, LIMIT + 1, 5000])

@@ -510,11 +510,7 @@ class Comm:
             if sleeping > 0:
                 self._ring(dest)
                 return
-        dest = self._check_dest(dest)
-        tag = self._check_tag(tag)
-        if dest == PROC_NULL:
-            return
-        self._wait(self._start_send([mv], dest, tag, False))
+        self._send(mv, dest, tag)
 
     def Recv(self, buf: Any, source: int = ANY_SOURCE, tag: int = ANY_TAG,
              status: Status | None = None) -> None:
@@ -537,6 +533,26 @@ class Comm:
                     status.tag = box.last_tag
                     status.count = n
                 return
+        self._recv(mv, source, tag, status)
+
+    def Sendrecv(self, sendbuf: Any, dest: int, sendtag: int = 0, recvbuf: Any = None,
+                 source: int = ANY_SOURCE, recvtag: int = ANY_TAG,
+                 status: Status | None = None) -> None:
+        send = self.Isend(sendbuf, dest, sendtag)
+        self.Recv(recvbuf, source, recvtag, status)
+        send.Wait()
+
+    # The general paths of Send and Recv, apart so that a subclass can adapt what they
+    # raise and fill (cma.mpi's node communicator) without a frame on the hot paths.
+
+    def _send(self, mv: memoryview, dest: Any, tag: Any) -> None:
+        dest = self._check_dest(dest)
+        tag = self._check_tag(tag)
+        if dest == PROC_NULL:
+            return
+        self._wait(self._start_send([mv], dest, tag, False))
+
+    def _recv(self, mv: memoryview, source: Any, tag: Any, status: Status | None) -> None:
         source = self._check_source(source)
         tag = self._check_tag(tag, wildcard=True)
         if source == PROC_NULL:
@@ -546,13 +562,6 @@ class Comm:
         op, actions = self._engine.recv(source, tag, mv)
         self._run(actions)
         Request(self, op).Wait(status)
-
-    def Sendrecv(self, sendbuf: Any, dest: int, sendtag: int = 0, recvbuf: Any = None,
-                 source: int = ANY_SOURCE, recvtag: int = ANY_TAG,
-                 status: Status | None = None) -> None:
-        send = self.Isend(sendbuf, dest, sendtag)
-        self.Recv(recvbuf, source, recvtag, status)
-        send.Wait()
 
     # -- non-blocking buffer point-to-point
 

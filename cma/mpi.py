@@ -76,6 +76,7 @@ if _ANY_TAG != CMA_ANY_TAG:  # -1 in MPICH, Open MPI, Intel MPI, MS-MPI: tags pa
 _BYTE = MPI.BYTE
 _fromcode = getattr(MPI.Datatype, "fromcode", None) or MPI._typedict.__getitem__  # mpi4py 4 / 3
 _SPECS = frozenset((list, tuple))  # what an mpi4py buffer spec (not a plain buffer) is
+_HANDED_OUT = ("Send", "Recv")  # methods an all-on-node Comm takes from its cma communicator
 _NO_BYTES = memoryview(b"")
 
 # Unbound MPI methods: the off-node path calls them on ``self`` (which is the MPI comm).
@@ -241,6 +242,44 @@ class _SpecCache:
         return out
 
 
+class _NodeComm(CmaComm):
+    """The cma communicator of this node's ranks, speaking mpi4py where the hot paths end.
+
+    When every rank is on this node, its ranks are the wrapped communicator's and
+    ``Comm`` hands out its ``Send`` and ``Recv`` as its own: a message then costs no
+    wrapper frame. So buffer specs are converted, statuses filled and errors raised as
+    mpi4py's here, on the paths the eager fast paths fall back to.
+    """
+
+    def __init__(self, fail: Callable[..., NoReturn], *args: Any, **options: Any) -> None:
+        super().__init__(*args, **options)
+        self._fail = fail  # the wrapper's: runs its error handler, raises its exception
+        self._send_spec = _SpecCache()
+        self._recv_spec = _SpecCache()
+        self._mpi_scratch = CmaStatus()
+
+    def _cached_view(self, buf: Any, convert: Callable[[Any], memoryview]) -> memoryview:
+        if buf.__class__ in _SPECS:  # [buf, MPI.DOUBLE] & co: never cached themselves
+            buf = (self._send_spec if convert is send_view else self._recv_spec).convert(buf)
+        return super()._cached_view(buf, convert)
+
+    def _send(self, mv: memoryview, dest: Any, tag: Any) -> None:
+        try:
+            super()._send(mv, dest, tag)
+        except CmaError as exc:
+            self._fail(exc)
+
+    def _recv(self, mv: memoryview, source: Any, tag: Any, status: Any) -> None:
+        mpi_status = None if status is None or status.__class__ is CmaStatus else status
+        scratch = self._mpi_scratch if mpi_status is not None else status
+        try:
+            super()._recv(mv, source, tag, scratch)
+        except CmaError as exc:
+            self._fail(exc, mpi_status)
+        if mpi_status is not None:
+            _fill(mpi_status, scratch.source, scratch.tag, scratch.count)
+
+
 # ------------------------------------------------------------------ bootstrap
 
 # How Barrier is done, the same on every rank: MPI does not match a blocking collective
@@ -325,8 +364,8 @@ def _share_world(node: MPI.Comm, members: list[tuple[int, int]]) -> WorldFds:
     return WorldFds(world_id, size, fdlist[0], fdlist[1:], ChannelConfig.decode(config))
 
 
-def _bootstrap(comm: MPI.Intracomm, transport: str, options: dict[str, Any]
-               ) -> tuple[CmaComm | None, list[tuple[int, int]], int, int]:
+def _bootstrap(comm: Comm, transport: str, options: dict[str, Any]
+               ) -> tuple[_NodeComm | None, list[tuple[int, int]], int, int]:
     """This node's cma Comm or None, node members as (rank, pid), ranks on the machine,
     and how every rank of ``comm`` will do Barrier (one of the ``BARRIER_*``).
 
@@ -337,14 +376,14 @@ def _bootstrap(comm: MPI.Intracomm, transport: str, options: dict[str, Any]
     pretend = _pretend_node(rank, comm.Get_size())
     shared = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
     node = shared if pretend is None else shared.Split(pretend, key=rank)
-    cma: CmaComm | None = None
+    cma: _NodeComm | None = None
     error = None
     try:
         members: list[tuple[int, int]] = node.allgather((rank, os.getpid()))
         if len(members) > 1:
             try:
                 fds = _share_world(node, members)
-                cma = CmaComm(fds, node.Get_rank(), transport, **options)
+                cma = _NodeComm(comm._fail, fds, node.Get_rank(), transport, **options)
                 cma.attach()  # now: a rank that never talks on-node must not stall the others
             except (CmaError, OSError, ValueError) as exc:
                 error = f"rank {rank}: {exc}"
@@ -661,10 +700,12 @@ class Comm(MPI.Intracomm):
     statuses, requests and errors are mpi4py's; docs/mpi.md says what differs.
     """
 
+    # __dict__: when every rank is on this node, an instance's Send and Recv are its cma
+    # communicator's own bound methods (see _NodeComm), found before the class's.
     __slots__ = ("_cma", "_cma_send", "_cma_recv", "_fast", "_local", "_ranks", "_mixed",
                  "_cma_any", "_pidfds", "_deferred", "_cstatus", "_cma_first", "_yield",
-                 "_barrier", "_transport", "_options", "_send_spec", "_recv_spec")
-    _cma: CmaComm | None
+                 "_barrier", "_transport", "_options", "__dict__")
+    _cma: _NodeComm | None
     _cma_send: Callable[..., None]  # bound methods of _cma: one lookup less per message
     _cma_recv: Callable[..., None]
     # rank of the wrapped comm -> cma rank, for the blocking fast paths: empty on a mixed
@@ -682,8 +723,6 @@ class Comm(MPI.Intracomm):
     _barrier: int
     _transport: str
     _options: dict[str, Any]
-    _send_spec: _SpecCache
-    _recv_spec: _SpecCache
 
     def __new__(cls, comm: MPI.Intracomm | None = None, transport: str = AUTO,
                 **options: Any) -> Comm:
@@ -704,8 +743,6 @@ class Comm(MPI.Intracomm):
         self._barrier = BARRIER_MPI
         self._transport = transport
         self._options = options
-        self._send_spec = _SpecCache()
-        self._recv_spec = _SpecCache()
         return self
 
     def __init__(self, comm: MPI.Intracomm, transport: str = AUTO, **options: Any) -> None:
@@ -725,6 +762,9 @@ class Comm(MPI.Intracomm):
         self._cma_any = not self._mixed
         if self._cma_any:
             self._fast = {**self._local, _ANY_SOURCE: CMA_ANY_SOURCE}
+            for name in _HANDED_OUT:
+                if getattr(type(self), name) is getattr(Comm, name):  # not overridden
+                    self.__dict__[name] = getattr(cma, name)
         else:
             me = self.Get_rank()
             self._pidfds = {i: os.pidfd_open(pid) for i, (rank, pid) in enumerate(members)
@@ -785,15 +825,7 @@ class Comm(MPI.Intracomm):
             else:
                 _mpi_send(self, buf, dest, tag)
             return
-        if buf.__class__ in _SPECS:  # [buf, MPI.DOUBLE] & co; the commonest form inline
-            if len(buf) == 2 and id(buf[1]) in _SIZES and buf[0] is not None:
-                buf = buf[0]
-            else:
-                buf = self._send_spec.convert(buf)
-        try:
-            self._cma_send(buf, peer, tag)
-        except CmaError as exc:
-            self._fail(exc)
+        self._cma_send(buf, peer, tag)  # _NodeComm converts specs, raises mpi4py's errors
 
     def Recv(self, buf: Any, source: int = _ANY_SOURCE, tag: int = _ANY_TAG,
              status: MPI.Status | None = None) -> None:
@@ -804,25 +836,7 @@ class Comm(MPI.Intracomm):
             else:
                 _mpi_recv(self, buf, source, tag, status)
             return
-        if buf.__class__ in _SPECS:
-            if len(buf) == 2 and id(buf[1]) in _SIZES and buf[0] is not None:
-                buf = buf[0]
-            else:
-                buf = self._recv_spec.convert(buf)
-        if status is None:
-            try:
-                self._cma_recv(buf, peer, tag)
-            except CmaError as exc:
-                self._fail(exc)
-            return
-        cs = self._cstatus
-        try:
-            self._cma_recv(buf, peer, tag, cs)
-        except CmaError as exc:
-            self._fail(exc, status)
-        status.Set_source(self._ranks[cs.source])
-        status.Set_tag(cs.tag)
-        status.Set_elements(_BYTE, cs.count)
+        self._cma_recv(buf, peer, tag, status)  # and fills an MPI.Status
 
     def Sendrecv(self, sendbuf: Any, dest: int, sendtag: int = 0, recvbuf: Any = None,
                  source: int = _ANY_SOURCE, recvtag: int = _ANY_TAG,
@@ -998,6 +1012,8 @@ class Comm(MPI.Intracomm):
         self._fast = {}
         self._local = {}
         self._mixed = self._cma_any = False
+        for name in _HANDED_OUT:
+            self.__dict__.pop(name, None)
         self._barrier = BARRIER_MPI
         _mpi_free(self)
 

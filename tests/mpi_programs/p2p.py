@@ -227,6 +227,28 @@ except MPI.Exception as exc:
 else:
     raise AssertionError("no truncation error from Wait")
 
+st = status()
+comm.Send(np.zeros(8), right, 92)
+try:
+    comm.Recv(np.empty(4), left, 92, st)
+except MPI.Exception as exc:
+    assert exc.Get_error_class() == MPI.ERR_TRUNCATE, exc
+    if comm.cma is not None and left in comm.node_ranks:
+        assert (st.source, st.tag, st.Get_error()) == (left, 92, MPI.ERR_TRUNCATE), st
+else:
+    raise AssertionError("no truncation error with a Status")
+
+# -- a bad rank or tag: MPI.Exception with MPI's error class, whichever way it would go
+for call, error_class in [(lambda: comm.Send(a, size, 0), MPI.ERR_RANK),
+                          (lambda: comm.Recv(np.empty(16), size, 0), MPI.ERR_RANK),
+                          (lambda: comm.Send(a, right, -5), MPI.ERR_TAG)]:
+    try:
+        call()
+    except MPI.Exception as exc:
+        assert exc.Get_error_class() == error_class, exc
+    else:
+        raise AssertionError(f"no error class {error_class}")
+
 # -- other pt2pt: ready mode is standard mode; Sendrecv_replace
 comm.Rsend(np.ones(2), right, 95)
 comm.Recv(np.empty(2), left, 95)
@@ -268,7 +290,30 @@ dup = comm.Dup()
 assert isinstance(dup, cma.mpi.Comm) and dup != MPI.COMM_WORLD
 dup.send(rank, right, 1)
 assert dup.recv(source=left, tag=1) == left
+
+# -- with every rank on this node, Send and Recv are the cma communicator's own (no
+# wrapper frame per message) until Free; a subclass's override of them stays in charge
+every_rank_here = comm.cma is not None and len(comm.node_ranks) == size
+for wrapper in (comm, dup):
+    handed_out = {name: method.__self__ is wrapper.cma for name, method in vars(wrapper).items()}
+    assert handed_out == ({"Send": True, "Recv": True} if every_rank_here else {}), handed_out
 dup.Free()
+assert not vars(dup)
+
+
+class CountingSends(cma.mpi.Comm):
+    def Send(self, buf, dest, tag=0):
+        self.sends = getattr(self, "sends", 0) + 1
+        super().Send(buf, dest, tag)
+
+
+counting = CountingSends(MPI.COMM_WORLD.Dup())
+counting.Send(a, right, 5)
+out = np.empty(16)
+counting.Recv(out, left, 5)
+assert counting.sends == 1 and np.array_equal(out, np.arange(16, dtype=np.float64) + left)
+assert "Send" not in vars(counting) and ("Recv" in vars(counting)) == every_rank_here
+counting.Free()
 win = MPI.Win.Allocate(8, comm=comm)  # C-level mpi4py takes the wrapper itself
 win.Free()
 comm.barrier()

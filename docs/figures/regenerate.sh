@@ -30,6 +30,8 @@
 #                 its five turns before the next size), into latency-interleaved.txt:
 #                 how far series on the same code path still differ when measured
 #                 side by side.
+#   1f. latency-mpi-small - as 1c from 1 B to 64 KiB, seven rounds, into
+#                 latency-mpi-small.txt: the eager sizes, where a wrapper's call shows.
 #   2. bw       - window of 64 Isends + ack, 4 KiB .. 4 MiB, --quick.
 #                 Writes bw.txt, bw.json, bw.png.
 #   3. latency --cold - a never-touched receive buffer each iteration,
@@ -75,6 +77,9 @@ if [ ${#launch[@]} -gt 0 ]; then
     "${launch[@]}" python -m cma.bench latency --transport all --baseline memcpy,mpi4py \
         --min-size 1 --max-size 64M --rounds 5 --interleave "${guard[@]}" \
         > docs/figures/latency-interleaved.txt
+    "${launch[@]}" python -m cma.bench latency --transport cma.mpi --baseline mpi4py \
+        --min-size 1 --max-size 64K --rounds 7 --interleave "${guard[@]}" \
+        > docs/figures/latency-mpi-small.txt
 fi
 
 python -m cma.bench bw --transport all --min-size 4K --max-size 4M --quick "${guard[@]}" \

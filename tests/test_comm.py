@@ -706,6 +706,27 @@ def _readonly() -> np.ndarray:
     return arr
 
 
+@pytest.mark.parametrize("call", ["Recv", "Irecv"])
+def test_array_made_read_only_after_a_receive_is_refused(peer, call):
+    """The view kept from the first receive must not let a later one write into it."""
+    comm = peer.comm
+    peer.start(op_send, [pattern(8, 1), pattern(8, 2)], 6)
+    receive = getattr(comm, call)
+    arr = np.zeros(8, np.uint8)
+    first = receive(arr, source=1, tag=6)
+    if call == "Irecv":
+        first.Wait()
+    assert arr.tobytes() == pattern(8, 1).tobytes()
+    arr.flags.writeable = False
+    with pytest.raises(CmaBufferError, match="read-only"):
+        receive(arr, source=1, tag=6)
+    assert arr.tobytes() == pattern(8, 1).tobytes()
+    second = np.zeros(8, np.uint8)
+    comm.Recv(second, source=1, tag=6)  # the refused receive left the message alone
+    assert second.tobytes() == pattern(8, 2).tobytes()
+    peer.result()
+
+
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("case", list(ERROR_CASES))
 def test_error_raised_at_once(peer, case):

@@ -23,7 +23,9 @@ import numpy as np
 import pytest
 
 import cma
+from cma.comm import _shared_fds
 from cma.transports import REGISTRY
+from cma.world import WorldFds
 
 # The teaching transports (ptrace) make one system call per 8 bytes (~3 MB/s here), so the
 # matrix's messages of many MiB would take minutes each; test_transport_ptrace.py covers them.
@@ -238,21 +240,24 @@ def _rank_main(func, comm, conn):
         conn.close()
 
 
-def run_pair(transport, config, func0, func1, timeout=30.0):
-    """Run rank 0 and rank 1 of a fresh Pipe in two children; a hang fails, never blocks."""
+def run_ranks(transport, config, funcs, timeout=30.0, **options):
+    """Run ``funcs[r](comm)`` as rank r of a fresh world, each in a child; a hang fails, never
+    blocks. Returns what each returned, in rank order; ``options`` go to every ``cma.Comm``."""
     ctx = mp.get_context("fork")
-    a, b = cma.Pipe(transport=transport, config=config)
+    fds = WorldFds.create(len(funcs), config)
+    comms = [cma.Comm(_shared_fds(fds), rank, transport, **options) for rank in range(len(funcs))]
+    fds.close()
     procs, conns = [], []
     try:
-        for func, comm in ((func0, a), (func1, b)):
+        for func, comm in zip(funcs, comms, strict=True):
             recv_end, send_end = ctx.Pipe(duplex=False)
             proc = ctx.Process(target=_rank_main, args=(func, comm, send_end))
             proc.start()
             send_end.close()
             procs.append(proc)
             conns.append(recv_end)
-        a.close()
-        b.close()
+        for comm in comms:
+            comm.close()
         results = []
         deadline = time.monotonic() + timeout
         for rank, conn in enumerate(conns):
@@ -267,3 +272,10 @@ def run_pair(transport, config, func0, func1, timeout=30.0):
     finally:
         for proc in procs:
             stop_process(proc, 5.0)
+        for conn in conns:
+            conn.close()
+
+
+def run_pair(transport, config, func0, func1, timeout=30.0):
+    """Run rank 0 and rank 1 of a fresh pair in two children; a hang fails, never blocks."""
+    return run_ranks(transport, config, [func0, func1], timeout)

@@ -22,7 +22,7 @@ import pickle
 import random
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from itertools import pairwise
 from typing import Any
@@ -70,7 +70,7 @@ class Message:
     source: int
     tag: int
     how: str  # "Send" or "Isend" (a buffer), "isend" (an object)
-    data: Any  # what the sender passes
+    data: Any = field(repr=False)  # what the sender passes (MiBs: kept out of tracebacks)
     count: int  # bytes a buffer receive gets: the buffer, or the object's pickle stream
     digest: str  # of those bytes
 
@@ -79,10 +79,8 @@ class Message:
 class Plan:
     seed: int
     tags: list[int]
-    chunks: dict[int, list[list[Message]]]  # per sender: what it sends at each go-ahead
-
-    def messages(self, source: int) -> list[Message]:
-        return [m for chunk in self.chunks[source] for m in chunk]
+    # per sender: what it sends at each go-ahead
+    chunks: dict[int, list[list[Message]]] = field(repr=False)
 
 
 def message_size(rng: random.Random, config: cma.ChannelConfig) -> int:
@@ -156,7 +154,8 @@ class Model:
     tag admits."""
 
     def __init__(self, plan: Plan) -> None:
-        self.messages = {source: plan.messages(source) for source in plan.chunks}
+        self.messages = {source: [m for chunk in chunks for m in chunk]
+                         for source, chunks in plan.chunks.items()}
         self.taken = {source: [False] * len(ms) for source, ms in self.messages.items()}
 
     def disagreement(self, number: int, call: Call) -> str | None:
@@ -176,8 +175,9 @@ class Model:
             "truncated" if call.capacity is not None and m.count > call.capacity else m.digest
         if call.name not in PROBES:
             self.taken[source][index] = True
-        if call.seen != (m.source, m.tag, m.count, outcome):
-            return f"{said}; the model: message {index} of rank {source}, {m.tag, m.count, outcome}"
+        expected = (m.source, m.tag, m.count, outcome)
+        if call.seen != expected:
+            return f"{said}; the model: message {index} of rank {source}, {expected}"
         return None
 
     def unreceived(self) -> list[str]:
@@ -194,11 +194,11 @@ class Receiver:
     def __init__(self, plan: Plan, comm: cma.Comm) -> None:
         self.plan, self.comm = plan, comm
         self.rng = random.Random(f"receiver {plan.seed}")
-        self.messages = [m for source in plan.chunks for m in plan.messages(source)]
         self.sent = {source: 1 for source in plan.chunks}  # chunks each sender was let send
         # messages sent (or about to be) and not received yet, per (source, tag)
         self.left = Counter((m.source, m.tag) for chunks in plan.chunks.values() for m in chunks[0])
         self.model = Model(plan)
+        self.messages = [m for messages in self.model.messages.values() for m in messages]
         self.calls: list[Call] = []
         self.checked = 0  # calls agreed with the model so far
         self.pending: list[tuple[Call, cma.Request, Any]] = []  # with the buffer, if any
@@ -241,8 +241,12 @@ class Receiver:
     def record(self, call: Call, status: cma.Status, value: Any) -> None:
         if isinstance(value, tuple):  # an object message: compare its pickle stream
             value = pickle.dumps(value, protocol=5)
-        call.seen = (status.source, status.tag, status.count, digest(value))
-        self.left[call.seen[:2]] -= 1
+        self.saw(call, status.source, status.tag, status.count, digest(value))
+
+    def saw(self, call: Call, source: int, tag: int, count: int, outcome: str | None) -> None:
+        call.seen = (source, tag, count, outcome)
+        if call.name not in PROBES:
+            self.left[source, tag] -= 1
 
     def post(self, pattern: tuple[int, int] | None = None) -> None:
         """Irecv or irecv, left pending."""
@@ -279,8 +283,7 @@ class Receiver:
             else:
                 self.comm.Irecv(buf, *pattern).Wait(status)
         except TruncationError as exc:
-            call.seen = (exc.source, exc.tag, exc.nbytes, "truncated")
-            self.left[exc.source, exc.tag] -= 1
+            self.saw(call, exc.source, exc.tag, exc.nbytes, "truncated")
         else:
             self.record(call, status, memoryview(buf)[: status.count])
 
@@ -299,7 +302,7 @@ class Receiver:
                         self.rng.choice([ANY_TAG, *self.plan.tags]))
             if not self.comm.Iprobe(call.source, call.tag, status):
                 return
-        call.seen = (status.source, status.tag, status.count, None)
+        self.saw(call, status.source, status.tag, status.count, None)
         self.calls.append(call)
         if self.rng.random() < 0.85:  # else it stays for a later receive: probes take nothing
             # room for exactly the probed message, or a byte less, or more
@@ -357,7 +360,8 @@ class Receiver:
     def check(self) -> None:
         while self.checked < len(self.calls) and self.calls[self.checked].seen is not None:
             disagreement = self.model.disagreement(self.checked, self.calls[self.checked])
-            assert disagreement is None, disagreement
+            if disagreement:
+                raise AssertionError(disagreement)
             self.checked += 1
 
     def run(self) -> list[str]:

@@ -30,6 +30,8 @@ from cma.world import WorldFds
 # The teaching transports (ptrace) make one system call per 8 bytes (~3 MB/s here), so the
 # matrix's messages of many MiB would take minutes each; test_transport_ptrace.py covers them.
 TRANSPORTS = [*REGISTRY.practical(), "auto"]
+# the transports that can also write into the peer (RPUT, push=True)
+PUSH_TRANSPORTS = [n for n, cls in REGISTRY.classes.items() if "push" in cls.styles]
 CMD_TAG = 1_000_001
 RESULT_TAG = 1_000_002
 JOIN_TIMEOUT = 10.0

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from conftest import (
     JOIN_TIMEOUT,
+    PUSH_TRANSPORTS,
     QUEUED_SENDS,
     SMALL_RING,
     Peer,
@@ -1038,9 +1039,6 @@ def rput_child(comm):
     except TruncationError as exc:
         truncated = exc.nbytes
     comm.send((first, st.count, _describe(obj), truncated), 0, 4)
-
-
-PUSH_TRANSPORTS = [n for n, cls in REGISTRY.classes.items() if "push" in cls.styles]
 
 
 @pytest.mark.parametrize("name", PUSH_TRANSPORTS)

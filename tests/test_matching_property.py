@@ -29,14 +29,12 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import SMALL_RING, run_ranks
+from conftest import PUSH_TRANSPORTS, SMALL_RING, run_ranks
 
 import cma
 from cma import ANY_SOURCE, ANY_TAG
 from cma.errors import TruncationError
-from cma.transports import REGISTRY
 
-PUSH_TRANSPORTS = [n for n, cls in REGISTRY.classes.items() if "push" in cls.styles]
 CONFIGS = [pytest.param(cma.ChannelConfig(), id="default"),
            pytest.param(SMALL_RING, id="small-ring")]
 # (senders, seed). With one sender the world has two ranks, and rank 0 keeps the fast paths

@@ -303,6 +303,10 @@ class Request:
 class Comm:
     """A communicator of ``size`` ranks on one machine; this object is rank ``rank``."""
 
+    # What the non-blocking calls return: a subclass may hand out requests of its own
+    # (cma.mpi's node communicator: mpi4py's statuses and errors) at no cost per call.
+    _request: type[Request] = Request
+
     def __init__(self, fds: WorldFds, rank: int, transport: str = AUTO,
                  thresholds: dict[str, int] | None = None, **transport_options: Any) -> None:
         if transport != AUTO and transport not in REGISTRY.classes:
@@ -577,14 +581,8 @@ class Comm:
                 # Send never blocks on one, and its path writes straight into the ring
                 # when there is room instead of copying the payload into a packet first.
                 self.Send(buf, dest, tag)
-                return Request(self, None)
-        dest = self._check_dest(dest)
-        tag = self._check_tag(tag)
-        if dest == PROC_NULL:
-            return Request(self, None)
-        # (for a message within the eager limit: the ring is full, and a rendezvous costs
-        # less than copying the payload into a packet that waits for the ring)
-        return Request(self, self._start_send([mv], dest, tag, False, eager=False))
+                return self._request(self, None)
+        return self._isend(mv, dest, tag)
 
     def Irecv(self, buf: Any, source: int = ANY_SOURCE, tag: int = ANY_TAG) -> Request:
         if buf is self._recv_obj and buf.flags.writeable:
@@ -606,14 +604,28 @@ class Comm:
                 if n >= 0:
                     op = RecvOp(source, tag, mv, matched_source=peer,
                                 matched_tag=box.last_tag, nbytes=n, done=True)
-                    return Request(self, op)
+                    return self._request(self, op)
+        return self._irecv(mv, source, tag)
+
+    # Their general paths, apart for the same reason as _send and _recv.
+
+    def _isend(self, mv: memoryview, dest: Any, tag: Any) -> Request:
+        dest = self._check_dest(dest)
+        tag = self._check_tag(tag)
+        if dest == PROC_NULL:
+            return self._request(self, None)
+        # (for a message within the eager limit: the ring is full, and a rendezvous costs
+        # less than copying the payload into a packet that waits for the ring)
+        return self._request(self, self._start_send([mv], dest, tag, False, eager=False))
+
+    def _irecv(self, mv: memoryview, source: Any, tag: Any) -> Request:
         source = self._check_source(source)
         tag = self._check_tag(tag, wildcard=True)
         if source == PROC_NULL:
-            return Request(self, _null_recv())
+            return self._request(self, _null_recv())
         op, actions = self._engine.recv(source, tag, mv)
         self._run(actions)
-        return Request(self, op)
+        return self._request(self, op)
 
     # -- objects (pickle protocol 5, large buffers out of band through the transport)
 
@@ -646,8 +658,8 @@ class Comm:
         dest = self._check_dest(dest)
         tag = self._check_tag(tag)
         if dest == PROC_NULL:
-            return Request(self, None)
-        return Request(self, self._start_send(self._pickle(obj), dest, tag, True))
+            return self._request(self, None)
+        return self._request(self, self._start_send(self._pickle(obj), dest, tag, True))
 
     def recv(self, buf: Any = None, source: int = ANY_SOURCE, tag: int = ANY_TAG,
              status: Status | None = None) -> Any:
@@ -660,10 +672,10 @@ class Comm:
         source = self._check_source(source)
         tag = self._check_tag(tag, wildcard=True)
         if source == PROC_NULL:
-            return Request(self, _null_recv(), is_object=True)
+            return self._request(self, _null_recv(), is_object=True)
         op, actions = self._engine.recv(source, tag, None)
         self._run(actions)
-        return Request(self, op, is_object=True)
+        return self._request(self, op, is_object=True)
 
     def sendrecv(self, sendobj: Any, dest: int, sendtag: int = 0, recvbuf: Any = None,
                  source: int = ANY_SOURCE, recvtag: int = ANY_TAG,

@@ -53,6 +53,8 @@ from .comm import Status as CmaStatus
 from .errors import CmaError, InvalidRank, InvalidTag, PeerGone, TruncationError
 from .protocol import ANY_SOURCE as CMA_ANY_SOURCE
 from .protocol import ANY_TAG as CMA_ANY_TAG
+from .protocol import PROC_NULL as CMA_PROC_NULL
+from .protocol import RecvOp, SendOp
 from .world import CONNECT_TIMEOUT, WorldFds
 
 __all__ = [
@@ -76,7 +78,11 @@ if _ANY_TAG != CMA_ANY_TAG:  # -1 in MPICH, Open MPI, Intel MPI, MS-MPI: tags pa
 _BYTE = MPI.BYTE
 _fromcode = getattr(MPI.Datatype, "fromcode", None) or MPI._typedict.__getitem__  # mpi4py 4 / 3
 _SPECS = frozenset((list, tuple))  # what an mpi4py buffer spec (not a plain buffer) is
-_HANDED_OUT = ("Send", "Recv")  # methods an all-on-node Comm takes from its cma communicator
+# methods an all-on-node Comm takes from its cma communicator
+_HANDED_OUT = ("Send", "Recv", "Isend", "Irecv")
+# The handed-out methods get the caller's ranks as they are, so they need MPI's wildcard
+# ranks to be cma's: so in MPICH; Open MPI swaps ANY_SOURCE (-1) and PROC_NULL (-2).
+_SAME_WILDCARDS = _ANY_SOURCE == CMA_ANY_SOURCE and MPI.PROC_NULL == CMA_PROC_NULL
 _NO_BYTES = memoryview(b"")
 
 # Unbound MPI methods: the off-node path calls them on ``self`` (which is the MPI comm).
@@ -246,14 +252,16 @@ class _NodeComm(CmaComm):
     """The cma communicator of this node's ranks, speaking mpi4py where the hot paths end.
 
     When every rank is on this node, its ranks are the wrapped communicator's and
-    ``Comm`` hands out its ``Send`` and ``Recv`` as its own: a message then costs no
-    wrapper frame. So buffer specs are converted, statuses filled and errors raised as
-    mpi4py's here, on the paths the eager fast paths fall back to.
+    ``Comm`` hands out its point-to-point methods as its own (``_HANDED_OUT``): a
+    message then costs no wrapper frame, and a non-blocking call returns one request
+    (``_NodeRequest``) instead of a wrapper around cma's. So buffer specs are converted,
+    statuses filled and errors raised as mpi4py's here, on the paths the eager fast
+    paths fall back to.
     """
 
-    def __init__(self, fail: Callable[..., NoReturn], *args: Any, **options: Any) -> None:
+    def __init__(self, mpi: Comm, *args: Any, **options: Any) -> None:
         super().__init__(*args, **options)
-        self._fail = fail  # the wrapper's: runs its error handler, raises its exception
+        self._mpi = mpi  # the wrapper: its _fail runs the error handler, raises its exception
         self._send_spec = _SpecCache()
         self._recv_spec = _SpecCache()
         self._mpi_scratch = CmaStatus()
@@ -267,7 +275,7 @@ class _NodeComm(CmaComm):
         try:
             super()._send(mv, dest, tag)
         except CmaError as exc:
-            self._fail(exc)
+            self._mpi._fail(exc)
 
     def _recv(self, mv: memoryview, source: Any, tag: Any, status: Any) -> None:
         mpi_status = None if status is None or status.__class__ is CmaStatus else status
@@ -275,9 +283,21 @@ class _NodeComm(CmaComm):
         try:
             super()._recv(mv, source, tag, scratch)
         except CmaError as exc:
-            self._fail(exc, mpi_status)
+            self._mpi._fail(exc, mpi_status)
         if mpi_status is not None:
             _fill(mpi_status, scratch.source, scratch.tag, scratch.count)
+
+    def _isend(self, mv: memoryview, dest: Any, tag: Any) -> CmaRequest:
+        try:
+            return super()._isend(mv, dest, tag)
+        except CmaError as exc:
+            self._mpi._fail(exc)
+
+    def _irecv(self, mv: memoryview, source: Any, tag: Any) -> CmaRequest:
+        try:
+            return super()._irecv(mv, source, tag)
+        except CmaError as exc:
+            self._mpi._fail(exc)
 
 
 # ------------------------------------------------------------------ bootstrap
@@ -383,7 +403,7 @@ def _bootstrap(comm: Comm, transport: str, options: dict[str, Any]
         if len(members) > 1:
             try:
                 fds = _share_world(node, members)
-                cma = _NodeComm(comm._fail, fds, node.Get_rank(), transport, **options)
+                cma = _NodeComm(comm, fds, node.Get_rank(), transport, **options)
                 cma.attach()  # now: a rank that never talks on-node must not stall the others
             except (CmaError, OSError, ValueError) as exc:
                 error = f"rank {rank}: {exc}"
@@ -405,13 +425,13 @@ def _bootstrap(comm: Comm, transport: str, options: dict[str, Any]
     return cma, members, machine, barrier
 
 
-def _overlap(a: Request, source: int, tag: int) -> bool:
+def _overlap(a: _RoutedRequest, source: int, tag: int) -> bool:
     """Whether receive ``a`` and a receive for (source, tag) could take the same message."""
     return (a._source == source or a._source == _ANY_SOURCE or source == _ANY_SOURCE) and \
         (a._tag == tag or a._tag == _ANY_TAG or tag == _ANY_TAG)
 
 
-def _owner(waiting: Sequence[Request], source: int, tag: int) -> bool:
+def _owner(waiting: Sequence[_RoutedRequest], source: int, tag: int) -> bool:
     """Whether one of the waiting receives matches a message from ``source`` with ``tag``."""
     return any((w._source == source or w._source == _ANY_SOURCE)
                and (w._tag == tag or w._tag == _ANY_TAG) for w in waiting)
@@ -426,11 +446,155 @@ _EMPTY = (_ANY_SOURCE, _ANY_TAG, 0)
 class Request:
     """An mpi4py-style request on an on-node (cma) or off-node (MPI) operation.
 
-    Not an ``MPI.Request`` (MPI could not progress it): wait for a list with
+    Not an ``MPI.Request`` (MPI could not progress cma): wait for a list with
     ``cma.mpi.Request.Waitall``, which also takes plain ``MPI.Request`` objects. A
     completed request becomes inactive: waiting again returns at once with an empty
     status, as for ``MPI.REQUEST_NULL``.
     """
+
+    # Two kinds: cma's own request where every peer is on this node (_NodeRequest),
+    # else one that routes to either engine (_RoutedRequest). What the methods below
+    # need from them: _poll progresses once and says whether the request is complete,
+    # _complete blocks until it is, _outcome is the (source, tag, bytes) it will report,
+    # _report fills a status, raises a failure, hands over the value and leaves the
+    # request inactive; _wrapper is the Comm it came from.
+    __slots__ = ()
+
+    def _poll(self) -> bool:
+        raise NotImplementedError
+
+    def _complete(self) -> None:
+        raise NotImplementedError
+
+    def _outcome(self) -> tuple[int, int, int]:
+        raise NotImplementedError
+
+    def _report(self, status: MPI.Status | None) -> Any:
+        raise NotImplementedError
+
+    def _wrapper(self) -> Comm:
+        raise NotImplementedError
+
+    # -- mpi4py's API
+
+    def Wait(self, status: MPI.Status | None = None) -> Literal[True]:
+        self._complete()
+        self._report(status)
+        return True
+
+    def wait(self, status: MPI.Status | None = None) -> Any:
+        self._complete()
+        return self._report(status)
+
+    def Test(self, status: MPI.Status | None = None) -> bool:
+        if not self._poll():
+            return False
+        self._report(status)
+        return True
+
+    def test(self, status: MPI.Status | None = None) -> tuple[bool, Any]:
+        if not self._poll():
+            return False, None
+        return True, self._report(status)
+
+    def Get_status(self, status: MPI.Status | None = None) -> bool:
+        """Whether it has completed, without completing it (``status`` filled if so)."""
+        if not self._poll():
+            return False
+        if status is not None:
+            _fill(status, *self._outcome())
+        return True
+
+    # -- many requests
+
+    @staticmethod
+    def _adopt(requests: Sequence[Request | MPI.Request]) -> list[Request]:
+        """Our requests, plain MPI requests wrapped so that one loop progresses both."""
+        first = next((r for r in requests if isinstance(r, Request)), None)
+        if first is None and requests:
+            raise TypeError("cma.mpi.Request.Waitall and friends need at least one request "
+                            "from a cma.mpi.Comm; use MPI.Request's methods for plain ones")
+        out = []
+        for r in requests:
+            if isinstance(r, Request):
+                out.append(r)
+            else:
+                assert first is not None
+                comm = first._wrapper()
+                out.append(_RoutedRequest(comm, None, r, False) if r else _inactive(comm))
+        return out
+
+    @staticmethod
+    def _report_all(requests: list[Request], statuses: list[MPI.Status] | None) -> list[Any]:
+        if statuses is not None:
+            statuses.extend(MPI.Status() for _ in range(len(requests) - len(statuses)))
+        values = []
+        first: BaseException | None = None
+        for i, req in enumerate(requests):
+            try:
+                values.append(req._report(None if statuses is None else statuses[i]))
+            except (MPI.Exception, CmaError) as exc:  # report every request, raise the first failure
+                values.append(None)
+                first = first or exc
+        if first is not None:
+            raise first
+        return values
+
+    @classmethod
+    def Waitall(cls, requests: Sequence[Request | MPI.Request],
+                statuses: list[MPI.Status] | None = None) -> Literal[True]:
+        cls.waitall(requests, statuses)
+        return True
+
+    @classmethod
+    def waitall(cls, requests: Sequence[Request | MPI.Request],
+                statuses: list[MPI.Status] | None = None) -> list[Any]:
+        reqs = cls._adopt(requests)
+        for req in reqs:
+            req._complete()
+        return cls._report_all(reqs, statuses)
+
+    @classmethod
+    def Testall(cls, requests: Sequence[Request | MPI.Request],
+                statuses: list[MPI.Status] | None = None) -> bool:
+        return cls.testall(requests, statuses)[0]
+
+    @classmethod
+    def testall(cls, requests: Sequence[Request | MPI.Request],
+                statuses: list[MPI.Status] | None = None) -> tuple[bool, list[Any] | None]:
+        reqs = cls._adopt(requests)
+        if not all([req._poll() for req in reqs]):  # a list: progress every one each time
+            return False, None
+        return True, cls._report_all(reqs, statuses)
+
+    @classmethod
+    def Waitany(cls, requests: Sequence[Request | MPI.Request],
+                status: MPI.Status | None = None) -> int:
+        return cls.waitany(requests, status)[0]
+
+    @classmethod
+    def waitany(cls, requests: Sequence[Request | MPI.Request],
+                status: MPI.Status | None = None) -> tuple[int, Any]:
+        """(index, value) of a completed request; (``MPI.UNDEFINED``, None) if none is active."""
+        reqs = cls._adopt(requests)
+        active = [i for i, req in enumerate(reqs) if req]
+        if not active:
+            if status is not None:
+                _fill(status, *_EMPTY)
+            return MPI.UNDEFINED, None
+        found: list[int] = []
+
+        def any_done() -> bool:
+            found.extend(i for i in active if reqs[i]._poll())
+            return bool(found)
+
+        reqs[active[0]]._wrapper()._progress_until(any_done, None)
+        return found[0], reqs[found[0]]._report(status)
+
+
+class _RoutedRequest(Request):
+    """A request of a Comm with peers off its node: a cma or an MPI request inside, or
+    (on a mixed rank) a receive still waiting behind a wildcard to be posted in either."""
 
     __slots__ = ("_comm", "_creq", "_mreq", "_object", "_peer", "_state", "_buf", "_source",
                  "_tag", "_record", "_error", "_value")
@@ -457,6 +621,9 @@ class Request:
         self._object = is_object
         self._peer = peer
         self._state = ACTIVE
+
+    def _wrapper(self) -> Comm:
+        return self._comm
 
     # -- completion, kept until reported (so that Testall completes all or none)
 
@@ -549,41 +716,12 @@ class Request:
         self._error = self._value = None
         if status is not None:
             _fill(status, *self._record)
-        if isinstance(error, CmaError):
-            self._comm._fail(error, status)
         if error is not None:
-            raise error
+            self._comm._fail(error, status)
         return value
 
-    # -- mpi4py's API
-
-    def Wait(self, status: MPI.Status | None = None) -> Literal[True]:
-        self._complete()
-        self._report(status)
-        return True
-
-    def wait(self, status: MPI.Status | None = None) -> Any:
-        self._complete()
-        return self._report(status)
-
-    def Test(self, status: MPI.Status | None = None) -> bool:
-        if not self._poll():
-            return False
-        self._report(status)
-        return True
-
-    def test(self, status: MPI.Status | None = None) -> tuple[bool, Any]:
-        if not self._poll():
-            return False, None
-        return True, self._report(status)
-
-    def Get_status(self, status: MPI.Status | None = None) -> bool:
-        """Whether it has completed, without completing it (``status`` filled if so)."""
-        if not self._poll():
-            return False
-        if status is not None:
-            _fill(status, *(self._record if self._state == COMPLETE else _EMPTY))
-        return True
+    def _outcome(self) -> tuple[int, int, int]:
+        return self._record if self._state == COMPLETE else _EMPTY
 
     def __bool__(self) -> bool:
         """False once completed and reported, as ``MPI.REQUEST_NULL`` is."""
@@ -593,93 +731,90 @@ class Request:
         where = "cma" if self._creq is not None else "MPI" if self._mreq is not None else "pending"
         return f"<cma.mpi.Request {where} {('active', 'complete', 'inactive')[self._state]}>"
 
-    # -- many requests
 
-    @staticmethod
-    def _adopt(requests: Sequence[Request | MPI.Request]) -> list[Request]:
-        """Our requests, plain MPI requests wrapped so that one loop progresses both."""
-        comm = next((r._comm for r in requests if isinstance(r, Request)), None)
-        out = []
-        for r in requests:
-            if isinstance(r, Request):
-                out.append(r)
-            elif comm is None:
-                raise TypeError("cma.mpi.Request.Waitall and friends need at least one request "
-                                "from a cma.mpi.Comm; use MPI.Request's methods for plain ones")
-            else:
-                out.append(Request(comm, None, r, False) if r else _inactive(comm))
-        return out
+class _Finished:
+    """The op of a _NodeRequest once reported, or once waiting for it failed (PeerGone)."""
 
-    @staticmethod
-    def _report_all(requests: list[Request], statuses: list[MPI.Status] | None) -> list[Any]:
-        if statuses is not None:
-            statuses.extend(MPI.Status() for _ in range(len(requests) - len(statuses)))
-        values = []
-        first: BaseException | None = None
-        for i, req in enumerate(requests):
+    __slots__ = ("error",)
+    done = True
+
+    def __init__(self, error: CmaError | None) -> None:
+        self.error = error
+
+
+_REPORTED = _Finished(None)
+
+
+# (a cma request whose methods take MPI.Status where cma's take cma.Status: hence the ignore)
+class _NodeRequest(Request, CmaRequest):  # type: ignore[misc]
+    """cma's own request, as a Comm whose peers are all on its node hands it out.
+
+    One object per message instead of two: the node is the whole communicator, so cma's
+    ranks are the wrapped communicator's and only statuses, errors and inactivity need
+    mpi4py's behaviour, all of it here.
+    """
+
+    __slots__ = ()
+    _comm: _NodeComm
+    _op: SendOp | RecvOp | _Finished | None  # type: ignore[assignment]
+
+    def _wrapper(self) -> Comm:
+        return self._comm._mpi
+
+    def _poll(self) -> bool:
+        op = self._op
+        if op is None or op.done:
+            return True
+        try:
+            self._comm._progress()
+        except CmaError as exc:
+            self._op = _Finished(exc)
+            return True
+        return op.done
+
+    def _complete(self) -> None:
+        op = self._op
+        if op is not None and not op.done:
             try:
-                values.append(req._report(None if statuses is None else statuses[i]))
-            except (MPI.Exception, CmaError) as exc:  # report every request, raise the first failure
-                values.append(None)
-                first = first or exc
-        if first is not None:
-            raise first
-        return values
+                self._comm._wait(op)  # type: ignore[arg-type]
+            except CmaError as exc:
+                self._op = _Finished(exc)
 
-    @classmethod
-    def Waitall(cls, requests: Sequence[Request | MPI.Request],
-                statuses: list[MPI.Status] | None = None) -> Literal[True]:
-        cls.waitall(requests, statuses)
-        return True
+    def _outcome(self) -> tuple[int, int, int]:
+        op = self._op
+        if isinstance(op, RecvOp):
+            return op.matched_source, op.matched_tag, op.nbytes
+        return _EMPTY
 
-    @classmethod
-    def waitall(cls, requests: Sequence[Request | MPI.Request],
-                statuses: list[MPI.Status] | None = None) -> list[Any]:
-        reqs = cls._adopt(requests)
-        for req in reqs:
-            req._complete()
-        return cls._report_all(reqs, statuses)
+    def _report(self, status: MPI.Status | None) -> Any:
+        op = self._op
+        error: BaseException | None = None
+        value = None
+        if isinstance(op, RecvOp):
+            error, op.error = op.error, None
+            if error is None and self._object and op.matched_source != CMA_PROC_NULL:
+                value = self._comm._unpickle(op)
+        elif isinstance(op, _Finished):
+            error = op.error
+        if status is not None:
+            _fill(status, *self._outcome())
+        self._op = _REPORTED
+        if error is not None:
+            self._comm._mpi._fail(error, status)
+        return value
 
-    @classmethod
-    def Testall(cls, requests: Sequence[Request | MPI.Request],
-                statuses: list[MPI.Status] | None = None) -> bool:
-        return cls.testall(requests, statuses)[0]
+    def __bool__(self) -> bool:
+        """False once completed and reported, as ``MPI.REQUEST_NULL`` is."""
+        return self._op is not _REPORTED
 
-    @classmethod
-    def testall(cls, requests: Sequence[Request | MPI.Request],
-                statuses: list[MPI.Status] | None = None) -> tuple[bool, list[Any] | None]:
-        reqs = cls._adopt(requests)
-        if not all([req._poll() for req in reqs]):  # a list: progress every one each time
-            return False, None
-        return True, cls._report_all(reqs, statuses)
-
-    @classmethod
-    def Waitany(cls, requests: Sequence[Request | MPI.Request],
-                status: MPI.Status | None = None) -> int:
-        return cls.waitany(requests, status)[0]
-
-    @classmethod
-    def waitany(cls, requests: Sequence[Request | MPI.Request],
-                status: MPI.Status | None = None) -> tuple[int, Any]:
-        """(index, value) of a completed request; (``MPI.UNDEFINED``, None) if none is active."""
-        reqs = cls._adopt(requests)
-        active = [i for i, req in enumerate(reqs) if req]
-        if not active:
-            if status is not None:
-                _fill(status, *_EMPTY)
-            return MPI.UNDEFINED, None
-        found: list[int] = []
-
-        def any_done() -> bool:
-            found.extend(i for i in active if reqs[i]._poll())
-            return bool(found)
-
-        reqs[active[0]]._comm._progress_until(any_done, None)
-        return found[0], reqs[found[0]]._report(status)
+    def __repr__(self) -> str:
+        op = self._op
+        state = "inactive" if op is _REPORTED else "complete" if op is None or op.done else "active"
+        return f"<cma.mpi.Request cma {state}>"
 
 
-def _inactive(comm: Comm) -> Request:
-    req = Request(comm, None, None, False)
+def _inactive(comm: Comm) -> _RoutedRequest:
+    req = _RoutedRequest(comm, None, None, False)
     req._state = INACTIVE
     return req
 
@@ -716,7 +851,7 @@ class Comm(MPI.Intracomm):
     _mixed: bool  # this rank has peers on this node and on others
     _cma_any: bool  # every peer is on this node: ANY_SOURCE is cma's
     _pidfds: dict[int, int]  # cma rank -> pidfd, to notice a peer's exit on a mixed rank
-    _deferred: list[Request]  # receives waiting behind a wildcard receive (mixed ranks)
+    _deferred: list[_RoutedRequest]  # receives waiting behind a wildcard receive (mixed ranks)
     _cstatus: CmaStatus  # reused: one thread uses a communicator at a time
     _cma_first: bool
     _yield: bool  # more ranks than cores on this machine: yield while spinning
@@ -762,7 +897,8 @@ class Comm(MPI.Intracomm):
         self._cma_any = not self._mixed
         if self._cma_any:
             self._fast = {**self._local, _ANY_SOURCE: CMA_ANY_SOURCE}
-            for name in _HANDED_OUT:
+            cma._request = _NodeRequest
+            for name in _HANDED_OUT if _SAME_WILDCARDS else ():
                 if getattr(type(self), name) is getattr(Comm, name):  # not overridden
                     self.__dict__[name] = getattr(cma, name)
         else:
@@ -791,8 +927,9 @@ class Comm(MPI.Intracomm):
 
     # -- errors
 
-    def _fail(self, exc: CmaError, status: MPI.Status | None = None) -> NoReturn:
-        """Raise a cma error as mpi4py would, after the communicator's error handler ran."""
+    def _fail(self, exc: BaseException, status: MPI.Status | None = None) -> NoReturn:
+        """Raise a cma error as mpi4py would, after the communicator's error handler ran
+        (any other exception as it is)."""
         error: MPI.Exception
         if isinstance(exc, TruncationError):
             source = self._ranks[exc.source]
@@ -866,13 +1003,12 @@ class Comm(MPI.Intracomm):
     def Isend(self, buf: Any, dest: int, tag: int = 0) -> Request:  # type: ignore[override]
         peer = self._local.get(dest)
         if peer is None:
-            return Request(self, None, _mpi_isend(self, buf, dest, tag), False)
-        if buf.__class__ in _SPECS:
-            buf = _spec(buf)
+            return _RoutedRequest(self, None, _mpi_isend(self, buf, dest, tag), False)
         try:
-            return Request(self, self._cma.Isend(buf, peer, tag), None, False, peer)  # type: ignore[union-attr]
+            creq = self._cma.Isend(buf, peer, tag)  # type: ignore[union-attr]
         except CmaError as exc:
             self._fail(exc)
+        return self._on_node(creq, False, peer)
 
     def Irsend(self, buf: Any, dest: int, tag: int = 0) -> Request:  # type: ignore[override]
         return self.Isend(buf, dest, tag)
@@ -898,30 +1034,22 @@ class Comm(MPI.Intracomm):
 
     def recv(self, buf: Any = None, source: int = _ANY_SOURCE, tag: int = _ANY_TAG,
              status: MPI.Status | None = None) -> Any:
-        peer = self._fast.get(source)
-        if peer is None:
-            if not self._mixed:
-                return _mpi_recv_obj(self, buf, source, tag, status)
-            if source in self._local or source == _ANY_SOURCE:
-                return self._irecv(buf, source, tag, True).wait(status)
+        if source in self._fast or self._mixed and (source in self._local
+                                                    or source == _ANY_SOURCE):
+            return self._irecv(buf, source, tag, True).wait(status)
+        if self._mixed:
             return self._recv_mpi_mixed(source, tag, status)  # any size, as mpi4py's recv
-        cs = self._cstatus
-        try:
-            obj = self._cma.recv(None, peer, tag, cs)  # type: ignore[union-attr]
-        except CmaError as exc:
-            self._fail(exc, status)
-        if status is not None:
-            _fill(status, self._ranks[cs.source], cs.tag, cs.count)
-        return obj
+        return _mpi_recv_obj(self, buf, source, tag, status)
 
     def isend(self, obj: Any, dest: int, tag: int = 0) -> Request:  # type: ignore[override]
         peer = self._local.get(dest)
         if peer is None:
-            return Request(self, None, _mpi_isend_obj(self, obj, dest, tag), True)
+            return _RoutedRequest(self, None, _mpi_isend_obj(self, obj, dest, tag), True)
         try:
-            return Request(self, self._cma.isend(obj, peer, tag), None, True, peer)  # type: ignore[union-attr]
+            creq = self._cma.isend(obj, peer, tag)  # type: ignore[union-attr]
         except CmaError as exc:
             self._fail(exc)
+        return self._on_node(creq, True, peer)
 
     def irecv(self, buf: Any = None, source: int = _ANY_SOURCE,  # type: ignore[override]
               tag: int = _ANY_TAG) -> Request:
@@ -1029,21 +1157,36 @@ class Comm(MPI.Intracomm):
             _fill(status, self._ranks[cs.source], cs.tag, cs.count)
         return found
 
+    def _on_node(self, creq: CmaRequest, is_object: bool, peer: int) -> Request:
+        """The request of an on-node operation: cma's own when every peer is on this node."""
+        if self._cma_any:
+            return creq  # type: ignore[return-value]  # a _NodeRequest (see __init__)
+        return _RoutedRequest(self, creq, None, is_object, peer)
+
     def _irecv(self, buf: Any, source: int, tag: int, is_object: bool) -> Request:
+        peer = self._fast.get(source)
+        if peer is not None:
+            cma = self._cma
+            assert cma is not None
+            try:
+                creq = cma.irecv(None, peer, tag) if is_object else cma.Irecv(buf, peer, tag)
+            except CmaError as exc:
+                self._fail(exc)
+            return self._on_node(creq, is_object, peer)
         if self._mixed and (source == _ANY_SOURCE
                             or any(_overlap(w, source, tag) for w in self._deferred)):
-            req = Request(self, None, None, is_object)
+            req = _RoutedRequest(self, None, None, is_object)
             req._buf = buf
             req._source = source
             req._tag = tag
             self._deferred.append(req)
             self._advance()
             return req
-        req = Request(self, None, None, is_object)
+        req = _RoutedRequest(self, None, None, is_object)
         self._post(req, buf, source, tag)
         return req
 
-    def _post(self, req: Request, buf: Any, source: int, tag: int) -> None:
+    def _post(self, req: _RoutedRequest, buf: Any, source: int, tag: int) -> None:
         """Post ``req`` now in the channel of ``source`` (cma for ANY_SOURCE on one node)."""
         peer = self._local.get(source)
         if peer is None and not (source == _ANY_SOURCE and self._cma_any):
@@ -1058,7 +1201,7 @@ class Comm(MPI.Intracomm):
             if req._object:
                 req._creq = cma.irecv(None, peer, tag)
             else:
-                req._creq = cma.Irecv(_spec(buf) if buf.__class__ in _SPECS else buf, peer, tag)
+                req._creq = cma.Irecv(buf, peer, tag)  # (_NodeComm converts buffer specs)
         except CmaError as exc:
             self._fail(exc)
         req._peer = peer
@@ -1072,7 +1215,7 @@ class Comm(MPI.Intracomm):
         otherwise it takes the first message it matches unless an earlier waiting receive
         matches that message too (then the earlier one gets it on a later pass).
         """
-        waiting: list[Request] = []
+        waiting: list[_RoutedRequest] = []
         for req in self._deferred:
             if req._source != _ANY_SOURCE and not any(_overlap(w, req._source, req._tag)
                                                       for w in waiting):
@@ -1083,7 +1226,7 @@ class Comm(MPI.Intracomm):
             req._buf = None
         self._deferred = waiting
 
-    def _match(self, req: Request, earlier: list[Request]) -> bool:
+    def _match(self, req: _RoutedRequest, earlier: list[_RoutedRequest]) -> bool:
         """Post ``req`` for exactly the first message it matches, if no earlier one owns it."""
         source, tag = req._source, req._tag
         peer = self._local.get(source)

@@ -136,6 +136,11 @@ def test_one_node_transport(transport: str) -> None:
     assert set(expect_ok(3, "p2p.py", transport).values()) == {"cma"}
 
 
+def test_one_node_through_the_wrapper() -> None:
+    """Nothing handed out (a subclass overrides Send, Recv, Isend, Irecv; or Open MPI)."""
+    assert set(expect_ok(3, "p2p.py", "auto", "subclass").values()) == {"cma"}
+
+
 def test_disabled() -> None:
     found = expect_ok(3, "p2p.py", env={"CMA_MPI_DISABLE": "1"})
     assert set(found.values()) == {"disabled"}

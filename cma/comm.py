@@ -615,7 +615,8 @@ class Comm:
         if dest == PROC_NULL:
             return self._request(self, None)
         # (for a message within the eager limit: the ring is full, and a rendezvous costs
-        # less than copying the payload into a packet that waits for the ring)
+        # less than copying the payload into a packet that waits for the ring; the
+        # receiver pulls it where it can, see Policy.choose)
         return self._request(self, self._start_send([mv], dest, tag, False, eager=False))
 
     def _irecv(self, mv: memoryview, source: Any, tag: Any) -> Request:

@@ -147,10 +147,11 @@ class Net:
     # -- user calls
 
     def send(self, rank: int, dest: int, tag: int, data: bytes | list[bytes],
-             is_object: bool = False, regions: bool = True) -> SendOp:
+             is_object: bool = False, regions: bool = True, eager: bool = True) -> SendOp:
         parts = [data] if isinstance(data, (bytes, bytearray)) else list(data)
         segments = [self.mem.buffer(p) for p in parts]
-        op, actions = self.engines[rank].send(dest, tag, segments, is_object, expose=regions)
+        op, actions = self.engines[rank].send(dest, tag, segments, is_object, expose=regions,
+                                              eager=eager)
         self.act(rank, actions)
         return op
 
@@ -1125,6 +1126,34 @@ def test_policy_thresholds():
     assert p.choose(1, 1 << 16, ALL) == (PULL, "vmfd")
     assert p.choose(1, 1 << 20, ALL) == (PULL, "cma")
     assert p.choose(1, 1 << 30, ALL) == (PULL, "cma")
+
+
+def test_policy_ring_full_pulls_whatever_the_threshold():
+    # auto's set-up: cma only from 4 MiB and only where SPLIT works, else the pipeline
+    p = Policy(order=["cma", "vmfd", "shm"], pullable={1: {"cma"}, 2: {"vmfd"}},
+               pushable={1: {"cma"}, 3: {"cma"}}, thresholds={"cma": 4 << 20, "vmfd": 1 << 40},
+               split_only={"cma"})
+    assert p.choose(1, 1 << 20, ALL) == (PIPELINE, "shm")
+    assert p.choose(1, 1 << 20, ALL, ring_full=True) == (PULL, "cma")
+    assert p.choose(2, 1 << 20, ALL, ring_full=True) == (PULL, "vmfd")
+    # nothing to pull with: as usual (a push would wait for the busy sender too)
+    assert p.choose(1, 1 << 20, PUSH | PIPELINE, ring_full=True) == (PIPELINE, "shm")
+    assert p.choose(3, 1 << 20, ALL, ring_full=True) == (PIPELINE, "shm")
+    p.forced = "shm"
+    assert p.choose(1, 1 << 20, ALL, ring_full=True) == (PIPELINE, "shm")
+
+
+def test_a_rendezvous_within_the_eager_limit_is_pulled():
+    """The sender's ring was full (eager=False): the receiver pulls it, not the pipeline."""
+    p = Policy(order=["cma", "shm"], pullable={0: {"cma"}}, thresholds={"cma": 4 << 20},
+               split_only={"cma"})
+    net = Net(policies=[Policy(), p])
+    for nbytes, expected in ((LIMIT, "cma"), (LIMIT + 1, "shm")):
+        data = payload(nbytes)
+        rop = net.recv(1, 0, 5, nbytes)
+        sop = net.send(0, 1, 5, data, eager=False)
+        net.pump()
+        assert sop.done and received(rop) == data and rop.mechanism == expected
 
 
 def test_policy_staged_threshold_falls_back_to_shm():

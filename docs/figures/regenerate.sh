@@ -6,7 +6,7 @@
 #
 #     bash docs/figures/regenerate.sh
 #
-# What it runs (25-45 minutes on a 2-vCPU machine, depending on the guard's waits). Every step passes
+# What it runs (25-50 minutes on a 2-vCPU machine, depending on the guard's waits). Every step passes
 # --guard 60 when the machine has two CPUs: each size is timed only while a probe finds
 # the CPUs passing data at their usual speed (guide.md, section 6).
 #   1. latency  - blocking ping-pong, 8 B .. 64 MiB, every transport, one round.
@@ -16,7 +16,7 @@
 #                 `mpiexec -n 2` with mpi4py 4.1), the latency steps run under
 #                 `mpiexec -n 2`, which adds the plain `mpi4py` baseline and the
 #                 `cma.mpi` series. Without mpiexec, cma-bench spawns its own
-#                 two processes, those two series are absent and 1c-1e are skipped.
+#                 two processes, those two series are absent and 1c-1g are skipped.
 #   1b. latency-large - the same from 64 MiB to 256 MiB, into latency-large.txt.
 #   1c. latency-mpi - cma.mpi.Comm against plain mpi4py alone, 1 B .. 64 MiB, nine
 #                 rounds interleaved (at each size both series take all their turns
@@ -32,6 +32,9 @@
 #                 side by side.
 #   1f. latency-mpi-small - as 1c from 1 B to 64 KiB, seven rounds, into
 #                 latency-mpi-small.txt: the eager sizes, where a wrapper's call shows.
+#   1g. bw-mpi  - cma.mpi.Comm against plain mpi4py in the osu_bw pattern (a window of
+#                 64 Isends, Waitall, a 1-byte ack), 8 B .. 4 MiB, five rounds
+#                 interleaved, into bw-mpi.txt.
 #   2. bw       - window of 64 Isends + ack, 4 KiB .. 4 MiB, --quick.
 #                 Writes bw.txt, bw.json, bw.png.
 #   3. latency --cold - a never-touched receive buffer each iteration,
@@ -80,6 +83,9 @@ if [ ${#launch[@]} -gt 0 ]; then
     "${launch[@]}" python -m cma.bench latency --transport cma.mpi --baseline mpi4py \
         --min-size 1 --max-size 64K --rounds 7 --interleave "${guard[@]}" \
         > docs/figures/latency-mpi-small.txt
+    "${launch[@]}" python -m cma.bench bw --transport cma.mpi --baseline mpi4py \
+        --min-size 8 --max-size 4M --rounds 5 --interleave "${guard[@]}" \
+        > docs/figures/bw-mpi.txt
 fi
 
 python -m cma.bench bw --transport all --min-size 4K --max-size 4M --quick "${guard[@]}" \

@@ -165,15 +165,17 @@ def test_mixed_traffic(nodes: str, transport: str) -> None:
 
 @pytest.mark.parametrize("env", [{}, {"CMA_MPI_NODES": "0,0,1,1"}], ids=["one-node", "mixed"])
 @pytest.mark.parametrize("cleanup", [True, False], ids=["mpiexec-cleans-up", "no-cleanup"])
-def test_rank_dies(env: dict[str, str], cleanup: bool) -> None:
-    """Rank 1 exits while rank 0 waits in Recv from it: the job fails, well before the backstop.
+@pytest.mark.parametrize("wait", ["Recv", "Irecv"])
+def test_rank_dies(env: dict[str, str], cleanup: bool, wait: str) -> None:
+    """Rank 1 exits while rank 0 waits in Recv (or an Irecv's Wait) from it: the job
+    fails, well before the backstop.
 
     Without mpiexec's clean-up only cma.mpi can notice; rank 0 must raise PeerGoneError.
     """
     if not cleanup and not IS_HYDRA:
         pytest.skip("-disable-auto-cleanup is an option of MPICH's hydra")
     flags = () if cleanup else ("-disable-auto-cleanup",)
-    code, out, seconds = mpirun(4, "dies.py", env=env, flags=flags)
+    code, out, seconds = mpirun(4, "dies.py", wait, env=env, flags=flags)
     assert code != 0, out
     assert seconds < RUN_TIMEOUT / 2, out
     if not cleanup:

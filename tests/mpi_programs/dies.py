@@ -1,4 +1,5 @@
-"""Rank 1 dies (os._exit) while rank 0 waits in Recv from it: the job must fail, not hang.
+"""Rank 1 dies (os._exit) while rank 0 waits in Recv from it (or, with the argument
+"Irecv", in the Wait of an Irecv from it): the job must fail, not hang.
 
 Under ``mpiexec -disable-auto-cleanup`` nothing but cma.mpi notices: rank 0 raises
 cma.mpi.PeerGoneError (an MPI.Exception), and ``python -m mpi4py`` aborts the job.
@@ -7,6 +8,7 @@ cma.mpi.PeerGoneError (an MPI.Exception), and ``python -m mpi4py`` aborts the jo
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 import numpy as np
@@ -22,5 +24,8 @@ if comm.rank == 1:
     time.sleep(0.5)  # let rank 0 settle into its wait
     os._exit(3)
 if comm.rank == 0:
-    comm.Recv(np.empty(4), 1, 0)
+    if sys.argv[1:] == ["Irecv"]:
+        comm.Irecv(np.empty(4), 1, 0).Wait()
+    else:
+        comm.Recv(np.empty(4), 1, 0)
 comm.Barrier()  # the other ranks wait here until the job is torn down

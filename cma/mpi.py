@@ -792,8 +792,8 @@ class _NodeRequest(Request, CmaRequest):  # type: ignore[misc]
         value = None
         if isinstance(op, RecvOp):
             error, op.error = op.error, None
-            if error is None and self._object and op.matched_source != CMA_PROC_NULL:
-                value = self._comm._unpickle(op)
+            if error is None:
+                value = self._result()  # cma's: the object, if one was received
         elif isinstance(op, _Finished):
             error = op.error
         if status is not None:
@@ -835,8 +835,8 @@ class Comm(MPI.Intracomm):
     statuses, requests and errors are mpi4py's; docs/mpi.md says what differs.
     """
 
-    # __dict__: when every rank is on this node, an instance's Send and Recv are its cma
-    # communicator's own bound methods (see _NodeComm), found before the class's.
+    # __dict__: when every rank is on this node, an instance's _HANDED_OUT methods are its
+    # cma communicator's own bound methods (see _NodeComm), found before the class's.
     __slots__ = ("_cma", "_cma_send", "_cma_recv", "_fast", "_local", "_ranks", "_mixed",
                  "_cma_any", "_pidfds", "_deferred", "_cstatus", "_cma_first", "_yield",
                  "_barrier", "_transport", "_options", "__dict__")

@@ -53,6 +53,7 @@ from .protocol import (
     StreamIn,
     StreamOut,
     Transmit,
+    completed_recv,
     slice_views,
 )
 from .transports import REGISTRY, Region, Transport, TransportStats
@@ -575,12 +576,18 @@ class Comm:
         mv = self._send_view if buf is self._send_obj else self._cached_view(buf, send_view)
         n = mv.nbytes
         if n <= self._eager_limit:
+            # An eager send is complete once its packet is in the ring or queued, so it
+            # never blocks. Send's hot path is written out here again: calling Send cost
+            # ~120 ns (a frame and a second view lookup) of a ~700 ns Isend.
             lane = self._lanes.get(dest)
+            if lane is not None and type(tag) is int and tag >= 0:
+                sleeping = lane.put_eager(tag, mv, n)
+                if sleeping >= 0:
+                    if sleeping:
+                        self._ring(dest)
+                    return self._request(self, None)
             if n < QUEUED_COPY_LIMIT or lane is not None and lane.fits(n):
-                # An eager send is complete once its packet is in the ring or queued, so
-                # Send never blocks on one, and its path writes straight into the ring
-                # when there is room instead of copying the payload into a packet first.
-                self.Send(buf, dest, tag)
+                self._send(mv, dest, tag)
                 return self._request(self, None)
         return self._isend(mv, dest, tag)
 
@@ -602,9 +609,7 @@ class Comm:
                 # order: complete now, as Recv would, instead of posting to the engine.
                 n = box.take_eager(mv, tag)
                 if n >= 0:
-                    op = RecvOp(source, tag, mv, matched_source=peer,
-                                matched_tag=box.last_tag, nbytes=n, done=True)
-                    return self._request(self, op)
+                    return self._request(self, completed_recv(source, tag, mv, peer, box.last_tag, n))
         return self._irecv(mv, source, tag)
 
     # Their general paths, apart for the same reason as _send and _recv.

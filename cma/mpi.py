@@ -792,8 +792,8 @@ class _NodeRequest(Request, CmaRequest):  # type: ignore[misc]
         value = None
         if isinstance(op, RecvOp):
             error, op.error = op.error, None
-            if error is None:
-                value = self._result()  # cma's: the object, if one was received
+            if error is None and self._object:
+                value = self._result()  # cma's: the object received
         elif isinstance(op, _Finished):
             error = op.error
         if status is not None:

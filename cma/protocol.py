@@ -189,6 +189,27 @@ class RecvOp:
         return -1 if self.buffer is None else self.buffer.nbytes
 
 
+def completed_recv(source: int, tag: int, buffer: memoryview, matched_source: int, matched_tag: int,
+             nbytes: int) -> RecvOp:
+    """A buffer receive that completed as it was made (Comm.Irecv finding its message at
+    the head of the ring), built without the dataclass __init__: parsing its keywords cost
+    ~320 ns against ~120 here, a quarter of such an Irecv. The fields not set keep the
+    defaults the dataclass leaves on the class."""
+    op = _new_recv_op(RecvOp)
+    op.source = source
+    op.tag = tag
+    op.buffer = buffer
+    op.matched_source = matched_source
+    op.matched_tag = matched_tag
+    op.nbytes = nbytes
+    op.segments = []
+    op.done = True
+    return op
+
+
+_new_recv_op = object.__new__
+
+
 @dataclass(eq=False)
 class Arrival:
     """A message that arrived before a receive matched it (the unexpected queue)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 import pytest
@@ -46,6 +46,7 @@ from cma.protocol import (
     StreamIn,
     StreamOut,
     Transmit,
+    completed_recv,
     decode_cts,
     decode_rts,
     encode_cts,
@@ -458,6 +459,18 @@ def test_matcher_take_posted_first_match():
     assert m.take_posted(0, 2) is None
     assert m.take_posted(0, BARRIER_TAG) is None
     assert m.posted == [ops[0]]
+
+
+def test_completed_recv_is_the_recv_op_the_dataclass_would_build():
+    buf = memoryview(bytearray(8))
+    fast = completed_recv(ANY_SOURCE, ANY_TAG, buf, 3, 7, 8)
+    slow = RecvOp(ANY_SOURCE, ANY_TAG, buf, matched_source=3, matched_tag=7, nbytes=8, done=True)
+    assert type(fast) is RecvOp
+    # every field, so one added to RecvOp without a class default fails here
+    assert {f.name: getattr(fast, f.name) for f in fields(RecvOp)} == \
+        {f.name: getattr(slow, f.name) for f in fields(RecvOp)}
+    fast.segments.append(buf)
+    assert completed_recv(0, 0, buf, 0, 0, 0).segments == []  # a list of its own each time
 
 
 def model_matches(want_source: int, want_tag: int, source: int, tag: int) -> bool:

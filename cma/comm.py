@@ -578,7 +578,7 @@ class Comm:
         if n <= self._eager_limit:
             # An eager send is complete once its packet is in the ring or queued, so it
             # never blocks. Send's hot path is written out here again: calling Send cost
-            # ~120 ns (a frame and a second view lookup) of a ~700 ns Isend.
+            # ~75 ns (a frame and a second view lookup) of a ~715 ns Isend.
             lane = self._lanes.get(dest)
             if lane is not None and type(tag) is int and tag >= 0:
                 sleeping = lane.put_eager(tag, mv, n)

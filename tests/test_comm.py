@@ -1501,3 +1501,36 @@ def test_message_larger_than_2gib(peer):
     del buf
     assert peer.result() is True, "the peer received different bytes"
 
+
+
+def test_eager_sends_ring_a_receiver_that_announced_sleep():
+    """Isend writes its eager packet itself (not through Send): it must still ring the
+    doorbell of a receiver whose sleeping word is set, and only then. Both ends live in
+    this process, the receiver's word set by hand, the doorbell replaced by a recorder."""
+    import threading
+
+    a, b = cma.Pipe(transport="shm")
+    attach = threading.Thread(target=b._attach)
+    attach.start()
+    a._attach()
+    attach.join(30)
+    try:
+        rung: list[int] = []
+        a._ring = rung.append  # type: ignore[method-assign]
+        sleeping = a._all_lanes[1].peer_sleeping
+        data = np.arange(16, dtype=np.uint8)
+        got = np.zeros(16, dtype=np.uint8)
+        for announce, expected in ((0, []), (1, [1, 1])):
+            sleeping[0] = announce
+            a.Isend(data, 1, tag=3).Wait()
+            a.Send(data, 1, tag=3)
+            sleeping[0] = 0
+            assert rung == expected
+            rung.clear()
+            for _ in range(2):
+                got[:] = 0
+                b.Recv(got, 0, tag=3)
+                assert np.array_equal(got, data)
+    finally:
+        a.close()
+        b.close()

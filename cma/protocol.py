@@ -207,6 +207,7 @@ def completed_recv(source: int, tag: int, buffer: memoryview, matched_source: in
     return op
 
 
+# bound once: looking up object.__new__ per call cost ~30 ns of completed_recv's ~120
 _new_recv_op = object.__new__
 
 

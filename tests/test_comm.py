@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import multiprocessing as mp
 import os
+import threading
 import time
 
 import numpy as np
@@ -1502,13 +1503,10 @@ def test_message_larger_than_2gib(peer):
     assert peer.result() is True, "the peer received different bytes"
 
 
-
 def test_eager_sends_ring_a_receiver_that_announced_sleep():
     """Isend writes its eager packet itself (not through Send): it must still ring the
     doorbell of a receiver whose sleeping word is set, and only then. Both ends live in
     this process, the receiver's word set by hand, the doorbell replaced by a recorder."""
-    import threading
-
     a, b = cma.Pipe(transport="shm")
     attach = threading.Thread(target=b._attach)
     attach.start()

@@ -1,0 +1,48 @@
+"""mpi4py plugin: an mpi4py ``Intracomm`` whose on-node point-to-point goes through cma.
+
+    from mpi4py import MPI
+    import cma.mpi
+    comm = cma.mpi.Comm(MPI.COMM_WORLD)
+
+``Comm`` *is* an ``MPI.Intracomm`` (a second Python object on the same MPI handle, as
+``mpi4py.util.pkl5.Comm`` is), so everything it does not override (collectives,
+Split, attributes, Abort, Get_name, ...) is plain mpi4py, and it can be passed to
+anything that takes an mpi4py communicator, C-level mpi4py functions included.
+
+Routing is fixed per pair of ranks: a peer on this node always goes through one cma
+world (one memfd segment shared by the node's ranks), a peer on another node always
+through MPI. MPI's non-overtaking rule is per pair, so it holds in each channel.
+Two things need care when a rank has peers of both kinds ("mixed"):
+
+* progress: MPI progresses only inside MPI calls and cma only inside cma calls, and
+  either may need this rank's help to finish a transfer (MPI rendezvous, cma's shm
+  pipeline). Mixed ranks therefore never block inside one engine: they poll both
+  (``Comm._progress_until``), spinning briefly and then sleeping with a growing pause.
+* ANY_SOURCE: a wildcard receive is matched lazily, by probing both channels and
+  posting a receive for exactly the message found. To keep MPI's order of posted
+  receives, a receive posted after an unmatched wildcard receive that could take the
+  same messages waits behind it (``Comm._deferred``), and probes do not report messages
+  such a waiting receive owns.
+
+Node membership comes from ``Split_type(COMM_TYPE_SHARED)``, narrowed by
+``CMA_MPI_NODES`` / ``CMA_MPI_RANKS_PER_NODE`` to pretend to be several nodes. The
+node's lowest rank creates the world and hands its fds to the others over an abstract
+Unix socket (SO_PEERCRED checked), the socket's name travelling in an MPI bcast.
+``CMA_MPI_DISABLE=1`` sends everything through MPI. docs/mpi.md is the user's guide.
+
+The modules: ``comm`` (the communicator: dispatch), ``node`` (the node's cma
+communicator), ``requests``, ``specs`` (buffer specs), ``bootstrap``, ``mixed``
+(wildcards across both channels), ``errors`` and ``mpiapi`` (what is taken from mpi4py).
+"""
+
+from __future__ import annotations
+
+from .bootstrap import ENV_DISABLE, ENV_NODES, ENV_RANKS_PER_NODE
+from .comm import Comm
+from .errors import PeerGoneError, TruncateError
+from .requests import Request
+
+__all__ = [
+    "ENV_DISABLE", "ENV_NODES", "ENV_RANKS_PER_NODE", "Comm", "PeerGoneError", "Request",
+    "TruncateError",
+]

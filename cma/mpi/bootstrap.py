@@ -1,0 +1,146 @@
+"""How the ranks of a node find each other: one cma world per node, its fds passed on."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+from typing import TYPE_CHECKING, Any
+
+from mpi4py import MPI
+
+from .. import _linux
+from ..channel import ChannelConfig
+from ..errors import CmaError
+from ..world import CONNECT_TIMEOUT, WorldFds
+from .node import NodeComm
+
+if TYPE_CHECKING:
+    from .comm import Comm
+
+ENV_DISABLE = "CMA_MPI_DISABLE"
+ENV_NODES = "CMA_MPI_NODES"
+ENV_RANKS_PER_NODE = "CMA_MPI_RANKS_PER_NODE"
+
+
+# How Barrier is done, the same on every rank: MPI does not match a blocking collective
+# with a nonblocking one, so ranks that must keep cma moving (Ibarrier) need the others
+# to use Ibarrier too.
+BARRIER_MPI = 0  # no cma anywhere: MPI_Barrier
+BARRIER_CMA = 1  # one node: cma's own barrier
+BARRIER_NONBLOCKING = 2  # cma on some node and several nodes: MPI_Ibarrier, polled
+
+
+def env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def _pretend_node(rank: int, size: int) -> int | None:
+    """This rank's pretend node from the environment, or None to use the real nodes."""
+    text = os.environ.get(ENV_NODES, "").strip()
+    if text:
+        ids = [part.strip() for part in text.split(",")]
+        if len(ids) != size or not all(part.isdigit() for part in ids):
+            raise ValueError(f"{ENV_NODES}={text!r} must list a node number (>= 0) for each "
+                             f"of the {size} ranks, e.g. {','.join(['0'] * size)}")
+        return int(ids[rank])
+    text = os.environ.get(ENV_RANKS_PER_NODE, "").strip()
+    if text:
+        if not text.isdigit() or int(text) < 1:
+            raise ValueError(f"{ENV_RANKS_PER_NODE}={text!r} must be a positive integer")
+        return rank // int(text)
+    return None
+
+
+def _share_world(node: MPI.Comm, members: list[tuple[int, int]]) -> WorldFds:
+    """Node rank 0 creates the node's world and passes its fds to the others (collective)."""
+    me = node.Get_rank()
+    size = len(members)
+    if me == 0:
+        fds: WorldFds | None = None
+        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            fds = WorldFds.create(size)
+            address = f"\0cma-mpi-{secrets.token_hex(8)}"
+            server.bind(address)
+            server.listen(size)
+            node.bcast((address, fds.world_id, fds.config.encode(), None), root=0)
+        except (OSError, CmaError, ValueError) as exc:
+            node.bcast((None, None, None, f"node rank 0 could not create the world: {exc}"), root=0)
+            server.close()
+            if fds is not None:
+                fds.close()
+            raise
+        try:
+            server.settimeout(CONNECT_TIMEOUT)
+            pending = {pid for _, pid in members[1:]}
+            while pending:
+                conn, _ = server.accept()
+                with conn:
+                    pid, uid, _ = _linux.peer_credentials(conn)
+                    if uid == os.getuid() and pid in pending:  # others are refused: closed
+                        socket.send_fds(conn, [b"cma"], [fds.memfd, *fds.doorbells])
+                        pending.discard(pid)
+        except BaseException:
+            fds.close()
+            raise
+        finally:
+            server.close()
+        return fds
+    address, world_id, config, error = node.bcast(None, root=0)
+    if error is not None:
+        raise CmaError(error)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(CONNECT_TIMEOUT)
+        sock.connect(address)
+        pid, uid, _ = _linux.peer_credentials(sock)
+        if uid != os.getuid() or pid != members[0][1]:
+            raise CmaError(f"the bootstrap socket belongs to pid {pid} uid {uid}, not to "
+                           "node rank 0: another process took its name")
+        _, fdlist, _, _ = socket.recv_fds(sock, 16, size + 1)
+    if len(fdlist) != size + 1:
+        for fd in fdlist:
+            os.close(fd)
+        raise CmaError(f"node rank 0 passed {len(fdlist)} fds, expected {size + 1}")
+    return WorldFds(world_id, size, fdlist[0], fdlist[1:], ChannelConfig.decode(config))
+
+
+def bootstrap(comm: Comm, transport: str, options: dict[str, Any]
+               ) -> tuple[NodeComm | None, list[tuple[int, int]], int, int]:
+    """This node's cma Comm or None, node members as (rank, pid), ranks on the machine,
+    and how every rank of ``comm`` will do Barrier (one of the ``BARRIER_*``).
+
+    Collective over ``comm``; every rank raises if any rank failed, so none is left
+    waiting for a peer that gave up.
+    """
+    rank = comm.Get_rank()
+    pretend = _pretend_node(rank, comm.Get_size())
+    shared = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+    node = shared if pretend is None else shared.Split(pretend, key=rank)
+    cma: NodeComm | None = None
+    error = None
+    try:
+        members: list[tuple[int, int]] = node.allgather((rank, os.getpid()))
+        if len(members) > 1:
+            try:
+                fds = _share_world(node, members)
+                cma = NodeComm(comm, fds, node.Get_rank(), transport, **options)
+                cma.attach()  # now: a rank that never talks on-node must not stall the others
+            except (CmaError, OSError, ValueError) as exc:
+                error = f"rank {rank}: {exc}"
+        machine = shared.Get_size()
+    finally:
+        if node is not shared:
+            node.Free()
+        shared.Free()
+    reports = comm.allgather((error, len(members)))
+    errors = [e for e, _ in reports if e]
+    if errors:
+        if cma is not None:
+            cma.close()
+        raise CmaError("cma.mpi.Comm could not connect the ranks of a node: " + "; ".join(errors)
+                       + f" (set {ENV_DISABLE}=1 to send everything through MPI)")
+    sizes = [n for _, n in reports]
+    barrier = BARRIER_CMA if min(sizes) == len(sizes) else \
+        BARRIER_NONBLOCKING if max(sizes) > 1 else BARRIER_MPI
+    return cma, members, machine, barrier

@@ -1,0 +1,582 @@
+"""cma.mpi.Comm: an mpi4py ``Intracomm`` whose on-node point-to-point goes through cma."""
+
+from __future__ import annotations
+
+import os
+import select
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, NoReturn
+
+from mpi4py import MPI
+
+from ..comm import AUTO, send_view
+from ..comm import Comm as CmaComm
+from ..comm import Request as CmaRequest
+from ..comm import Status as CmaStatus
+from ..errors import CmaError, InvalidRank, InvalidTag, PeerGone, TruncationError
+from ..protocol import ANY_SOURCE as CMA_ANY_SOURCE
+from .bootstrap import BARRIER_CMA, BARRIER_MPI, BARRIER_NONBLOCKING, ENV_DISABLE, bootstrap, env_flag
+from .errors import PeerGoneError, TruncateError
+from .mixed import overlap, owner
+from .mpiapi import (
+    ANY_SOURCE,
+    ANY_TAG,
+    BYTE,
+    SAME_WILDCARDS,
+    fill,
+    mpi_barrier,
+    mpi_dup,
+    mpi_free,
+    mpi_ibarrier,
+    mpi_improbe,
+    mpi_improbe_obj,
+    mpi_iprobe,
+    mpi_irecv,
+    mpi_irecv_obj,
+    mpi_isend,
+    mpi_isend_obj,
+    mpi_probe,
+    mpi_recv,
+    mpi_recv_obj,
+    mpi_send,
+    mpi_send_obj,
+    mpi_sendrecv,
+    mpi_sendrecv_obj,
+)
+from .node import NodeComm
+from .requests import NodeRequest, Request, RoutedRequest
+from .specs import SPECS, convert
+
+# Mixed ranks poll both engines: spin this long, then sleep pauses doubling up to the max.
+SPIN_SECONDS = float(os.environ.get("CMA_SPIN_US", "100")) * 1e-6
+PAUSE_MIN = 20e-6
+PAUSE_MAX = 1e-3
+# methods an all-on-node Comm takes from its cma communicator
+HANDED_OUT = ("Send", "Recv", "Isend", "Irecv")
+
+
+class Comm(MPI.Intracomm):
+    """An mpi4py ``Intracomm`` whose point-to-point with on-node peers goes through cma.
+
+    ``Comm(MPI.COMM_WORLD)`` is collective over the wrapped communicator. ``transport``
+    and ``options`` are those of ``cma.Comm`` ("auto" picks per message). Ranks, tags,
+    statuses, requests and errors are mpi4py's; docs/mpi.md says what differs.
+    """
+
+    # __dict__: when every rank is on this node, an instance's HANDED_OUT methods are its
+    # cma communicator's own bound methods (see NodeComm), found before the class's.
+    __slots__ = ("_cma", "_cma_send", "_cma_recv", "_fast", "_local", "_ranks", "_mixed",
+                 "_cma_any", "_pidfds", "_deferred", "_cstatus", "_cma_first", "_yield",
+                 "_barrier", "_transport", "_options", "__dict__")
+    _cma: NodeComm | None
+    _cma_send: Callable[..., None]  # bound methods of _cma: one lookup less per message
+    _cma_recv: Callable[..., None]
+    # rank of the wrapped comm -> cma rank, for the blocking fast paths: empty on a mixed
+    # rank (which must not block in cma); holds ANY_SOURCE when every peer is on-node
+    _fast: dict[int, int]
+    _local: dict[int, int]  # rank of the wrapped comm -> cma rank, for this node's ranks
+    _ranks: list[int]  # cma rank -> rank of the wrapped comm
+    _mixed: bool  # this rank has peers on this node and on others
+    _cma_any: bool  # every peer is on this node: ANY_SOURCE is cma's
+    _pidfds: dict[int, int]  # cma rank -> pidfd, to notice a peer's exit on a mixed rank
+    _deferred: list[RoutedRequest]  # receives waiting behind a wildcard receive (mixed ranks)
+    _cstatus: CmaStatus  # reused: one thread uses a communicator at a time
+    _cma_first: bool
+    _yield: bool  # more ranks than cores on this machine: yield while spinning
+    _barrier: int
+    _transport: str
+    _options: dict[str, Any]
+
+    def __new__(cls, comm: MPI.Intracomm | None = None, transport: str = AUTO,
+                **options: Any) -> Comm:
+        self = super().__new__(cls, comm)
+        # mpi4py's Dup and Clone build instances of this class without __init__: such a
+        # bare instance sends everything through MPI (and Dup then wraps it properly).
+        self._cma = None
+        self._fast = {}
+        self._local = {}
+        self._ranks = []
+        self._mixed = False
+        self._cma_any = False
+        self._pidfds = {}
+        self._deferred = []
+        self._cstatus = CmaStatus()
+        self._cma_first = True
+        self._yield = False
+        self._barrier = BARRIER_MPI
+        self._transport = transport
+        self._options = options
+        return self
+
+    def __init__(self, comm: MPI.Intracomm, transport: str = AUTO, **options: Any) -> None:
+        if not isinstance(comm, MPI.Intracomm) or comm == MPI.COMM_NULL:
+            raise TypeError(f"cma.mpi.Comm wraps an mpi4py Intracomm, got {comm!r}")
+        if MPI.Intracomm.allreduce(self, env_flag(ENV_DISABLE), op=MPI.LOR):
+            return
+        cma, members, machine, self._barrier = bootstrap(self, transport, options)
+        if cma is None:
+            return
+        self._cma = cma
+        self._cma_send = cma.Send
+        self._cma_recv = cma.Recv
+        self._ranks = [rank for rank, _ in members]
+        self._local = {rank: i for i, rank in enumerate(self._ranks)}
+        self._mixed = len(members) < self.Get_size()
+        self._cma_any = not self._mixed
+        if self._cma_any:
+            self._fast = {**self._local, ANY_SOURCE: CMA_ANY_SOURCE}
+            cma._request = NodeRequest
+            for name in HANDED_OUT if SAME_WILDCARDS else ():
+                if getattr(type(self), name) is getattr(Comm, name):  # not overridden
+                    self.__dict__[name] = getattr(cma, name)
+        else:
+            me = self.Get_rank()
+            self._pidfds = {i: os.pidfd_open(pid) for i, (rank, pid) in enumerate(members)
+                            if rank != me}
+        self._yield = machine > (os.cpu_count() or 1)
+
+    # -- what the wrapper adds
+
+    @property
+    def cma(self) -> CmaComm | None:
+        """The cma communicator of this node's ranks (``stats()``, ``transports()``), if any."""
+        return self._cma
+
+    @property
+    def node_ranks(self) -> list[int]:
+        """Ranks of the wrapped communicator that this rank reaches through cma."""
+        return list(self._ranks)
+
+    def __repr__(self) -> str:
+        if self._cma is None:
+            return f"<cma.mpi.Comm rank {self.Get_rank()} of {self.Get_size()}, MPI only>"
+        return (f"<cma.mpi.Comm rank {self.Get_rank()} of {self.Get_size()}, cma "
+                f"({self._cma.transport}) to ranks {self._ranks}, MPI to the rest>")
+
+    # -- errors
+
+    def _fail(self, exc: BaseException, status: MPI.Status | None = None) -> NoReturn:
+        """Raise a cma error as mpi4py would, after the communicator's error handler ran
+        (any other exception as it is)."""
+        error: MPI.Exception
+        if isinstance(exc, TruncationError):
+            source = self._ranks[exc.source]
+            error = TruncateError(
+                f"message of {exc.nbytes} bytes from rank {source} (tag {exc.tag}) does not fit "
+                f"the {exc.capacity}-byte receive buffer; it was consumed",
+                source=source, tag=exc.tag, nbytes=exc.nbytes, capacity=exc.capacity)
+            if status is not None:
+                fill(status, source, exc.tag, 0)
+        elif isinstance(exc, PeerGone):
+            error = PeerGoneError(f"{exc} (cma ranks 0, 1, ... are ranks {self._ranks})")
+        elif isinstance(exc, InvalidTag):
+            error = MPI.Exception(MPI.ERR_TAG)
+        elif isinstance(exc, InvalidRank):
+            error = MPI.Exception(MPI.ERR_RANK)
+        else:
+            raise exc
+        if status is not None:
+            status.Set_error(error.Get_error_code())
+        self.Call_errhandler(error.Get_error_code())
+        raise error from exc
+
+    # -- blocking buffer point-to-point
+
+    def Send(self, buf: Any, dest: int, tag: int = 0) -> None:
+        peer = self._fast.get(dest)
+        if peer is None:
+            if self._mixed:
+                self.Isend(buf, dest, tag).Wait()
+            else:
+                mpi_send(self, buf, dest, tag)
+            return
+        self._cma_send(buf, peer, tag)  # NodeComm converts specs, raises mpi4py's errors
+
+    def Recv(self, buf: Any, source: int = ANY_SOURCE, tag: int = ANY_TAG,
+             status: MPI.Status | None = None) -> None:
+        peer = self._fast.get(source)
+        if peer is None:
+            if self._mixed:
+                self.Irecv(buf, source, tag).Wait(status)
+            else:
+                mpi_recv(self, buf, source, tag, status)
+            return
+        self._cma_recv(buf, peer, tag, status)  # and fills an MPI.Status
+
+    def Sendrecv(self, sendbuf: Any, dest: int, sendtag: int = 0, recvbuf: Any = None,
+                 source: int = ANY_SOURCE, recvtag: int = ANY_TAG,
+                 status: MPI.Status | None = None) -> None:
+        if self._cma is None:
+            mpi_sendrecv(self, sendbuf, dest, sendtag, recvbuf, source, recvtag, status)
+            return
+        send = self.Isend(sendbuf, dest, sendtag)
+        self.Recv(recvbuf, source, recvtag, status)
+        send.Wait()
+
+    def Sendrecv_replace(self, buf: Any, dest: int, sendtag: int = 0, source: int = ANY_SOURCE,
+                         recvtag: int = ANY_TAG, status: MPI.Status | None = None) -> None:
+        if self._cma is None:
+            MPI.Intracomm.Sendrecv_replace(self, buf, dest, sendtag, source, recvtag, status)
+            return
+        outgoing = bytes(send_view(convert(buf) if buf.__class__ in SPECS else buf))
+        self.Sendrecv(outgoing, dest, sendtag, buf, source, recvtag, status)
+
+    # Ready mode may be implemented as standard mode (MPI-4.1, section 3.4).
+    def Rsend(self, buf: Any, dest: int, tag: int = 0) -> None:
+        self.Send(buf, dest, tag)
+
+    # -- non-blocking buffer point-to-point (our Request is no MPI.Request: MPI could not
+    # progress cma, hence the type: ignore[override])
+
+    def Isend(self, buf: Any, dest: int, tag: int = 0) -> Request:  # type: ignore[override]
+        peer = self._local.get(dest)
+        if peer is None:
+            return RoutedRequest(self, None, mpi_isend(self, buf, dest, tag), False)
+        try:
+            creq = self._cma.Isend(buf, peer, tag)  # type: ignore[union-attr]
+        except CmaError as exc:
+            self._fail(exc)
+        return self._on_node(creq, False, peer)
+
+    def Irsend(self, buf: Any, dest: int, tag: int = 0) -> Request:  # type: ignore[override]
+        return self.Isend(buf, dest, tag)
+
+    def Irecv(self, buf: Any, source: int = ANY_SOURCE,  # type: ignore[override]
+              tag: int = ANY_TAG) -> Request:
+        return self._irecv(buf, source, tag, False)
+
+    # -- objects (on-node: pickle protocol 5, large buffers out of band through cma)
+
+    def send(self, obj: Any, dest: int, tag: int = 0) -> None:
+        peer = self._fast.get(dest)
+        if peer is None:
+            if self._mixed:
+                self.isend(obj, dest, tag).Wait()
+            else:
+                mpi_send_obj(self, obj, dest, tag)
+            return
+        try:
+            self._cma.send(obj, peer, tag)  # type: ignore[union-attr]
+        except CmaError as exc:
+            self._fail(exc)
+
+    def recv(self, buf: Any = None, source: int = ANY_SOURCE, tag: int = ANY_TAG,
+             status: MPI.Status | None = None) -> Any:
+        if source in self._fast or self._mixed and (source in self._local
+                                                    or source == ANY_SOURCE):
+            return self._irecv(buf, source, tag, True).wait(status)
+        if self._mixed:
+            return self._recv_mpi_mixed(source, tag, status)  # any size, as mpi4py's recv
+        return mpi_recv_obj(self, buf, source, tag, status)
+
+    def isend(self, obj: Any, dest: int, tag: int = 0) -> Request:  # type: ignore[override]
+        peer = self._local.get(dest)
+        if peer is None:
+            return RoutedRequest(self, None, mpi_isend_obj(self, obj, dest, tag), True)
+        try:
+            creq = self._cma.isend(obj, peer, tag)  # type: ignore[union-attr]
+        except CmaError as exc:
+            self._fail(exc)
+        return self._on_node(creq, True, peer)
+
+    def irecv(self, buf: Any = None, source: int = ANY_SOURCE,  # type: ignore[override]
+              tag: int = ANY_TAG) -> Request:
+        """On-node: any size. Off-node: mpi4py's irecv, bounded unless ``buf`` is given."""
+        return self._irecv(buf, source, tag, True)
+
+    def sendrecv(self, sendobj: Any, dest: int, sendtag: int = 0, recvbuf: Any = None,
+                 source: int = ANY_SOURCE, recvtag: int = ANY_TAG,
+                 status: MPI.Status | None = None) -> Any:
+        if self._cma is None:
+            return mpi_sendrecv_obj(self, sendobj, dest, sendtag, recvbuf, source, recvtag,
+                                     status)
+        send = self.isend(sendobj, dest, sendtag)
+        obj = self.recv(recvbuf, source, recvtag, status)
+        send.Wait()
+        return obj
+
+    # -- probes
+
+    def Iprobe(self, source: int = ANY_SOURCE, tag: int = ANY_TAG,
+               status: MPI.Status | None = None) -> bool:
+        if self._mixed:
+            return self._iprobe_mixed(source, tag, status)
+        peer = self._fast.get(source)
+        if peer is None:
+            return mpi_iprobe(self, source, tag, status)
+        return self._iprobe_cma(peer, tag, status)
+
+    def Probe(self, source: int = ANY_SOURCE, tag: int = ANY_TAG,
+              status: MPI.Status | None = None) -> Literal[True]:
+        if self._mixed:
+            self._progress_until(lambda: self._iprobe_mixed(source, tag, status),
+                                 self._local.get(source))
+            return True
+        peer = self._fast.get(source)
+        if peer is None:
+            return mpi_probe(self, source, tag, status)
+        cs = self._cstatus
+        try:
+            self._cma.Probe(peer, tag, cs)  # type: ignore[union-attr]
+        except CmaError as exc:
+            self._fail(exc)
+        if status is not None:
+            fill(status, self._ranks[cs.source], cs.tag, cs.count)
+        return True
+
+    iprobe = Iprobe
+    probe = Probe
+
+    # -- synchronisation
+
+    def Barrier(self) -> None:
+        """cma's barrier on one node, else MPI's; either keeps pending cma transfers moving."""
+        if self._barrier == BARRIER_CMA:
+            try:
+                self._cma.Barrier()  # type: ignore[union-attr]
+            except CmaError as exc:
+                self._fail(exc)
+        elif self._barrier == BARRIER_NONBLOCKING:
+            request = mpi_ibarrier(self)
+            if self._cma is None:
+                request.Wait()
+            else:
+                self._progress_until(request.Test, None)
+        else:
+            mpi_barrier(self)
+
+    barrier = Barrier
+
+    # -- communicators made from this one
+
+    def Dup(self, info: MPI.Info | None = None) -> Comm:
+        """A new cma.mpi.Comm (collective), with its own node worlds and this one's transport."""
+        dup = mpi_dup(self) if info is None else mpi_dup(self, info)
+        return type(self)(dup, self._transport, **self._options)
+
+    def Clone(self) -> Comm:
+        return self.Dup()
+
+    def Free(self) -> None:
+        """Close this rank's cma world, then free the MPI communicator."""
+        if self._cma is not None:
+            self._cma.close()
+            self._cma = None
+        for fd in self._pidfds.values():
+            os.close(fd)
+        self._pidfds = {}
+        self._fast = {}
+        self._local = {}
+        self._mixed = self._cma_any = False
+        for name in HANDED_OUT:
+            self.__dict__.pop(name, None)
+        self._barrier = BARRIER_MPI
+        mpi_free(self)
+
+    # -- internals: the cma half
+
+    def _iprobe_cma(self, peer: int, tag: int, status: MPI.Status | None) -> bool:
+        cs = self._cstatus
+        try:
+            found = self._cma.Iprobe(peer, tag, cs)  # type: ignore[union-attr]
+        except CmaError as exc:
+            self._fail(exc)
+        if found and status is not None:
+            fill(status, self._ranks[cs.source], cs.tag, cs.count)
+        return found
+
+    def _on_node(self, creq: CmaRequest, is_object: bool, peer: int) -> Request:
+        """The request of an on-node operation: cma's own when every peer is on this node."""
+        if self._cma_any:
+            return creq  # type: ignore[return-value]  # a NodeRequest (see __init__)
+        return RoutedRequest(self, creq, None, is_object, peer)
+
+    def _irecv(self, buf: Any, source: int, tag: int, is_object: bool) -> Request:
+        peer = self._fast.get(source)
+        if peer is not None:
+            cma = self._cma
+            assert cma is not None
+            try:
+                creq = cma.irecv(None, peer, tag) if is_object else cma.Irecv(buf, peer, tag)
+            except CmaError as exc:
+                self._fail(exc)
+            return self._on_node(creq, is_object, peer)
+        if self._mixed and (source == ANY_SOURCE
+                            or any(overlap(w, source, tag) for w in self._deferred)):
+            req = RoutedRequest(self, None, None, is_object)
+            req._buf = buf
+            req._source = source
+            req._tag = tag
+            self._deferred.append(req)
+            self._advance()
+            return req
+        req = RoutedRequest(self, None, None, is_object)
+        self._post(req, buf, source, tag)
+        return req
+
+    def _post(self, req: RoutedRequest, buf: Any, source: int, tag: int) -> None:
+        """Post ``req`` now in the channel of ``source`` (cma for ANY_SOURCE on one node)."""
+        peer = self._local.get(source)
+        if peer is None and not (source == ANY_SOURCE and self._cma_any):
+            req._mreq = mpi_irecv_obj(self, buf, source, tag) if req._object \
+                else mpi_irecv(self, buf, source, tag)
+            return
+        if peer is None:
+            peer = CMA_ANY_SOURCE
+        cma = self._cma
+        assert cma is not None
+        try:
+            if req._object:
+                req._creq = cma.irecv(None, peer, tag)
+            else:
+                req._creq = cma.Irecv(buf, peer, tag)  # (NodeComm converts buffer specs)
+        except CmaError as exc:
+            self._fail(exc)
+        req._peer = peer
+
+    # -- internals: mixed ranks (peers on this node and on others)
+
+    def _advance(self) -> None:
+        """Match the receives waiting behind a wildcard, in the order they were posted.
+
+        A waiting receive is posted as it is once no earlier waiting receive overlaps it;
+        otherwise it takes the first message it matches unless an earlier waiting receive
+        matches that message too (then the earlier one gets it on a later pass).
+        """
+        waiting: list[RoutedRequest] = []
+        for req in self._deferred:
+            if req._source != ANY_SOURCE and not any(overlap(w, req._source, req._tag)
+                                                      for w in waiting):
+                self._post(req, req._buf, req._source, req._tag)
+            elif not self._match(req, waiting):
+                waiting.append(req)
+                continue
+            req._buf = None
+        self._deferred = waiting
+
+    def _match(self, req: RoutedRequest, earlier: list[RoutedRequest]) -> bool:
+        """Post ``req`` for exactly the first message it matches, if no earlier one owns it."""
+        source, tag = req._source, req._tag
+        peer = self._local.get(source)
+        self._cma_first = not self._cma_first  # alternate: neither channel starves the other
+        for on_cma in (self._cma_first, not self._cma_first):
+            if on_cma and (peer is not None or source == ANY_SOURCE):
+                if not self._iprobe_cma(CMA_ANY_SOURCE if peer is None else peer, tag, None):
+                    continue
+                found_source, found_tag = self._ranks[self._cstatus.source], self._cstatus.tag
+                if owner(earlier, found_source, found_tag):
+                    return False
+                self._post(req, req._buf, found_source, found_tag)
+                return True
+            if not on_cma and peer is None:
+                st = MPI.Status()
+                if not mpi_iprobe(self, source, tag, st):
+                    continue
+                found_source, found_tag = st.Get_source(), st.Get_tag()
+                if owner(earlier, found_source, found_tag):
+                    return False
+                message = (mpi_improbe_obj if req._object else mpi_improbe)(
+                    self, found_source, found_tag)
+                assert message is not None  # probed just now, and only this thread receives
+                req._mreq = message.irecv() if req._object else message.Irecv(req._buf)
+                return True
+        return False
+
+    def _iprobe_mixed(self, source: int, tag: int, status: MPI.Status | None) -> bool:
+        if self._deferred:
+            self._advance()
+        peer = self._local.get(source)
+        st = MPI.Status()
+        if peer is not None:
+            found = self._iprobe_cma(peer, tag, st)
+        elif source == ANY_SOURCE:
+            found = self._iprobe_cma(CMA_ANY_SOURCE, tag, st) or mpi_iprobe(self, source, tag, st)
+        else:
+            found = mpi_iprobe(self, source, tag, st)
+        if not found or owner(self._deferred, st.Get_source(), st.Get_tag()):
+            return False  # a receive posted earlier takes that message
+        if status is not None:
+            fill(status, st.Get_source(), st.Get_tag(), st.Get_elements(BYTE))
+        return True
+
+    def _recv_mpi_mixed(self, source: int, tag: int, status: MPI.Status | None) -> Any:
+        """Off-node ``recv`` without starving cma: probe, then receive exactly that message."""
+        st = MPI.Status()
+        self._progress_until(lambda: self._iprobe_mixed(source, tag, st), None)
+        message = mpi_improbe_obj(self, st.Get_source(), st.Get_tag())
+        assert message is not None  # probed just now, and only this thread receives
+        return message.recv(status)
+
+    def _progress_until(self, done: Callable[[], bool], peer: int | None) -> None:
+        """Drive cma and MPI until ``done()``: spin, then sleep with a growing pause.
+
+        ``peer`` is the cma rank whose exit makes waiting pointless (None: none is).
+        """
+        cma = self._cma
+        pidfd = self._pidfds.get(peer) if peer is not None else None
+        watched = [] if pidfd is None else [pidfd]
+        deadline = 0.0
+        pause = PAUSE_MIN
+        while not done():
+            if cma is not None:
+                cma.progress()
+            mpi_iprobe(self, ANY_SOURCE, ANY_TAG)  # MPI progresses inside its calls
+            if self._deferred:
+                self._advance()
+            now = time.perf_counter()
+            if not deadline:
+                deadline = now + SPIN_SECONDS
+            if now < deadline:
+                if self._yield:
+                    os.sched_yield()
+                continue
+            if select.select(watched, [], [], pause)[0]:
+                watched = []  # the peer exited: take what it left, then give up
+                if cma is not None:
+                    cma.Iprobe(CMA_ANY_SOURCE, ANY_TAG)
+                if not done():
+                    self._fail(PeerGone(f"rank {peer} exited before completing this operation"))
+                return
+            pause = min(pause * 2, PAUSE_MAX)
+
+
+def _refuse_on_node(name: str, peers: Sequence[tuple[int, str, int]]) -> Callable[..., Any]:
+    """An mpi4py method this wrapper cannot route through cma: MPI for off-node peers only.
+
+    ``peers`` lists (position, keyword, default) of the rank arguments. Sent to an
+    on-node peer through MPI, the message would miss a receive posted on cma, so refuse.
+    """
+    method = getattr(MPI.Intracomm, name)
+
+    def call(self: Comm, *args: Any, **kwargs: Any) -> Any:
+        for position, keyword, default in peers:
+            rank = args[position] if len(args) > position else kwargs.get(keyword, default)
+            if rank in self._local or (rank == ANY_SOURCE and self._cma is not None):
+                raise NotImplementedError(
+                    f"cma.mpi.Comm.{name} with on-node rank {rank}: not available through cma "
+                    "(use Send/Isend/Recv/Irecv/probes, or CMA_MPI_DISABLE=1)")
+        return method(self, *args, **kwargs)
+
+    call.__name__ = call.__qualname__ = name
+    call.__doc__ = f"mpi4py's {name} for off-node peers; NotImplementedError for on-node ones."
+    return call
+
+
+_DEST = (1, "dest", MPI.PROC_NULL)
+_SOURCE_FIRST = (0, "source", ANY_SOURCE)
+_SOURCE = (1, "source", ANY_SOURCE)
+_REFUSED = {
+    "Ssend": [_DEST], "Issend": [_DEST], "ssend": [_DEST], "issend": [_DEST],
+    "Bsend": [_DEST], "Ibsend": [_DEST], "bsend": [_DEST], "ibsend": [_DEST],
+    "Send_init": [_DEST], "Ssend_init": [_DEST], "Bsend_init": [_DEST], "Rsend_init": [_DEST],
+    "Recv_init": [_SOURCE], "Psend_init": [(2, "dest", MPI.PROC_NULL)],
+    "Precv_init": [(2, "source", ANY_SOURCE)],
+    "Mprobe": [_SOURCE_FIRST], "Improbe": [_SOURCE_FIRST], "mprobe": [_SOURCE_FIRST],
+    "improbe": [_SOURCE_FIRST],
+    "Isendrecv": [_DEST, (4, "source", ANY_SOURCE)],
+    "Isendrecv_replace": [_DEST, (3, "source", ANY_SOURCE)],
+}
+for _name, _peers in _REFUSED.items():
+    if hasattr(MPI.Intracomm, _name):  # older mpi4py lacks some (Isendrecv, partitioned)
+        setattr(Comm, _name, _refuse_on_node(_name, _peers))

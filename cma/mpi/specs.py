@@ -1,0 +1,124 @@
+"""mpi4py buffer specs (``[buf, count, MPI.BYTE]`` & co) as the bytes cma moves."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from ..comm import send_view
+
+_fromcode = getattr(MPI.Datatype, "fromcode", None) or MPI._typedict.__getitem__  # mpi4py 4 / 3
+SPECS = frozenset((list, tuple))  # what an mpi4py buffer spec (not a plain buffer) is
+NO_BYTES = memoryview(b"")
+
+
+def _contiguous_size(datatype: MPI.Datatype) -> int | None:
+    """Bytes per element if elements are gap-free bytes (what cma can move), else None."""
+    try:
+        size: int = datatype.Get_size()
+        if size and datatype.Get_extent() == (0, size) and datatype.Get_true_extent() == (0, size):
+            return size
+    except MPI.Exception:
+        pass  # a datatype this MPI lacks (e.g. Fortran types in a C-only build)
+    return None
+
+
+# id() of mpi4py's predefined datatype objects -> element size, for gap-free ones: the
+# buffer specs of the hot path are looked up here instead of asking MPI each time.
+_SIZES: dict[int, int] = {
+    id(datatype): size for datatype in vars(MPI).values()
+    if isinstance(datatype, MPI.Datatype) and (size := _contiguous_size(datatype)) is not None
+}
+
+
+def _itemsize(datatype: Any, buf: Any) -> int:
+    """Bytes per element of a spec's datatype (an MPI.Datatype, a typechar, or None)."""
+    size = _SIZES.get(id(datatype))
+    if size is not None:
+        return size
+    if datatype is None:
+        return memoryview(buf).itemsize
+    if isinstance(datatype, str):
+        datatype = _fromcode(datatype)
+    size = _contiguous_size(datatype)
+    if size is None:
+        raise NotImplementedError(
+            "cma.mpi.Comm moves contiguous bytes to on-node peers; this datatype has gaps "
+            "(pack it with datatype.Pack, or set CMA_MPI_DISABLE=1)")
+    return size
+
+
+def convert(spec: Sequence[Any]) -> Any:
+    """An mpi4py buffer spec as something cma takes: the buffer itself or a byte view.
+
+    Accepts mpi4py's point-to-point forms: [buf, datatype], [buf, count],
+    [buf, count, datatype], [buf, (count, displ), datatype] and
+    [buf, count, displ, datatype], datatypes as MPI.Datatype or typechar.
+    """
+    n = len(spec)
+    displ = 0
+    count: Any = None
+    if n == 2:
+        buf, datatype = spec
+        if id(datatype) in _SIZES:
+            return NO_BYTES if buf is None else buf  # the whole buffer: nothing to build
+        if isinstance(datatype, (int, tuple, list)):
+            count, datatype = datatype, None
+    elif n == 3:
+        buf, count, datatype = spec
+    elif n == 4:
+        buf, count, displ, datatype = spec
+    else:
+        raise ValueError(f"message: expecting 2 to 4 items, got {n}")
+    if isinstance(count, (tuple, list)):
+        count, displ = count
+    if buf is None:
+        if count:
+            raise ValueError("message: a None buffer needs a count of 0")
+        return NO_BYTES
+    view = send_view(buf)
+    itemsize = _itemsize(datatype, buf)
+    if count is None:
+        if view.nbytes % itemsize:
+            raise ValueError(f"message: buffer length {view.nbytes} is not a multiple of "
+                             f"datatype size {itemsize}")
+        return buf
+    start = displ * itemsize
+    stop = start + count * itemsize
+    if start == 0 and stop == view.nbytes:
+        return buf
+    if stop > view.nbytes or count < 0 or displ < 0:
+        raise ValueError(f"message: {count} elements at {displ} exceed a {view.nbytes}-byte buffer")
+    return view[start:stop]
+
+
+class SpecCache:
+    """The last [array, count, datatype] spec seen on one path, converted once.
+
+    Programs resend the same spec in a loop (``[buf, n, MPI.BYTE]``, built anew each
+    call); the converted form is kept as an array so that cma's own per-object view
+    cache hits too. Only NumPy arrays are remembered: holding a view of a bytearray
+    would stop its owner from resizing it.
+    """
+
+    __slots__ = ("buf", "count", "datatype", "out")
+
+    def __init__(self) -> None:
+        self.buf: Any = None
+        self.count: Any = None
+        self.datatype: Any = None
+        self.out: Any = None
+
+    def convert(self, spec: Sequence[Any]) -> Any:
+        if len(spec) == 3 and spec[0] is self.buf and spec[2] is self.datatype \
+                and spec[1] == self.count:
+            return self.out
+        out = convert(spec)
+        if len(spec) == 3 and type(spec[0]) is np.ndarray and type(spec[1]) is int:
+            self.buf, self.count, self.datatype = spec
+            self.out = out if out is spec[0] else np.frombuffer(out, dtype=np.uint8)
+        return out
+

@@ -142,8 +142,20 @@ def send_view(buf: Any) -> memoryview:
     except (TypeError, ValueError) as exc:
         if isinstance(buf, np.ndarray) and buf.dtype != object and buf.flags.c_contiguous:
             return buf.reshape(-1).view(np.uint8).data  # dtypes without a PEP 3118 code
-        raise BufferError(f"{type(buf).__name__} does not support the buffer protocol") from exc
+        if hasattr(buf, "__dlpack__"):
+            return _dlpack_view(buf)
+        raise BufferError(f"{type(buf).__name__} supports neither the buffer protocol nor "
+                          "DLPack") from exc
     return _as_bytes_view(mv)
+
+
+def _dlpack_view(buf: Any) -> memoryview:
+    """A DLPack exporter's memory (on the CPU) as bytes, through NumPy."""
+    try:
+        array = np.from_dlpack(buf)
+    except (TypeError, ValueError, RuntimeError, BufferError) as exc:
+        raise BufferError(f"{type(buf).__name__}: its DLPack export is not usable here ({exc})") from exc
+    return send_view(array)
 
 
 def recv_view(buf: Any) -> memoryview:
@@ -1207,20 +1219,24 @@ class Comm:
                 self._peers_gone(gone, done, peer)
 
     def _peers_gone(self, gone: list[int], done: Callable[[], bool], peer: int | None) -> None:
-        world = self._world
-        assert world is not None
-        while self._progress():
-            pass  # take whatever the dead peers left in the rings first
-        for r in gone:
-            self._dead.add(r)
-            os.close(world.pidfds[r])
-            world.pidfds[r] = -1
+        self._bury(gone)
         if done():
             return
         if peer is not None and peer in self._dead:
             raise PeerGone(f"rank {peer} exited before completing this operation")
         if peer is None and self._dead.issuperset(self._peers):
             raise PeerGone("every other rank has exited; nothing can complete this operation")
+
+    def _bury(self, gone: list[int]) -> None:
+        """Take what the exited ranks left in the rings, then mark them dead."""
+        world = self._world
+        assert world is not None
+        while self._progress():
+            pass
+        for r in gone:
+            self._dead.add(r)
+            os.close(world.pidfds[r])
+            world.pidfds[r] = -1
 
 
 def _as_int(value: Any) -> int | None:

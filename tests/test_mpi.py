@@ -182,6 +182,17 @@ def test_rank_dies(env: dict[str, str], cleanup: bool, wait: str) -> None:
         assert "PeerGoneError: rank 1 exited before completing this operation" in out, out
 
 
+@pytest.mark.parametrize(("n", "env", "mode"), [
+    (1, {}, "one rank"), (2, {}, "one node"), (3, {}, "one node"),
+    (3, {"CMA_MPI_NODES": "0,0,1"}, "mixed"), (4, {"CMA_MPI_NODES": "0,1,1,0"}, "mixed"),
+    (2, {"CMA_MPI_DISABLE": "1"}, "disabled"),
+])
+def test_mpi4py_habits(n: int, env: dict[str, str], mode: str) -> None:
+    """Zero-length and None messages, MPI.Request's class methods on the plugin's requests,
+    cancelled receives, DLPack-only buffers, one-rank communicators (clients.py)."""
+    expect_ok(n, "clients.py", env=env)
+
+
 def test_bad_pretend_nodes() -> None:
     code, out, _ = mpirun(3, "p2p.py", env={"CMA_MPI_NODES": "0,1"})
     assert code != 0 and "CMA_MPI_NODES='0,1' must list a node number" in out, out

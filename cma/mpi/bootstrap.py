@@ -114,7 +114,8 @@ def bootstrap(comm: Comm, transport: str, options: dict[str, Any]
     waiting for a peer that gave up.
     """
     rank = comm.Get_rank()
-    pretend = _pretend_node(rank, comm.Get_size())
+    # (a property of the process: numbered by its rank in COMM_WORLD, whatever comm is wrapped)
+    pretend = _pretend_node(MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size())
     shared = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
     node = shared if pretend is None else shared.Split(pretend, key=rank)
     cma: NodeComm | None = None
@@ -124,7 +125,9 @@ def bootstrap(comm: Comm, transport: str, options: dict[str, Any]
         if len(members) > 1:
             try:
                 fds = _share_world(node, members)
-                cma = NodeComm(comm, fds, node.Get_rank(), transport, **options)
+                cma = NodeComm(comm, fds, node.Get_rank(), transport,
+                               ranks=[r for r, _ in members], mixed=len(members) < comm.Get_size(),
+                               **options)
                 cma.attach()  # now: a rank that never talks on-node must not stall the others
             except (CmaError, OSError, ValueError) as exc:
                 error = f"rank {rank}: {exc}"
@@ -141,6 +144,6 @@ def bootstrap(comm: Comm, transport: str, options: dict[str, Any]
         raise CmaError("cma.mpi.Comm could not connect the ranks of a node: " + "; ".join(errors)
                        + f" (set {ENV_DISABLE}=1 to send everything through MPI)")
     sizes = [n for _, n in reports]
-    barrier = BARRIER_CMA if min(sizes) == len(sizes) else \
+    barrier = BARRIER_CMA if min(sizes) == len(sizes) > 1 else \
         BARRIER_NONBLOCKING if max(sizes) > 1 else BARRIER_MPI
     return cma, members, machine, barrier

@@ -3,19 +3,19 @@
 from __future__ import annotations
 
 import os
-import select
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, NoReturn
 
 from mpi4py import MPI
 
+from .. import _linux
 from ..comm import AUTO, send_view
 from ..comm import Comm as CmaComm
-from ..comm import Request as CmaRequest
 from ..comm import Status as CmaStatus
 from ..errors import CmaError, InvalidRank, InvalidTag, PeerGone, TruncationError
 from ..protocol import ANY_SOURCE as CMA_ANY_SOURCE
+from ..protocol import SendOp
 from .bootstrap import BARRIER_CMA, BARRIER_MPI, BARRIER_NONBLOCKING, ENV_DISABLE, bootstrap, env_flag
 from .errors import PeerGoneError, TruncateError
 from .mixed import overlap, owner
@@ -45,7 +45,7 @@ from .mpiapi import (
     mpi_sendrecv_obj,
 )
 from .node import NodeComm
-from .requests import NodeRequest, Request, RoutedRequest
+from .requests import PROGRESS, Request, start_request
 from .specs import SPECS, convert
 
 # Mixed ranks poll both engines: spin this long, then sleep pauses doubling up to the max.
@@ -67,8 +67,8 @@ class Comm(MPI.Intracomm):
     # __dict__: when every rank is on this node, an instance's HANDED_OUT methods are its
     # cma communicator's own bound methods (see NodeComm), found before the class's.
     __slots__ = ("_cma", "_cma_send", "_cma_recv", "_fast", "_local", "_ranks", "_mixed",
-                 "_cma_any", "_pidfds", "_deferred", "_cstatus", "_cma_first", "_yield",
-                 "_barrier", "_transport", "_options", "__dict__")
+                 "_deferred", "_cstatus", "_cma_first", "_yield", "_barrier", "_transport",
+                 "_options", "__dict__")
     _cma: NodeComm | None
     _cma_send: Callable[..., None]  # bound methods of _cma: one lookup less per message
     _cma_recv: Callable[..., None]
@@ -78,9 +78,7 @@ class Comm(MPI.Intracomm):
     _local: dict[int, int]  # rank of the wrapped comm -> cma rank, for this node's ranks
     _ranks: list[int]  # cma rank -> rank of the wrapped comm
     _mixed: bool  # this rank has peers on this node and on others
-    _cma_any: bool  # every peer is on this node: ANY_SOURCE is cma's
-    _pidfds: dict[int, int]  # cma rank -> pidfd, to notice a peer's exit on a mixed rank
-    _deferred: list[RoutedRequest]  # receives waiting behind a wildcard receive (mixed ranks)
+    _deferred: list[Request]  # receives waiting behind a wildcard receive (mixed ranks)
     _cstatus: CmaStatus  # reused: one thread uses a communicator at a time
     _cma_first: bool
     _yield: bool  # more ranks than cores on this machine: yield while spinning
@@ -98,8 +96,6 @@ class Comm(MPI.Intracomm):
         self._local = {}
         self._ranks = []
         self._mixed = False
-        self._cma_any = False
-        self._pidfds = {}
         self._deferred = []
         self._cstatus = CmaStatus()
         self._cma_first = True
@@ -114,26 +110,27 @@ class Comm(MPI.Intracomm):
             raise TypeError(f"cma.mpi.Comm wraps an mpi4py Intracomm, got {comm!r}")
         if MPI.Intracomm.allreduce(self, env_flag(ENV_DISABLE), op=MPI.LOR):
             return
-        cma, members, machine, self._barrier = bootstrap(self, transport, options)
+        if not PROGRESS.available:
+            raise CmaError(
+                f"cma.mpi needs a progress hook into the MPI library, known for MPICH and "
+                f"Open MPI; this is {MPI.Get_library_version().splitlines()[0]!r} "
+                f"(set {ENV_DISABLE}=1 to send everything through MPI)")
+        self._cma, members, machine, self._barrier = bootstrap(self, transport, options)
+        cma = self._cma
         if cma is None:
             return
-        self._cma = cma
         self._cma_send = cma.Send
         self._cma_recv = cma.Recv
         self._ranks = [rank for rank, _ in members]
         self._local = {rank: i for i, rank in enumerate(self._ranks)}
         self._mixed = len(members) < self.Get_size()
-        self._cma_any = not self._mixed
-        if self._cma_any:
+        if self._mixed:
+            PROGRESS.serve(cma)  # MPI's waits keep this node's rings moving from now on
+        else:
             self._fast = {**self._local, ANY_SOURCE: CMA_ANY_SOURCE}
-            cma._request = NodeRequest
             for name in HANDED_OUT if SAME_WILDCARDS else ():
                 if getattr(type(self), name) is getattr(Comm, name):  # not overridden
                     self.__dict__[name] = getattr(cma, name)
-        else:
-            me = self.Get_rank()
-            self._pidfds = {i: os.pidfd_open(pid) for i, (rank, pid) in enumerate(members)
-                            if rank != me}
         self._yield = machine > (os.cpu_count() or 1)
 
     # -- what the wrapper adds
@@ -186,10 +183,10 @@ class Comm(MPI.Intracomm):
     def Send(self, buf: Any, dest: int, tag: int = 0) -> None:
         peer = self._fast.get(dest)
         if peer is None:
-            if self._mixed:
+            if dest in self._local:  # a mixed rank: wait in both engines
                 self.Isend(buf, dest, tag).Wait()
             else:
-                mpi_send(self, buf, dest, tag)
+                mpi_send(self, buf, dest, tag)  # (a mixed rank's hook keeps cma moving)
             return
         self._cma_send(buf, peer, tag)  # NodeComm converts specs, raises mpi4py's errors
 
@@ -197,8 +194,8 @@ class Comm(MPI.Intracomm):
              status: MPI.Status | None = None) -> None:
         peer = self._fast.get(source)
         if peer is None:
-            if self._mixed:
-                self.Irecv(buf, source, tag).Wait(status)
+            if self._waits_in_cma(source, tag):
+                self._irecv(buf, source, tag, False).Wait(status)
             else:
                 mpi_recv(self, buf, source, tag, status)
             return
@@ -219,31 +216,26 @@ class Comm(MPI.Intracomm):
         if self._cma is None:
             MPI.Intracomm.Sendrecv_replace(self, buf, dest, sendtag, source, recvtag, status)
             return
-        outgoing = bytes(send_view(convert(buf) if buf.__class__ in SPECS else buf))
+        outgoing = b"" if buf is None else bytes(send_view(convert(buf) if buf.__class__ in SPECS
+                                                           else buf))
         self.Sendrecv(outgoing, dest, sendtag, buf, source, recvtag, status)
 
     # Ready mode may be implemented as standard mode (MPI-4.1, section 3.4).
     def Rsend(self, buf: Any, dest: int, tag: int = 0) -> None:
         self.Send(buf, dest, tag)
 
-    # -- non-blocking buffer point-to-point (our Request is no MPI.Request: MPI could not
-    # progress cma, hence the type: ignore[override])
+    # -- non-blocking buffer point-to-point
 
-    def Isend(self, buf: Any, dest: int, tag: int = 0) -> Request:  # type: ignore[override]
+    def Isend(self, buf: Any, dest: int, tag: int = 0) -> MPI.Request:
         peer = self._local.get(dest)
         if peer is None:
-            return RoutedRequest(self, None, mpi_isend(self, buf, dest, tag), False)
-        try:
-            creq = self._cma.Isend(buf, peer, tag)  # type: ignore[union-attr]
-        except CmaError as exc:
-            self._fail(exc)
-        return self._on_node(creq, False, peer)
+            return mpi_isend(self, buf, dest, tag)
+        return self._cma.Isend(buf, peer, tag)  # type: ignore[union-attr,return-value]
 
-    def Irsend(self, buf: Any, dest: int, tag: int = 0) -> Request:  # type: ignore[override]
+    def Irsend(self, buf: Any, dest: int, tag: int = 0) -> MPI.Request:
         return self.Isend(buf, dest, tag)
 
-    def Irecv(self, buf: Any, source: int = ANY_SOURCE,  # type: ignore[override]
-              tag: int = ANY_TAG) -> Request:
+    def Irecv(self, buf: Any, source: int = ANY_SOURCE, tag: int = ANY_TAG) -> MPI.Request:
         return self._irecv(buf, source, tag, False)
 
     # -- objects (on-node: pickle protocol 5, large buffers out of band through cma)
@@ -251,7 +243,7 @@ class Comm(MPI.Intracomm):
     def send(self, obj: Any, dest: int, tag: int = 0) -> None:
         peer = self._fast.get(dest)
         if peer is None:
-            if self._mixed:
+            if dest in self._local:
                 self.isend(obj, dest, tag).Wait()
             else:
                 mpi_send_obj(self, obj, dest, tag)
@@ -263,25 +255,21 @@ class Comm(MPI.Intracomm):
 
     def recv(self, buf: Any = None, source: int = ANY_SOURCE, tag: int = ANY_TAG,
              status: MPI.Status | None = None) -> Any:
-        if source in self._fast or self._mixed and (source in self._local
-                                                    or source == ANY_SOURCE):
+        if source in self._fast or self._waits_in_cma(source, tag):
             return self._irecv(buf, source, tag, True).wait(status)
-        if self._mixed:
-            return self._recv_mpi_mixed(source, tag, status)  # any size, as mpi4py's recv
         return mpi_recv_obj(self, buf, source, tag, status)
 
-    def isend(self, obj: Any, dest: int, tag: int = 0) -> Request:  # type: ignore[override]
+    def isend(self, obj: Any, dest: int, tag: int = 0) -> MPI.Request:
         peer = self._local.get(dest)
         if peer is None:
-            return RoutedRequest(self, None, mpi_isend_obj(self, obj, dest, tag), True)
+            return mpi_isend_obj(self, obj, dest, tag)
         try:
-            creq = self._cma.isend(obj, peer, tag)  # type: ignore[union-attr]
+            return self._cma.isend(obj, peer, tag)  # type: ignore[union-attr,return-value]
         except CmaError as exc:
             self._fail(exc)
-        return self._on_node(creq, True, peer)
 
-    def irecv(self, buf: Any = None, source: int = ANY_SOURCE,  # type: ignore[override]
-              tag: int = ANY_TAG) -> Request:
+    def irecv(self, buf: Any = None, source: int = ANY_SOURCE, tag: int = ANY_TAG
+              ) -> MPI.Request:
         """On-node: any size. Off-node: mpi4py's irecv, bounded unless ``buf`` is given."""
         return self._irecv(buf, source, tag, True)
 
@@ -290,7 +278,7 @@ class Comm(MPI.Intracomm):
                  status: MPI.Status | None = None) -> Any:
         if self._cma is None:
             return mpi_sendrecv_obj(self, sendobj, dest, sendtag, recvbuf, source, recvtag,
-                                     status)
+                                    status)
         send = self.isend(sendobj, dest, sendtag)
         obj = self.recv(recvbuf, source, recvtag, status)
         send.Wait()
@@ -363,12 +351,9 @@ class Comm(MPI.Intracomm):
         if self._cma is not None:
             self._cma.close()
             self._cma = None
-        for fd in self._pidfds.values():
-            os.close(fd)
-        self._pidfds = {}
         self._fast = {}
         self._local = {}
-        self._mixed = self._cma_any = False
+        self._mixed = False
         for name in HANDED_OUT:
             self.__dict__.pop(name, None)
         self._barrier = BARRIER_MPI
@@ -386,78 +371,55 @@ class Comm(MPI.Intracomm):
             fill(status, self._ranks[cs.source], cs.tag, cs.count)
         return found
 
-    def _on_node(self, creq: CmaRequest, is_object: bool, peer: int) -> Request:
-        """The request of an on-node operation: cma's own when every peer is on this node."""
-        if self._cma_any:
-            return creq  # type: ignore[return-value]  # a NodeRequest (see __init__)
-        return RoutedRequest(self, creq, None, is_object, peer)
-
-    def _irecv(self, buf: Any, source: int, tag: int, is_object: bool) -> Request:
+    def _irecv(self, buf: Any, source: int, tag: int, is_object: bool) -> MPI.Request:
         peer = self._fast.get(source)
-        if peer is not None:
+        if peer is None and self._mixed and (
+                source == ANY_SOURCE or any(overlap(w, source, tag) for w in self._deferred)):
             cma = self._cma
             assert cma is not None
-            try:
-                creq = cma.irecv(None, peer, tag) if is_object else cma.Irecv(buf, peer, tag)
-            except CmaError as exc:
-                self._fail(exc)
-            return self._on_node(creq, is_object, peer)
-        if self._mixed and (source == ANY_SOURCE
-                            or any(overlap(w, source, tag) for w in self._deferred)):
-            req = RoutedRequest(self, None, None, is_object)
-            req._buf = buf
-            req._source = source
-            req._tag = tag
+            req = start_request(cma, None, is_object, (buf, source, tag))
             self._deferred.append(req)
             self._advance()
             return req
-        req = RoutedRequest(self, None, None, is_object)
-        self._post(req, buf, source, tag)
-        return req
-
-    def _post(self, req: RoutedRequest, buf: Any, source: int, tag: int) -> None:
-        """Post ``req`` now in the channel of ``source`` (cma for ANY_SOURCE on one node)."""
-        peer = self._local.get(source)
-        if peer is None and not (source == ANY_SOURCE and self._cma_any):
-            req._mreq = mpi_irecv_obj(self, buf, source, tag) if req._object \
-                else mpi_irecv(self, buf, source, tag)
-            return
         if peer is None:
-            peer = CMA_ANY_SOURCE
+            peer = self._local.get(source)
+        if peer is None:
+            return mpi_irecv_obj(self, buf, source, tag) if is_object \
+                else mpi_irecv(self, buf, source, tag)
         cma = self._cma
         assert cma is not None
         try:
-            if req._object:
-                req._creq = cma.irecv(None, peer, tag)
-            else:
-                req._creq = cma.Irecv(buf, peer, tag)  # (NodeComm converts buffer specs)
+            return cma.irecv(None, peer, tag) if is_object \
+                else cma.Irecv(buf, peer, tag)  # type: ignore[return-value]
         except CmaError as exc:
             self._fail(exc)
-        req._peer = peer
 
     # -- internals: mixed ranks (peers on this node and on others)
+
+    def _waits_in_cma(self, source: int, tag: int) -> bool:
+        """Whether a receive on a mixed rank goes through cma's matching or the deferred
+        wildcards (else it is MPI's alone, and MPI's wait keeps cma moving)."""
+        return self._mixed and (source in self._local or source == ANY_SOURCE
+                                or any(overlap(w, source, tag) for w in self._deferred))
 
     def _advance(self) -> None:
         """Match the receives waiting behind a wildcard, in the order they were posted.
 
-        A waiting receive is posted as it is once no earlier waiting receive overlaps it;
-        otherwise it takes the first message it matches unless an earlier waiting receive
-        matches that message too (then the earlier one gets it on a later pass).
+        A waiting receive takes the first message it matches unless an earlier waiting
+        receive matches that message too (then the earlier one gets it on a later pass).
         """
-        waiting: list[RoutedRequest] = []
+        waiting: list[Request] = []
         for req in self._deferred:
-            if req._source != ANY_SOURCE and not any(overlap(w, req._source, req._tag)
-                                                      for w in waiting):
-                self._post(req, req._buf, req._source, req._tag)
-            elif not self._match(req, waiting):
+            if not self._match(req, waiting):
                 waiting.append(req)
-                continue
-            req._buf = None
         self._deferred = waiting
 
-    def _match(self, req: RoutedRequest, earlier: list[RoutedRequest]) -> bool:
-        """Post ``req`` for exactly the first message it matches, if no earlier one owns it."""
-        source, tag = req._source, req._tag
+    def _match(self, req: Request, earlier: list[Request]) -> bool:
+        """Take for ``req`` exactly the first message it matches, if no earlier one owns it."""
+        assert req._spec is not None
+        buf, source, tag = req._spec
+        cma = self._cma
+        assert cma is not None
         peer = self._local.get(source)
         self._cma_first = not self._cma_first  # alternate: neither channel starves the other
         for on_cma in (self._cma_first, not self._cma_first):
@@ -467,7 +429,7 @@ class Comm(MPI.Intracomm):
                 found_source, found_tag = self._ranks[self._cstatus.source], self._cstatus.tag
                 if owner(earlier, found_source, found_tag):
                     return False
-                self._post(req, req._buf, found_source, found_tag)
+                cma.bind(req, self._local[found_source], found_tag)
                 return True
             if not on_cma and peer is None:
                 st = MPI.Status()
@@ -479,9 +441,44 @@ class Comm(MPI.Intracomm):
                 message = (mpi_improbe_obj if req._object else mpi_improbe)(
                     self, found_source, found_tag)
                 assert message is not None  # probed just now, and only this thread receives
-                req._mreq = message.irecv() if req._object else message.Irecv(req._buf)
+                req._spec = None
+                # (MPI's receive, blocking: the message is here or on its way, and the
+                # hook keeps cma moving meanwhile)
+                value = None
+                if req._object:
+                    value = message.recv(st)
+                else:
+                    message.Recv(buf, st)
+                req._finish_elsewhere((st.Get_source(), st.Get_tag(), st.Get_elements(BYTE)),
+                                      value)
                 return True
         return False
+
+    def _withdraw(self, req: Request) -> bool:
+        """Cancel a wildcard receive still waiting to be matched."""
+        if req in self._deferred:
+            self._deferred.remove(req)
+            return True
+        return False
+
+    def _settle(self, req: Request, posted_only: bool = False) -> None:
+        """Drive both engines until ``req`` is over (``posted_only``: until it is posted)."""
+        op = req._op
+        peer = None if op is None else op.dest if isinstance(op, SendOp) else op.source
+        if posted_only:
+            self._progress_until(lambda: req._op is not None or req._over, None)
+        else:
+            self._progress_until(lambda: req._over or req._op is not None and req._op.done,
+                                 peer if peer is not None and peer >= 0 else None)
+
+    def _step(self) -> None:
+        """Move both engines once (mixed ranks)."""
+        cma = self._cma
+        if cma is not None:
+            cma.progress()
+        mpi_iprobe(self, ANY_SOURCE, ANY_TAG)  # MPI progresses inside its calls
+        if self._deferred:
+            self._advance()
 
     def _iprobe_mixed(self, source: int, tag: int, status: MPI.Status | None) -> bool:
         if self._deferred:
@@ -500,30 +497,19 @@ class Comm(MPI.Intracomm):
             fill(status, st.Get_source(), st.Get_tag(), st.Get_elements(BYTE))
         return True
 
-    def _recv_mpi_mixed(self, source: int, tag: int, status: MPI.Status | None) -> Any:
-        """Off-node ``recv`` without starving cma: probe, then receive exactly that message."""
-        st = MPI.Status()
-        self._progress_until(lambda: self._iprobe_mixed(source, tag, st), None)
-        message = mpi_improbe_obj(self, st.Get_source(), st.Get_tag())
-        assert message is not None  # probed just now, and only this thread receives
-        return message.recv(status)
-
     def _progress_until(self, done: Callable[[], bool], peer: int | None) -> None:
         """Drive cma and MPI until ``done()``: spin, then sleep with a growing pause.
 
         ``peer`` is the cma rank whose exit makes waiting pointless (None: none is).
         """
         cma = self._cma
-        pidfd = self._pidfds.get(peer) if peer is not None else None
-        watched = [] if pidfd is None else [pidfd]
+        world = cma._world if cma is not None else None
+        pidfd = world.pidfds[peer] if world is not None and peer is not None else -1
         deadline = 0.0
         pause = PAUSE_MIN
         while not done():
-            if cma is not None:
-                cma.progress()
-            mpi_iprobe(self, ANY_SOURCE, ANY_TAG)  # MPI progresses inside its calls
-            if self._deferred:
-                self._advance()
+            self._step()
+            PROGRESS.raise_pending()
             now = time.perf_counter()
             if not deadline:
                 deadline = now + SPIN_SECONDS
@@ -531,13 +517,15 @@ class Comm(MPI.Intracomm):
                 if self._yield:
                     os.sched_yield()
                 continue
-            if select.select(watched, [], [], pause)[0]:
-                watched = []  # the peer exited: take what it left, then give up
+            if pidfd >= 0 and _linux.wait_readable([pidfd], int(pause * 1000)):
+                pidfd = -1  # the peer exited: take what it left, then give up
                 if cma is not None:
                     cma.Iprobe(CMA_ANY_SOURCE, ANY_TAG)
                 if not done():
                     self._fail(PeerGone(f"rank {peer} exited before completing this operation"))
                 return
+            if pidfd < 0:
+                time.sleep(pause)
             pause = min(pause * 2, PAUSE_MAX)
 
 

@@ -2,19 +2,30 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from mpi4py import MPI
+
+from .. import _linux
 from ..comm import Comm as CmaComm
 from ..comm import Request as CmaRequest
 from ..comm import Status as CmaStatus
-from ..comm import send_view
-from ..errors import CmaError
+from ..comm import recv_view, send_view
+from ..errors import CmaError, PeerGone
+from ..protocol import ANY_SOURCE as CMA_ANY_SOURCE
+from ..protocol import RecvOp, SendOp
 from .mpiapi import fill
-from .specs import SPECS, SpecCache
+from .requests import PROGRESS, Request, node_request
+from .specs import NO_BYTES, SPECS, SpecCache
 
 if TYPE_CHECKING:
     from .comm import Comm
+
+# How often a request that MPI waits for (inside MPI's progress loop, where cma never
+# sleeps on its doorbell) checks whether its peer is still alive.
+PEER_CHECK_SECONDS = 0.01
 
 
 class NodeComm(CmaComm):
@@ -22,23 +33,45 @@ class NodeComm(CmaComm):
 
     When every rank is on this node, its ranks are the wrapped communicator's and
     ``Comm`` hands out its point-to-point methods as its own (``HANDED_OUT``): a
-    message then costs no wrapper frame, and a non-blocking call returns one request
-    (``_NodeRequest``) instead of a wrapper around cma's. So buffer specs are converted,
-    statuses filled and errors raised as mpi4py's here, on the paths the eager fast
-    paths fall back to.
+    message then costs no wrapper frame. So buffer specs are converted, statuses
+    filled, errors raised and requests made as mpi4py's here, on the paths the eager
+    fast paths fall back to. The requests are MPI's (``requests.node_request``); the
+    ones cma completes wait in ``_pending`` for their operation.
     """
 
-    def __init__(self, mpi: Comm, *args: Any, **options: Any) -> None:
+    _request = staticmethod(node_request)  # type: ignore[assignment]
+
+    def __init__(self, mpi: Comm, *args: Any, ranks: Sequence[int], mixed: bool,
+                 **options: Any) -> None:
         super().__init__(*args, **options)
         self._mpi = mpi  # the wrapper: its _fail runs the error handler, raises its exception
+        self._ranks = list(ranks)  # cma rank -> rank of the wrapped communicator
+        self._mixed = mixed  # peers elsewhere too: waits must keep MPI moving
         self._send_spec = SpecCache()
         self._recv_spec = SpecCache()
         self._mpi_scratch = CmaStatus()
+        self._pending: dict[SendOp | RecvOp, Request] = {}
+        self._next_peer_check = 0.0
+
+    def comm_rank(self, rank: int) -> int:
+        return self._ranks[rank]
+
+    # -- buffer specs, statuses and errors as mpi4py's
 
     def _cached_view(self, buf: Any, convert: Callable[[Any], memoryview]) -> memoryview:
         if buf.__class__ in SPECS:  # [buf, MPI.DOUBLE] & co: never cached themselves
             buf = (self._send_spec if convert is send_view else self._recv_spec).convert(buf)
+        elif buf is None:  # mpi4py's message of nothing (towards PROC_NULL, say)
+            buf = NO_BYTES
         return super()._cached_view(buf, convert)
+
+    def _unpickle(self, op: RecvOp) -> Any:
+        """An object receive that matched a buffer message loads it as mpi4py does: zero
+        bytes are None, anything else is unpickled."""
+        if op.is_object:
+            return super()._unpickle(op)
+        data = op.segments[0] if op.segments else b""
+        return MPI.pickle.loads(data) if len(data) else None
 
     def _send(self, mv: memoryview, dest: Any, tag: Any) -> None:
         try:
@@ -68,3 +101,106 @@ class NodeComm(CmaComm):
         except CmaError as exc:
             self._mpi._fail(exc)
 
+    # -- the requests cma completes
+
+    def _completed(self, op: SendOp | RecvOp) -> None:
+        super()._completed(op)
+        if self._pending:
+            req = self._pending.pop(op, None)
+            if req is not None:
+                req._finish()
+
+    def await_op(self, op: SendOp | RecvOp, req: Request) -> None:
+        """``req`` completes when ``op`` does, whoever waits for it (cma or MPI)."""
+        self._pending[op] = req
+        PROGRESS.serve(self)
+
+    def bind(self, req: Request, peer: int, tag: int) -> None:
+        """Post the receive of a request made before it (a mixed rank's wildcard)."""
+        assert req._spec is not None
+        buf = req._spec[0]
+        req._spec = None
+        mv = None if req._object else self._cached_view(buf, recv_view)
+        op, actions = self._engine.recv(peer, tag, mv)
+        self._run(actions)
+        req._op = op
+        if op.done:
+            req._finish()
+        else:
+            self.await_op(op, req)
+
+    def settle(self, req: Request) -> None:
+        """Wait inside cma (and MPI, on a mixed rank) until ``req``'s operation is over."""
+        if self._mixed or req._op is None:
+            self._mpi._settle(req)
+            return
+        self._wait(req._op)
+
+    def settle_any(self, reqs: list[Request]) -> None:
+        """Wait until one of ``reqs`` (all this communicator's) is over."""
+        if self._mixed:
+            self._mpi._progress_until(lambda: any(r._progress() for r in reqs), None)
+            return
+        self._wait_until(lambda: any(r._op is not None and r._op.done or r._failure is not None
+                                     for r in reqs), None)
+
+    def step(self, req: Request) -> None:
+        """Move everything once (``req`` is one of ours that is not over)."""
+        if self._mixed:
+            self._mpi._step()
+        else:
+            self._progress()
+
+    def post_waiting(self, req: Request) -> None:
+        """MPI is about to wait for ``req``: it must be posted and the hook armed."""
+        if req._op is None:
+            self._mpi._settle(req, posted_only=True)
+        PROGRESS.serve(self)
+
+    def cancel(self, req: Request) -> bool:
+        """Withdraw a receive nothing has matched yet; whether it was withdrawn."""
+        op = req._op
+        if op is None:
+            return self._mpi._withdraw(req)
+        posted = self._engine.matcher.posted if self._attached else []
+        if isinstance(op, RecvOp) and not op.done and op in posted:
+            posted.remove(op)
+            op.done = True
+            return True
+        return False
+
+    def poll_requests(self) -> bool:
+        """The hook's call from inside MPI: move cma, notice dead peers; whether to stay."""
+        if self._closed:
+            return False
+        self._progress()
+        if self._pending:
+            now = time.monotonic()
+            if now >= self._next_peer_check:
+                self._next_peer_check = now + PEER_CHECK_SECONDS
+                self._check_peers()
+        return self._mixed or bool(self._pending)
+
+    def _check_peers(self) -> None:
+        """Fail the pending requests that wait for a peer that has exited."""
+        world = self._world
+        assert world is not None
+        live = [fd for fd in world.pidfds if fd >= 0]
+        ready = _linux.wait_readable(live, 0)
+        if not ready:
+            return
+        self._bury([r for r, fd in enumerate(world.pidfds) if fd in ready])
+        everyone_gone = self._dead.issuperset(self._peers)
+        for op, req in list(self._pending.items()):
+            peer = op.dest if isinstance(op, SendOp) else op.source
+            if peer in self._dead or peer == CMA_ANY_SOURCE and everyone_gone:
+                req._fail(PeerGone(f"rank {self.comm_rank(peer) if peer >= 0 else peer} exited "
+                                   "before completing this operation"))
+
+    def close(self) -> None:
+        """Close the world; requests still pending fail (nothing will complete them)."""
+        PROGRESS.drop(self)
+        for req in list(self._pending.values()):
+            req._fail(CmaError("the communicator was freed before this operation completed"))
+        self._pending.clear()
+        super().close()

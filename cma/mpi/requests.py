@@ -1,4 +1,23 @@
-"""Requests of cma.mpi.Comm's non-blocking calls, with mpi4py's methods."""
+"""Requests of cma.mpi.Comm: MPI generalized requests that cma completes.
+
+Every request the wrapper hands out is a real ``MPI.Request``, so every mpi4py function
+that takes requests takes it: ``MPI.Request.Waitall`` and the rest, ``MPI.Prequest``'s
+lists, libraries that keep requests in arrays. Which object a call returns:
+
+* a send that completed as it was made (eager, or to ``PROC_NULL``), and a receive from
+  ``PROC_NULL``: MPI's own request of the same operation towards ``PROC_NULL`` (one C
+  call, ~0.25 us; MPI reports it complete with the status it gives such operations);
+* anything else on-node: ``Request``, a subclass of ``MPI.Grequest`` carrying the cma
+  operation. cma completes it (``MPI_Grequest_complete``) when the operation is done,
+  and its query callback gives MPI the status (source, tag, count, cancelled, error).
+  Its own ``Wait``/``Test`` wait inside cma (spinning, then sleeping on the doorbell)
+  and hand the finished request to MPI; MPI's functions (``MPI.Request.Waitall``...)
+  wait inside MPI, whose progress loop calls cma through a hook (``libmpi``);
+* off-node operations: MPI's own requests, untouched.
+
+Starting a generalized request costs ~1.4 us in MPICH (docs/mpi.md has the figures):
+that, not the copy, is what a window of small non-blocking messages pays over plain MPI.
+"""
 
 from __future__ import annotations
 
@@ -7,393 +26,394 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from mpi4py import MPI
 
-from ..comm import Request as CmaRequest
-from ..comm import Status as CmaStatus
-from ..errors import CmaError
-from ..protocol import ANY_SOURCE as CMA_ANY_SOURCE
+from ..errors import CmaError, TruncationError
+from ..protocol import PROC_NULL as CMA_PROC_NULL
 from ..protocol import RecvOp, SendOp
-from .mpiapi import BYTE, EMPTY, fill
+from .libmpi import ProgressHook, make_hook
+from .mpiapi import EMPTY, fill, mpi_irecv, mpi_isend
 
 if TYPE_CHECKING:
-    from .comm import Comm
     from .node import NodeComm
 
-ACTIVE, COMPLETE, INACTIVE = 0, 1, 2
+NULL_SPEC = [None, 0, MPI.BYTE]  # the empty message of a PROC_NULL stand-in
+
+_start = MPI.Grequest.Start
+_mpi_wait = MPI.Request.Wait
+_mpi_test = MPI.Request.Test
+_mpi_wait_obj = MPI.Request.wait
+_mpi_test_obj = MPI.Request.test
+_mpi_get_status = MPI.Request.Get_status
+_mpi_cancel = MPI.Request.Cancel
+_complete = MPI.Grequest.Complete
+_complete_obj = MPI.Grequest.complete
 
 
-class Request:
-    """An mpi4py-style request on an on-node (cma) or off-node (MPI) operation.
+def mpi_exception(error: BaseException) -> MPI.Exception:
+    """The MPI error a failed cma operation reports inside MPI's own calls."""
+    if isinstance(error, MPI.Exception):
+        return error
+    if isinstance(error, TruncationError):
+        return MPI.Exception(MPI.ERR_TRUNCATE)
+    return MPI.Exception(MPI.ERR_OTHER)
 
-    Not an ``MPI.Request`` (MPI could not progress cma): wait for a list with
-    ``cma.mpi.Request.Waitall``, which also takes plain ``MPI.Request`` objects. A
-    completed request becomes inactive: waiting again returns at once with an empty
-    status, as for ``MPI.REQUEST_NULL``.
+
+class Request(MPI.Grequest):
+    """An on-node operation of a ``cma.mpi.Comm``: an MPI generalized request.
+
+    ``Wait``, ``Test``, ``wait``, ``test``, ``Get_status`` and ``Cancel`` work inside cma
+    and then let MPI retire the request; anything else (``MPI.Request.Waitall``,
+    ``Free``, ``py2f``...) is MPI's own and works on it as on any request.
     """
 
-    # Two kinds: cma's own request where every peer is on this node (NodeRequest),
-    # else one that routes to either engine (RoutedRequest). What the methods below
-    # need from them: _poll progresses once and says whether the request is complete,
-    # _complete blocks until it is, _outcome is the (source, tag, bytes) it will report,
-    # _report fills a status, raises a failure, hands over the value and leaves the
-    # request inactive; _wrapper is the Comm it came from.
-    __slots__ = ()
+    __slots__ = ("_node", "_op", "_object", "_over", "_failure", "_cancelled", "_outcome", "_spec")
+    _node: NodeComm
+    _op: SendOp | RecvOp | None  # None: not yet posted (a wildcard waiting, mixed ranks)
+    _object: bool
+    _over: bool  # MPI was told it is complete
+    _failure: BaseException | None  # what waiting for it raised (e.g. the peer died)
+    _cancelled: bool
+    # set when a mixed rank's wildcard receive took an off-node message: its status
+    _outcome: tuple[int, int, int] | None
+    # a wildcard receive waiting to be posted (mixed ranks): buffer, source, tag
+    _spec: tuple[Any, int, int] | None
 
-    def _poll(self) -> bool:
-        raise NotImplementedError
+    # -- what MPI asks
 
-    def _complete(self) -> None:
-        raise NotImplementedError
+    def _status(self) -> tuple[int, int, int]:
+        """(source, tag, bytes) as the wrapped communicator numbers ranks."""
+        op = self._op
+        if isinstance(op, RecvOp) and op.matched_source >= 0:
+            return self._node.comm_rank(op.matched_source), op.matched_tag, op.nbytes
+        return self._outcome or EMPTY
 
-    def _outcome(self) -> tuple[int, int, int]:
-        raise NotImplementedError
+    def _error(self) -> BaseException | None:
+        op = self._op
+        if isinstance(op, RecvOp) and op.error is not None:
+            return op.error
+        return self._failure
 
-    def _report(self, status: MPI.Status | None) -> Any:
-        raise NotImplementedError
+    # -- completion
 
-    def _wrapper(self) -> Comm:
-        raise NotImplementedError
+    def _finish(self) -> None:
+        """The operation is over: tell MPI (an object receive hands MPI the object)."""
+        if self._over:
+            return
+        self._over = True
+        op = self._op
+        if self._object and isinstance(op, RecvOp) and op.error is None and op.matched_source >= 0:
+            try:
+                value = self._node._unpickle(op)
+            except Exception as exc:  # a stream that does not unpickle fails this receive
+                self._failure = exc
+            else:
+                _complete_obj(self, value)
+                return
+        _complete(self)
 
-    # -- mpi4py's API
+    def _fail(self, exc: BaseException) -> None:
+        """Waiting for the operation failed (its peer died): complete it with the failure."""
+        if self._over:
+            return
+        if self._op is not None:
+            self._node._pending.pop(self._op, None)
+        self._failure = exc
+        self._over = True
+        _complete(self)
+
+    def _finish_elsewhere(self, outcome: tuple[int, int, int], value: Any) -> None:
+        """A mixed rank's wildcard receive took an off-node message, received by MPI."""
+        self._outcome = outcome
+        self._over = True
+        if self._object:
+            _complete_obj(self, value)
+        else:
+            _complete(self)
+
+    def _settle(self) -> BaseException | None:
+        """Wait inside cma until the operation is over; the error to report, taken from it."""
+        op = self._op
+        node = self._node
+        if op is None or not op.done:
+            try:
+                node.settle(self)
+            except CmaError as exc:
+                self._fail(exc)
+        error = self._error()
+        if error is not None:  # reported by the caller, with more than MPI's error code
+            self._failure = None
+            if isinstance(self._op, RecvOp):
+                self._op.error = None
+        return error
+
+    def _progress(self) -> bool:
+        """Move cma once; whether the operation is over."""
+        op = self._op
+        if op is not None and op.done or self._failure is not None:
+            return True
+        try:
+            self._node.step(self)
+        except CmaError as exc:
+            self._fail(exc)
+            return True
+        op = self._op
+        return op is not None and op.done or self._failure is not None
+
+    def _raise(self, error: BaseException, status: MPI.Status | None) -> None:
+        self._node._mpi._fail(error, status)
+
+    # -- mpi4py's API, done inside cma first
 
     def Wait(self, status: MPI.Status | None = None) -> Literal[True]:
-        self._complete()
-        self._report(status)
-        return True
+        if self:
+            error = self._settle()
+            _mpi_wait(self, status)
+            if error is not None:
+                self._raise(error, status)
+            return True
+        return _mpi_wait(self, status)
 
     def wait(self, status: MPI.Status | None = None) -> Any:
-        self._complete()
-        return self._report(status)
+        if self:
+            error = self._settle()
+            value = _mpi_wait_obj(self, status)
+            if error is not None:
+                self._raise(error, status)
+            return value
+        return _mpi_wait_obj(self, status)
 
     def Test(self, status: MPI.Status | None = None) -> bool:
-        if not self._poll():
+        if self and not self._progress():
             return False
-        self._report(status)
-        return True
+        return self.Wait(status)
 
     def test(self, status: MPI.Status | None = None) -> tuple[bool, Any]:
-        if not self._poll():
+        if self and not self._progress():
             return False, None
-        return True, self._report(status)
+        return True, self.wait(status)
 
     def Get_status(self, status: MPI.Status | None = None) -> bool:
         """Whether it has completed, without completing it (``status`` filled if so)."""
-        if not self._poll():
+        if self and not self._progress():
             return False
-        if status is not None:
-            fill(status, *self._outcome())
-        return True
+        return _mpi_get_status(self, status)
 
-    # -- many requests
+    get_status = Get_status
 
-    @staticmethod
-    def _adopt(requests: Sequence[Request | MPI.Request]) -> list[Request]:
-        """Our requests, plain MPI requests wrapped so that one loop progresses both."""
-        first = next((r for r in requests if isinstance(r, Request)), None)
-        if first is None and requests:
-            raise TypeError("cma.mpi.Request.Waitall and friends need at least one request "
-                            "from a cma.mpi.Comm; use MPI.Request's methods for plain ones")
-        out = []
-        for r in requests:
-            if isinstance(r, Request):
-                out.append(r)
-            else:
-                assert first is not None
-                comm = first._wrapper()
-                out.append(RoutedRequest(comm, None, r, False) if r else inactive(comm))
-        return out
+    def Cancel(self) -> None:
+        """A receive not matched yet is withdrawn and completes as cancelled; a send is not
+        cancelled (MPI 4.1 deprecates cancelling sends)."""
+        if self and not self._over and self._node.cancel(self):
+            self._cancelled = True
+            if self._op is not None:
+                self._node._pending.pop(self._op, None)
+            self._over = True
+            _complete(self)
+        _mpi_cancel(self)
+
+    # -- many requests: cma's own wait where every request is one node's, else MPI's
 
     @staticmethod
-    def _report_all(requests: list[Request], statuses: list[MPI.Status] | None) -> list[Any]:
-        if statuses is not None:
-            statuses.extend(MPI.Status() for _ in range(len(requests) - len(statuses)))
-        values = []
-        first: BaseException | None = None
-        for i, req in enumerate(requests):
-            try:
-                values.append(req._report(None if statuses is None else statuses[i]))
-            except (MPI.Exception, CmaError) as exc:  # report every request, raise the first failure
-                values.append(None)
-                first = first or exc
-        if first is not None:
-            raise first
-        return values
+    def _ours(requests: Sequence[MPI.Request]) -> list[Request]:
+        return [r for r in requests if isinstance(r, Request) and r]
 
     @classmethod
-    def Waitall(cls, requests: Sequence[Request | MPI.Request],
+    def _settle_all(cls, requests: Sequence[MPI.Request]) -> None:
+        """Before MPI waits for all of them: our requests settled inside cma, when nothing
+        but cma can be waited for (else MPI waits, its progress running cma's)."""
+        ours = cls._ours(requests)
+        if len(ours) == sum(1 for r in requests if r) and ours:
+            for req in ours:
+                req._node.settle(req)
+        else:
+            for req in ours:
+                req._node.post_waiting(req)
+
+    @classmethod
+    def _settle_any(cls, requests: Sequence[MPI.Request]) -> None:
+        ours = cls._ours(requests)
+        if len(ours) == sum(1 for r in requests if r) and ours:
+            ours[0]._node.settle_any(ours)
+        else:
+            for req in ours:
+                req._node.post_waiting(req)
+
+    @classmethod
+    def Waitall(cls, requests: Sequence[MPI.Request],
                 statuses: list[MPI.Status] | None = None) -> Literal[True]:
-        cls.waitall(requests, statuses)
-        return True
+        cls._settle_all(requests)
+        return MPI.Request.Waitall(requests, statuses)
 
     @classmethod
-    def waitall(cls, requests: Sequence[Request | MPI.Request],
+    def waitall(cls, requests: Sequence[MPI.Request],
                 statuses: list[MPI.Status] | None = None) -> list[Any]:
-        reqs = cls._adopt(requests)
-        for req in reqs:
-            req._complete()
-        return cls._report_all(reqs, statuses)
+        cls._settle_all(requests)
+        return MPI.Request.waitall(requests, statuses)
 
     @classmethod
-    def Testall(cls, requests: Sequence[Request | MPI.Request],
-                statuses: list[MPI.Status] | None = None) -> bool:
-        return cls.testall(requests, statuses)[0]
-
-    @classmethod
-    def testall(cls, requests: Sequence[Request | MPI.Request],
-                statuses: list[MPI.Status] | None = None) -> tuple[bool, list[Any] | None]:
-        reqs = cls._adopt(requests)
-        if not all([req._poll() for req in reqs]):  # a list: progress every one each time
-            return False, None
-        return True, cls._report_all(reqs, statuses)
-
-    @classmethod
-    def Waitany(cls, requests: Sequence[Request | MPI.Request],
+    def Waitany(cls, requests: Sequence[MPI.Request],
                 status: MPI.Status | None = None) -> int:
-        return cls.waitany(requests, status)[0]
+        cls._settle_any(requests)
+        return MPI.Request.Waitany(requests, status)
 
     @classmethod
-    def waitany(cls, requests: Sequence[Request | MPI.Request],
+    def waitany(cls, requests: Sequence[MPI.Request],
                 status: MPI.Status | None = None) -> tuple[int, Any]:
-        """(index, value) of a completed request; (``MPI.UNDEFINED``, None) if none is active."""
-        reqs = cls._adopt(requests)
-        active = [i for i, req in enumerate(reqs) if req]
-        if not active:
-            if status is not None:
-                fill(status, *EMPTY)
-            return MPI.UNDEFINED, None
-        found: list[int] = []
+        cls._settle_any(requests)
+        return MPI.Request.waitany(requests, status)
 
-        def any_done() -> bool:
-            found.extend(i for i in active if reqs[i]._poll())
-            return bool(found)
+    @classmethod
+    def Waitsome(cls, requests: Sequence[MPI.Request],
+                 statuses: list[MPI.Status] | None = None) -> list[int] | None:
+        cls._settle_any(requests)
+        return MPI.Request.Waitsome(requests, statuses)
 
-        reqs[active[0]]._wrapper()._progress_until(any_done, None)
-        return found[0], reqs[found[0]]._report(status)
+    @classmethod
+    def waitsome(cls, requests: Sequence[MPI.Request],
+                 statuses: list[MPI.Status] | None = None
+                 ) -> tuple[list[int] | None, list[Any] | None]:
+        cls._settle_any(requests)
+        return MPI.Request.waitsome(requests, statuses)
 
+    @classmethod
+    def _step_all(cls, requests: Sequence[MPI.Request]) -> None:
+        for req in cls._ours(requests):
+            req._progress()
 
-class RoutedRequest(Request):
-    """A request of a Comm with peers off its node: a cma or an MPI request inside, or
-    (on a mixed rank) a receive still waiting behind a wildcard to be posted in either."""
+    @classmethod
+    def Testall(cls, requests: Sequence[MPI.Request],
+                statuses: list[MPI.Status] | None = None) -> bool:
+        cls._step_all(requests)
+        return MPI.Request.Testall(requests, statuses)
 
-    __slots__ = ("_comm", "_creq", "_mreq", "_object", "_peer", "_state", "_buf", "_source",
-                 "_tag", "_record", "_error", "_value")
-    _comm: Comm
-    _creq: CmaRequest | None  # at most one of the two is set; neither while pending
-    _mreq: MPI.Request | None
-    _object: bool
-    _peer: int  # cma rank of the on-node peer whose exit dooms this request, or -1
-    _state: int
-    # a receive waiting behind a wildcard (Comm._advance) keeps what it will be posted with
-    _buf: Any
-    _source: int
-    _tag: int
-    # set on completion, handed over by _report
-    _record: tuple[int, int, int]
-    _error: BaseException | None
-    _value: Any
+    @classmethod
+    def testall(cls, requests: Sequence[MPI.Request],
+                statuses: list[MPI.Status] | None = None) -> tuple[bool, list[Any] | None]:
+        cls._step_all(requests)
+        return MPI.Request.testall(requests, statuses)
 
-    def __init__(self, comm: Comm, creq: CmaRequest | None, mreq: MPI.Request | None,
-                 is_object: bool, peer: int = -1) -> None:
-        self._comm = comm
-        self._creq = creq
-        self._mreq = mreq
-        self._object = is_object
-        self._peer = peer
-        self._state = ACTIVE
+    @classmethod
+    def Testany(cls, requests: Sequence[MPI.Request],
+                status: MPI.Status | None = None) -> tuple[int, bool]:
+        cls._step_all(requests)
+        return MPI.Request.Testany(requests, status)
 
-    def _wrapper(self) -> Comm:
-        return self._comm
+    @classmethod
+    def testany(cls, requests: Sequence[MPI.Request],
+                status: MPI.Status | None = None) -> tuple[int, bool, Any | None]:
+        cls._step_all(requests)
+        return MPI.Request.testany(requests, status)
 
-    # -- completion, kept until reported (so that Testall completes all or none)
+    @classmethod
+    def Testsome(cls, requests: Sequence[MPI.Request],
+                 statuses: list[MPI.Status] | None = None) -> list[int] | None:
+        cls._step_all(requests)
+        return MPI.Request.Testsome(requests, statuses)
 
-    def _done_cma(self, cs: CmaStatus, error: CmaError | None, value: Any) -> None:
-        self._state = COMPLETE
-        self._creq = None
-        self._record = (self._comm._ranks[cs.source], cs.tag, cs.count) if cs.source >= 0 else EMPTY
-        self._error = error
-        self._value = value
-
-    def _done_mpi(self, st: MPI.Status, error: MPI.Exception | None, value: Any) -> None:
-        self._state = COMPLETE
-        self._mreq = None
-        self._record = (st.Get_source(), st.Get_tag(), st.Get_elements(BYTE))
-        self._error = error
-        self._value = value
-
-    def _poll(self) -> bool:
-        """Progress this request's engine once; True when complete."""
-        if self._state:
-            return True
-        if self._creq is None and self._mreq is None:  # waiting to be matched
-            self._comm._advance()
-        creq = self._creq
-        if creq is not None:
-            cs = self._comm._cstatus
-            cs.source = CMA_ANY_SOURCE  # stays so for sends: cma fills only receive statuses
-            value = None
-            try:
-                if self._object:
-                    done, value = creq.test(cs)
-                else:
-                    done = creq.Test(cs)
-            except CmaError as exc:
-                self._done_cma(cs, exc, None)
-                return True
-            if done:
-                self._done_cma(cs, None, value)
-            return done
-        mreq = self._mreq
-        if mreq is None:
-            return False
-        st = MPI.Status()
-        try:
-            if self._object:
-                done, value = mreq.test(st)
-            else:
-                done, value = mreq.Test(st), None
-        except MPI.Exception as exc:
-            self._done_mpi(st, exc, None)
-            return True
-        if done:
-            self._done_mpi(st, None, value)
-        return done
-
-    def _complete(self) -> None:
-        """Block until complete: inside its engine, or polling both engines on a mixed rank."""
-        if self._state:
-            return
-        comm = self._comm
-        creq, mreq = self._creq, self._mreq
-        if comm._mixed or (creq is None and mreq is None):
-            comm._progress_until(self._poll, self._peer)
-        elif creq is not None:
-            cs = comm._cstatus
-            cs.source = CMA_ANY_SOURCE
-            try:
-                value = creq.wait(cs) if self._object else creq.Wait(cs)
-            except CmaError as exc:
-                self._done_cma(cs, exc, None)
-                return
-            self._done_cma(cs, None, value)
-        elif mreq is not None:
-            st = MPI.Status()
-            try:
-                value = mreq.wait(st) if self._object else mreq.Wait(st)
-            except MPI.Exception as exc:
-                self._done_mpi(st, exc, None)
-                return
-            self._done_mpi(st, None, value)
-
-    def _report(self, status: MPI.Status | None) -> Any:
-        """Fill ``status``, raise a failure, hand over the value; the request becomes inactive."""
-        if self._state != COMPLETE:
-            if status is not None:
-                fill(status, *EMPTY)
-            return None
-        self._state = INACTIVE
-        error, value = self._error, self._value
-        self._error = self._value = None
-        if status is not None:
-            fill(status, *self._record)
-        if error is not None:
-            self._comm._fail(error, status)
-        return value
-
-    def _outcome(self) -> tuple[int, int, int]:
-        return self._record if self._state == COMPLETE else EMPTY
-
-    def __bool__(self) -> bool:
-        """False once completed and reported, as ``MPI.REQUEST_NULL`` is."""
-        return self._state != INACTIVE
-
-    def __repr__(self) -> str:
-        where = "cma" if self._creq is not None else "MPI" if self._mreq is not None else "pending"
-        return f"<cma.mpi.Request {where} {('active', 'complete', 'inactive')[self._state]}>"
+    @classmethod
+    def testsome(cls, requests: Sequence[MPI.Request],
+                 statuses: list[MPI.Status] | None = None
+                 ) -> tuple[list[int] | None, list[Any] | None]:
+        cls._step_all(requests)
+        return MPI.Request.testsome(requests, statuses)
 
 
-class _Finished:
-    """The op of a NodeRequest once reported, or once waiting for it failed (PeerGone)."""
-
-    __slots__ = ("error",)
-    done = True
-
-    def __init__(self, error: CmaError | None) -> None:
-        self.error = error
-
-
-_REPORTED = _Finished(None)
+def _query(status: MPI.Status, box: list[Request]) -> None:
+    """MPI asks for the status of a completed request (in Wait, Waitall, Get_status...)."""
+    req = box[0]
+    fill(status, *req._status())
+    if req._cancelled:
+        status.Set_cancelled(True)
+    error = req._error()
+    if error is not None:
+        raise mpi_exception(error)
 
 
-# (a cma request whose methods take MPI.Status where cma's take cma.Status: hence the ignore)
-class NodeRequest(Request, CmaRequest):  # type: ignore[misc]
-    """cma's own request, as a Comm whose peers are all on its node hands it out.
-
-    One object per message instead of two: the node is the whole communicator, so cma's
-    ranks are the wrapped communicator's and only statuses, errors and inactivity need
-    mpi4py's behaviour, all of it here.
-    """
-
-    __slots__ = ()
-    _comm: NodeComm
-    _op: SendOp | RecvOp | _Finished | None  # type: ignore[assignment]
-
-    def _wrapper(self) -> Comm:
-        return self._comm._mpi
-
-    def _poll(self) -> bool:
-        op = self._op
-        if op is None or op.done:
-            return True
-        try:
-            self._comm._progress()
-        except CmaError as exc:
-            self._op = _Finished(exc)
-            return True
-        return op.done
-
-    def _complete(self) -> None:
-        op = self._op
-        if op is not None and not op.done:
-            try:
-                self._comm._wait(op)  # type: ignore[arg-type]
-            except CmaError as exc:
-                self._op = _Finished(exc)
-
-    def _outcome(self) -> tuple[int, int, int]:
-        op = self._op
-        if isinstance(op, RecvOp):
-            return op.matched_source, op.matched_tag, op.nbytes
-        return EMPTY
-
-    def _report(self, status: MPI.Status | None) -> Any:
-        op = self._op
-        error: BaseException | None = None
-        value = None
-        if isinstance(op, RecvOp):
-            error, op.error = op.error, None
-            if error is None and self._object:
-                value = self._result()  # cma's: the object received
-        elif isinstance(op, _Finished):
-            error = op.error
-        if status is not None:
-            fill(status, *self._outcome())
-        self._op = _REPORTED
-        if error is not None:
-            self._comm._mpi._fail(error, status)
-        return value
-
-    def __bool__(self) -> bool:
-        """False once completed and reported, as ``MPI.REQUEST_NULL`` is."""
-        return self._op is not _REPORTED
-
-    def __repr__(self) -> str:
-        op = self._op
-        state = "inactive" if op is _REPORTED else "complete" if op is None or op.done else "active"
-        return f"<cma.mpi.Request cma {state}>"
+def _cancel(completed: bool, box: list[Request]) -> None:
+    """MPI_Cancel's callback: Request.Cancel did the work. Given, so that mpi4py keeps
+    the cancelled flag the query sets (it clears it for requests without one)."""
 
 
-def inactive(comm: Comm) -> RoutedRequest:
-    req = RoutedRequest(comm, None, None, False)
-    req._state = INACTIVE
+def start_request(node: NodeComm, op: SendOp | RecvOp | None, is_object: bool,
+                  spec: tuple[Any, int, int] | None = None) -> Request:
+    """A generalized request for ``op``, complete at once if ``op`` is done."""
+    box: list[Request] = []
+    req = Request(_start(_query, None, _cancel, (box,)))
+    box.append(req)
+    req._node = node
+    req._op = op
+    req._object = is_object
+    req._over = False
+    req._failure = None
+    req._cancelled = False
+    req._outcome = None
+    req._spec = spec
+    if op is not None:
+        if op.done:
+            req._finish()
+        else:
+            node.await_op(op, req)
     return req
 
 
+def node_request(node: NodeComm, op: SendOp | RecvOp | None, is_object: bool = False
+                 ) -> MPI.Request:
+    """What a node communicator's non-blocking call returns (see the module's docstring)."""
+    if op is None or op.__class__ is SendOp and op.done:
+        return mpi_isend(node._mpi, NULL_SPEC, MPI.PROC_NULL)
+    if op.done and isinstance(op, RecvOp) and op.matched_source == CMA_PROC_NULL:
+        return mpi_irecv(node._mpi, NULL_SPEC, MPI.PROC_NULL)
+    return start_request(node, op, is_object)
+
+
+# ------------------------------------------------------------------ the hook
+
+class Progress:
+    """The one progress hook of this process and the node communicators it serves.
+
+    A communicator waits in the set while it has requests that MPI may be waiting for;
+    a rank with peers on its node and elsewhere stays for its lifetime (its peers may
+    need its progress while it waits in MPI for an off-node message).
+    """
+
+    def __init__(self) -> None:
+        self._nodes: dict[NodeComm, None] = {}  # ordered, unlike a set
+        self._hook: ProgressHook | None = None
+        self._made = False
+
+    def _poll(self) -> bool:
+        for node in list(self._nodes):
+            if not node.poll_requests():
+                del self._nodes[node]
+        return bool(self._nodes)
+
+    def serve(self, node: NodeComm) -> None:
+        if node not in self._nodes:
+            self._nodes[node] = None
+        if not self._made:
+            self._made = True
+            self._hook = make_hook(self._poll)
+        if self._hook is not None:
+            self._hook.arm()
+
+    def drop(self, node: NodeComm) -> None:
+        self._nodes.pop(node, None)
+        if not self._nodes and self._hook is not None:
+            self._hook.rest()
+
+    @property
+    def available(self) -> bool:
+        """Whether MPI's own wait functions can wait for cma's requests here."""
+        if not self._made:
+            self._made = True
+            self._hook = make_hook(self._poll)
+        return self._hook is not None
+
+    def raise_pending(self) -> None:
+        """Raise what the callback caught (it may not unwind into the MPI library)."""
+        hook = self._hook
+        if hook is not None and hook.error is not None:
+            error, hook.error = hook.error, None
+            raise error
+
+
+PROGRESS = Progress()

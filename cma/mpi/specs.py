@@ -12,7 +12,7 @@ from ..comm import send_view
 
 _fromcode = getattr(MPI.Datatype, "fromcode", None) or MPI._typedict.__getitem__  # mpi4py 4 / 3
 SPECS = frozenset((list, tuple))  # what an mpi4py buffer spec (not a plain buffer) is
-NO_BYTES = memoryview(b"")
+NO_BYTES = memoryview(bytearray())  # [None, ...]: zero bytes, writable (receives take it too)
 
 
 def _contiguous_size(datatype: MPI.Datatype) -> int | None:

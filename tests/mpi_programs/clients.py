@@ -1,0 +1,134 @@
+"""What code written for mpi4py does, through cma.mpi.Comm: valid at any size and routing.
+
+Each section is a habit of real mpi4py programs that the plugin once broke: mpi4py's
+zero-length messages ([None, "B"], None towards PROC_NULL), MPI.Request's class methods
+given the plugin's requests (alone or mixed with MPI's), statuses from them, cancelled
+receives, DLPack-only buffers, one-rank communicators. Prints "OK <rank>" at the end.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+from mpi4py import MPI
+
+import cma.mpi
+
+comm = cma.mpi.Comm(MPI.COMM_WORLD)
+rank, size = comm.Get_rank(), comm.Get_size()
+right, left = (rank + 1) % size, (rank - 1) % size
+disabled = os.environ.get("CMA_MPI_DISABLE") == "1"
+
+# -- mpi4py.bench.helloworld: a ring of zero-length receives into [None, "B"]
+import mpi4py.bench  # noqa: E402
+
+mpi4py.bench.helloworld(comm, args=["--quiet"])
+
+# -- None is mpi4py's message of nothing, wherever the peer is PROC_NULL
+null = MPI.PROC_NULL
+st = MPI.Status()
+comm.Send(None, null)
+comm.Recv(None, null, 0, st)
+assert (st.source, st.tag, st.Get_count()) == (null, MPI.ANY_TAG, 0), st
+comm.Rsend(None, null)
+comm.Isend(None, null).Wait()
+comm.Irecv(None, null).Wait(st)
+assert st.source == null
+comm.Sendrecv(None, null, 0, None, null, 0, st)
+comm.Sendrecv_replace(None, null, 0, null, 0, st)
+assert st.source == null
+
+# -- a zero-length buffer message read by the object receive is None, as in mpi4py
+nothing = comm.irecv(source=left, tag=3)
+comm.Isend([None, 0, "B"], right, 3).Wait()
+assert nothing.wait() is None
+send = comm.Isend([None, "B"], right, 4)  # (a blocking Send to itself may wait forever)
+comm.Recv([None, "B"], left, 4, st)
+send.Wait()
+assert st.Get_count() == 0 and st.source == left
+
+# -- MPI.Request's class methods take the plugin's requests, with MPI's mixed in
+out = [np.empty(n, dtype=np.uint8) for n in (1, 5000, 3 << 20)]
+recvs = [comm.Irecv(b, left, 10 + k) for k, b in enumerate(out)]
+sends = [comm.Isend(np.full(b.size, rank % 256, dtype=np.uint8), right, 10 + k)
+         for k, b in enumerate(out)]
+barrier = comm.Ibarrier()
+assert all(isinstance(r, MPI.Request) for r in recvs + sends), recvs + sends
+statuses = [MPI.Status() for _ in range(7)]
+MPI.Request.Waitall([*recvs, barrier, *sends], statuses)
+assert [(s.source, s.tag, s.Get_count()) for s in statuses[:3]] == [
+    (left, 10, 1), (left, 11, 5000), (left, 12, 3 << 20)], statuses[:3]
+assert all(b[0] == b[-1] == left % 256 for b in out)
+assert not any(recvs) and not any(sends)
+
+reqs = [comm.irecv(source=left, tag=20 + k) for k in range(3)]
+for k in range(3):
+    comm.isend({"k": k, "a": np.full(1000, k)}, right, 20 + k).wait()  # (MPI's irecv: < 32 KiB)
+objs = MPI.Request.waitall(reqs)
+assert [o["k"] for o in objs] == [0, 1, 2] and objs[2]["a"][-1] == 2
+
+first = comm.Irecv(np.empty(1), left, 30)
+second = comm.Irecv(np.empty(1), left, 31)
+comm.Send(np.zeros(1), right, 31)
+assert MPI.Request.Waitany([first, second], st) == 1 and st.tag == 31 and st.source == left
+assert MPI.Request.Testany([first, second]) == (MPI.UNDEFINED, False)  # tag 30 is not sent yet
+comm.Sendrecv([None, "B"], left, 32, [None, "B"], right, 32)  # the left neighbour has its tag 31
+comm.Send(np.zeros(1), right, 30)
+assert MPI.Request.Waitsome([first, second]) == [0]
+assert MPI.Request.Waitany([first, second]) == MPI.UNDEFINED
+
+pending = [comm.irecv(source=left, tag=40 + k) for k in range(4)]
+for k in range(4):
+    comm.send(k, right, 40 + k)
+seen: list[int] = []
+while len(seen) < 4:
+    found, values = MPI.Request.testsome(pending)
+    if found:
+        seen.extend(values)
+assert sorted(seen) == [0, 1, 2, 3], seen
+
+# -- a posted receive nothing matched is cancelled; the message goes to the next one
+req = comm.Irecv(np.empty(4), left, 50)
+req.Cancel()
+req.Wait(st)
+assert st.Is_cancelled()
+comm.Barrier()  # every rank has cancelled before anything is sent with tag 50
+send = comm.Isend(np.arange(4.0), right, 50)
+got = np.empty(4)
+comm.Recv(got, left, 50)
+send.Wait()
+assert got.tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+# -- a buffer that only speaks DLPack
+class DLPackOnly:
+    def __init__(self, array: np.ndarray) -> None:
+        self._array = array
+
+    def __dlpack__(self, **kwargs: object) -> object:
+        return self._array.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return self._array.__dlpack_device__()
+
+
+send = comm.Isend(DLPackOnly(np.full(8, rank, dtype=np.float64)), right, 60)
+target = np.zeros(8)
+comm.Recv(DLPackOnly(target), left, 60)
+send.Wait()
+assert target.tolist() == [float(left)] * 8
+
+# -- a one-rank communicator: everything goes to itself
+alone = cma.mpi.Comm(MPI.COMM_SELF)
+alone.Barrier()
+mine = np.empty(3)
+alone.Sendrecv(np.ones(3), 0, 1, mine, 0, 1)
+assert mine.sum() == 3
+
+# -- with cma off, the wrapper hands out mpi4py's own requests
+if disabled:
+    assert comm.cma is None
+    assert type(comm.Isend(None, null)) is MPI.Request and type(comm.Irecv(None, null)) is MPI.Request
+comm.Barrier()
+print(f"OK {rank}", flush=True)

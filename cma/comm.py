@@ -41,6 +41,7 @@ from .protocol import (
     PULL,
     PUSH,
     Action,
+    Arrival,
     Complete,
     Deliver,
     Engine,
@@ -216,25 +217,31 @@ class Status:
 class Request:
     """A non-blocking operation, as mpi4py's ``MPI.Request``."""
 
-    __slots__ = ("_comm", "_op", "_object")
+    __slots__ = ("_comm", "_op", "_object", "_also")
 
-    def __init__(self, comm: Comm, op: SendOp | RecvOp | None, is_object: bool = False) -> None:
+    def __init__(self, comm: Comm, op: SendOp | RecvOp | None, is_object: bool = False,
+                 also: SendOp | None = None) -> None:
         self._comm = comm
         self._op = op
         self._object = is_object
+        self._also = also  # Isendrecv: the send this receive's request also waits for
+
+    def _done(self) -> bool:
+        op, also = self._op, self._also
+        return (op is None or op.done) and (also is None or also.done)
 
     def Test(self, status: Status | None = None) -> bool:
-        op = self._op
-        if op is not None and not op.done:
+        if not self._done():
             self._comm._progress()
-            if not op.done:
+            if not self._done():
                 return False
         self._finish(status)
         return True
 
     def Wait(self, status: Status | None = None) -> Literal[True]:
-        if self._op is not None and not self._op.done:
-            self._comm._wait(self._op)
+        for op in (self._op, self._also):
+            if op is not None and not op.done:
+                self._comm._wait(op)
         self._finish(status)
         return True
 
@@ -311,6 +318,42 @@ class Request:
         return index, requests[index]._result()
 
 
+class Message:
+    """A message that a matched probe took out of matching, as mpi4py's ``MPI.Message``.
+
+    Receive it once, with ``Recv``/``Irecv`` into a buffer or ``recv``/``irecv`` as an
+    object; it is false afterwards. A probe of ``PROC_NULL`` gives an empty message.
+    """
+
+    __slots__ = ("_comm", "_arrival", "_taken")
+
+    def __init__(self, comm: Comm, arrival: Arrival | None) -> None:
+        self._comm = comm
+        self._arrival = arrival  # None: PROC_NULL's
+        self._taken = False
+
+    def __bool__(self) -> bool:
+        return not self._taken
+
+    def _take(self) -> Arrival | None:
+        if self._taken:
+            raise CmaError("this message was received already")
+        self._taken = True
+        return self._arrival
+
+    def Irecv(self, buf: Any) -> Request:
+        return self._comm._mrecv(self._take(), buf, False)
+
+    def Recv(self, buf: Any, status: Status | None = None) -> None:
+        self.Irecv(buf).Wait(status)
+
+    def irecv(self) -> Request:
+        return self._comm._mrecv(self._take(), None, True)
+
+    def recv(self, status: Status | None = None) -> Any:
+        return self.irecv().wait(status)
+
+
 # ------------------------------------------------------------------ Comm
 
 class Comm:
@@ -356,6 +399,7 @@ class Comm:
         self._eager_base = (0, 0)  # ring counts at the last reset_stats()
         self._eager_extra = 0  # copies into packets queued for a full ring
         self._looped = (0, 0)  # eager messages and bytes sent to ourselves
+        self._buffered: list[SendOp] = []  # Bsend's rendezvous messages, sent from copies
         self._control_syscalls = 0
 
     # -- mpi4py-style accessors
@@ -561,6 +605,69 @@ class Comm:
         self.Recv(recvbuf, source, recvtag, status)
         send.Wait()
 
+    # -- synchronous and buffered modes (mpi4py's Ssend and Bsend families)
+
+    def Ssend(self, buf: Any, dest: int, tag: int = 0) -> None:
+        """A send that returns once a receive has matched the message (``MPI_Ssend``)."""
+        self.Issend(buf, dest, tag).Wait()
+
+    def Issend(self, buf: Any, dest: int, tag: int = 0) -> Request:
+        mv = self._cached_view(buf, send_view)
+        dest = self._check_dest(dest)
+        tag = self._check_tag(tag)
+        if dest == PROC_NULL:
+            return self._request(self, None)
+        return self._request(self, self._start_send([mv], dest, tag, False, sync=True))
+
+    def Bsend(self, buf: Any, dest: int, tag: int = 0) -> None:
+        """A send that returns at once, the message copied (``MPI_Bsend``).
+
+        cma needs no attached buffer: a message within the eager limit is copied into the
+        ring (or the send queue), a larger one into memory of its own that the receiver
+        reads when it matches; ``close()`` waits for those, as MPI_Buffer_detach does.
+        """
+        self.Ibsend(buf, dest, tag)
+
+    def Ibsend(self, buf: Any, dest: int, tag: int = 0) -> Request:
+        mv = self._cached_view(buf, send_view)
+        dest = self._check_dest(dest)
+        tag = self._check_tag(tag)
+        if dest != PROC_NULL:
+            self._start_buffered([mv], dest, tag, False)
+        return self._request(self, None)
+
+    def _start_buffered(self, segments: list[memoryview], dest: int, tag: int, is_object: bool
+                        ) -> None:
+        if sum(s.nbytes for s in segments) <= self._eager_limit and len(segments) == 1:
+            self._start_send(segments, dest, tag, is_object)  # complete once in a packet
+            return
+        copies = [memoryview(bytearray(s)) for s in segments]
+        self._buffered = [op for op in self._buffered if not op.done]
+        self._buffered.append(self._start_send(copies, dest, tag, is_object))
+
+    def Isendrecv(self, sendbuf: Any, dest: int, sendtag: int = 0, recvbuf: Any = None,
+                  source: int = ANY_SOURCE, recvtag: int = ANY_TAG) -> Request:
+        """Send and receive at once (``MPI_Isendrecv``): one request, the receive's status."""
+        smv = self._cached_view(sendbuf, send_view)
+        dest = self._check_dest(dest)
+        sendtag = self._check_tag(sendtag)
+        send = None if dest == PROC_NULL else self._start_send([smv], dest, sendtag, False)
+        rmv = self._cached_view(recvbuf, recv_view)
+        source = self._check_source(source)
+        recvtag = self._check_tag(recvtag, wildcard=True)
+        if source == PROC_NULL:
+            op = _null_recv()
+        else:
+            op, actions = self._engine.recv(source, recvtag, rmv)
+            self._run(actions)
+        return self._request(self, op, also=send)
+
+    def Isendrecv_replace(self, buf: Any, dest: int, sendtag: int = 0,
+                          source: int = ANY_SOURCE, recvtag: int = ANY_TAG) -> Request:
+        """``Isendrecv`` with one buffer: what is sent is copied first."""
+        outgoing = bytes(self._cached_view(buf, send_view))
+        return self.Isendrecv(outgoing, dest, sendtag, buf, source, recvtag)
+
     # The general paths of Send and Recv, apart so that a subclass can adapt what they
     # raise and fill (cma.mpi's node communicator) without a frame on the hot paths.
 
@@ -671,13 +778,35 @@ class Comm:
         self.isend(obj, dest, tag).Wait()
 
     def isend(self, obj: Any, dest: int, tag: int = 0) -> Request:
+        return self._isend_object(obj, dest, tag, sync=False)
+
+    def ssend(self, obj: Any, dest: int, tag: int = 0) -> None:
+        """``send`` that returns once a receive has matched the message."""
+        self.issend(obj, dest, tag).Wait()
+
+    def issend(self, obj: Any, dest: int, tag: int = 0) -> Request:
+        return self._isend_object(obj, dest, tag, sync=True)
+
+    def bsend(self, obj: Any, dest: int, tag: int = 0) -> None:
+        """``send`` that returns at once: the object's buffers are copied (see ``Bsend``)."""
+        self.ibsend(obj, dest, tag)
+
+    def ibsend(self, obj: Any, dest: int, tag: int = 0) -> Request:
+        return self._isend_object(obj, dest, tag, sync=False, buffered=True)
+
+    def _isend_object(self, obj: Any, dest: Any, tag: Any, sync: bool, buffered: bool = False
+                      ) -> Request:
         if not self._attached:
             self._attach()
         dest = self._check_dest(dest)
         tag = self._check_tag(tag)
         if dest == PROC_NULL:
             return self._request(self, None)
-        return self._request(self, self._start_send(self._pickle(obj), dest, tag, True))
+        segments = self._pickle(obj)
+        if buffered:
+            self._start_buffered(segments, dest, tag, True)
+            return self._request(self, None)
+        return self._request(self, self._start_send(segments, dest, tag, True, sync=sync))
 
     def recv(self, buf: Any = None, source: int = ANY_SOURCE, tag: int = ANY_TAG,
              status: Status | None = None) -> Any:
@@ -722,6 +851,46 @@ class Comm:
         if status is not None:
             status._fill(arrival.source, arrival.tag, arrival.nbytes)
         return True
+
+    def Improbe(self, source: int = ANY_SOURCE, tag: int = ANY_TAG,
+                status: Status | None = None) -> Message | None:
+        """A matched probe (``MPI_Improbe``): the message found, which no other receive can
+        take from then on; ``None`` if there is none yet."""
+        if not self._attached:
+            self._attach()
+        source = self._check_source(source)
+        tag = self._check_tag(tag, wildcard=True)
+        if source == PROC_NULL:
+            if status is not None:
+                status._fill(PROC_NULL, ANY_TAG, 0)
+            return Message(self, None)
+        self._progress()
+        arrival = self._engine.mprobe(source, tag)
+        if arrival is None:
+            return None
+        if status is not None:
+            status._fill(arrival.source, arrival.tag, arrival.nbytes)
+        return Message(self, arrival)
+
+    def Mprobe(self, source: int = ANY_SOURCE, tag: int = ANY_TAG,
+               status: Status | None = None) -> Message:
+        """``Improbe`` that waits for a message."""
+        self.Probe(source, tag)
+        message = self.Improbe(source, tag, status)
+        assert message is not None  # probed just now, and only this thread receives
+        return message
+
+    improbe = Improbe
+    mprobe = Mprobe
+
+    def _mrecv(self, arrival: Arrival | None, buf: Any, is_object: bool) -> Request:
+        """Receive the message of a matched probe (``buf`` unused for an object receive)."""
+        if arrival is None:
+            return self._request(self, _null_recv(), is_object=is_object)
+        mv = None if is_object else self._cached_view(buf, recv_view)
+        op, actions = self._engine.mrecv(arrival, mv)
+        self._run(actions)
+        return self._request(self, op, is_object=is_object)
 
     def Probe(self, source: int = ANY_SOURCE, tag: int = ANY_TAG,
               status: Status | None = None) -> Literal[True]:
@@ -870,8 +1039,8 @@ class Comm:
     # -- the general path
 
     def _start_send(self, segments: list[memoryview], dest: int, tag: int, is_object: bool,
-                    eager: bool = True) -> SendOp:
-        op, actions = self._engine.send(dest, tag, segments, is_object, eager=eager)
+                    eager: bool = True, sync: bool = False) -> SendOp:
+        op, actions = self._engine.send(dest, tag, segments, is_object, eager=eager, sync=sync)
         self._run(actions)
         return op
 
@@ -909,7 +1078,8 @@ class Comm:
             self._ring(dest)
 
     def _deliver_queued(self) -> None:
-        """Wait until the packets queued for each peer are in its ring, or moot.
+        """Wait until the packets queued for each peer are in its ring, and the buffered
+        sends to it received, or moot.
 
         A send that found the ring full returned with its packet queued here; the ring
         outlives this process, the queue does not. Like MPI_Finalize after a buffered
@@ -920,11 +1090,14 @@ class Comm:
         assert world is not None
         for dest in self._peers:
             queue = self._txq[dest]
-            if queue and dest not in self._dead:
+            buffered = [op for op in self._buffered if op.dest == dest]
+            if (queue or buffered) and dest not in self._dead:
                 try:
-                    self._wait_until(lambda: not queue or world.has_closed(dest), dest)  # noqa: B023
+                    self._wait_until(lambda: not queue and all(op.done for op in buffered)  # noqa: B023
+                                     or world.has_closed(dest), dest)  # noqa: B023
                 except PeerGone:
                     pass
+        self._buffered.clear()
 
     def _put(self, dest: int, packet: tuple[int, int, int, bytes]) -> bool:
         """Write one packet into ``dest``'s ring if it fits now."""

@@ -48,6 +48,9 @@ RTS = 2
 CTS = 3
 FIN = 4
 OBJECT = 0x100  # flag on EAGER/RTS: the payload is a pickle stream (+ out-of-band buffers)
+# flag on EAGER: a synchronous send (Ssend), complete only once matched; aux holds its
+# msgid, which the receiver's FIN names when a receive takes the message
+SYNC = 0x400
 KIND_MASK = 0xFF
 
 # transfer modes, offered by the sender in RTS and chosen by the receiver in CTS/pull
@@ -221,6 +224,7 @@ class Arrival:
     nbytes: int
     eager: bytes | None  # inline payload, copied out of the ring
     rts: RtsInfo | None
+    sync: int = 0  # a synchronous eager send's msgid: FIN it once matched
 
 
 # ------------------------------------------------------------------ actions
@@ -479,15 +483,22 @@ class Engine:
         is_object: bool = False,
         expose: bool = True,
         eager: bool = True,
+        sync: bool = False,
     ) -> tuple[SendOp, list[Action]]:
         """``expose``: offer the receiver to pull from ``segments`` (RGET) by their regions;
-        ``eager=False``: a rendezvous even for a message within the eager limit."""
+        ``eager=False``: a rendezvous even for a message within the eager limit;
+        ``sync``: complete only once a receive has matched the message (MPI_Ssend): an
+        eager one waits for the receiver's FIN, a rendezvous does anyway."""
         nbytes = sum(s.nbytes for s in segments)
         op = SendOp(dest, tag, segments, nbytes, is_object)
         flag = OBJECT if is_object else 0
         if eager and nbytes <= self.eager_limit and len(segments) == 1:
-            op.done = True
             payload = segments[0].tobytes()
+            if sync:
+                op.msgid = next(self._ids)
+                self.sends[op.msgid] = op
+                return op, [Transmit(dest, EAGER | SYNC | flag, tag, op.msgid, payload)]
+            op.done = True
             return op, [Transmit(dest, EAGER | flag, tag, 0, payload), Complete(op)]
         op.msgid = next(self._ids)
         self.sends[op.msgid] = op
@@ -507,6 +518,16 @@ class Engine:
     def probe(self, source: int, tag: int) -> Arrival | None:
         return self.matcher.find_unexpected(source, tag)
 
+    def mprobe(self, source: int, tag: int) -> Arrival | None:
+        """A matched probe (MPI_Mprobe): the message found is taken out of matching, so that
+        no other receive can take it; ``mrecv`` receives it."""
+        return self.matcher.take_unexpected(source, tag)
+
+    def mrecv(self, arrival: Arrival, buffer: memoryview | None) -> tuple[RecvOp, list[Action]]:
+        """Receive a message a matched probe took (``buffer`` None: an object receive)."""
+        op = RecvOp(arrival.source, arrival.tag, buffer)
+        return op, self._match(op, arrival)
+
     # -- packets from peers
 
     def packet(self, source: int, kind: int, tag: int, aux: int, payload: bytes | memoryview
@@ -514,6 +535,7 @@ class Engine:
         base = kind & KIND_MASK
         is_object = bool(kind & OBJECT)
         if base == EAGER:
+            sync = aux if kind & SYNC else 0
             op = self.matcher.take_posted(source, tag)
             if op is None:
                 if isinstance(payload, bytes):
@@ -521,9 +543,11 @@ class Engine:
                 else:
                     held = bytes(payload)
                     self.held_bytes += len(held)
-                self.matcher.unexpected.append(Arrival(source, tag, is_object, len(held), held, None))
+                self.matcher.unexpected.append(
+                    Arrival(source, tag, is_object, len(held), held, None, sync))
                 return []
-            return self._match(op, Arrival(source, tag, is_object, len(payload), None, None), payload)
+            return self._match(op, Arrival(source, tag, is_object, len(payload), None, None, sync),
+                               payload)
         if base == RTS:
             arrival = Arrival(source, tag, is_object, aux, None, decode_rts(payload))
             op = self.matcher.take_posted(source, tag)
@@ -556,11 +580,12 @@ class Engine:
             )
         if rts is None:
             op.done = True
+            released = [Transmit(arrival.source, FIN, 0, arrival.sync, b"")] if arrival.sync else []
             if truncated:
-                return [Complete(op)]
+                return [*released, Complete(op)]
             payload = inline if inline is not None else arrival.eager
             assert payload is not None
-            return [Deliver(op, payload), Complete(op)]
+            return [Deliver(op, payload), *released, Complete(op)]
         if truncated:
             # The sender is released as if received: the error belongs to the receiver.
             op.done = True

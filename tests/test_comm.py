@@ -32,7 +32,7 @@ from hypothesis import strategies as st
 
 import cma
 from cma.errors import BufferError as CmaBufferError
-from cma.errors import InvalidRank, InvalidTag, PeerGone, TruncationError
+from cma.errors import CmaError, InvalidRank, InvalidTag, PeerGone, TruncationError
 from cma.protocol import BARRIER_TAG
 from cma.transports import REGISTRY
 
@@ -159,6 +159,22 @@ def op_requests(comm):
     reqs.append(comm.Irecv(inbox, 0, 4))
     cma.Request.Waitall(reqs)
     return digest(inbox)
+
+
+def op_recv_after_go(comm, nbytes, tag):
+    """Receive only once told to (tag + 1): a synchronous send to us must wait until then."""
+    comm.recv(source=0, tag=tag + 1)
+    buf = np.empty(nbytes, np.uint8)
+    comm.Recv(buf, source=0, tag=tag)
+    return digest(buf)
+
+
+def op_isendrecv(comm, nbytes, tag):
+    out = pattern(nbytes, 5)
+    buf = np.empty(nbytes, np.uint8)
+    st = cma.Status()
+    comm.Isendrecv(out, 0, tag, buf, 0, tag).Wait(st)
+    return digest(buf), (st.source, st.tag, st.count)
 
 
 def op_waitany_partner(comm):
@@ -890,6 +906,86 @@ def test_waitany(peer):
     peer.result()
     peer.call(op_send_object, "late", 25)
     assert r[0].wait() == "late"
+
+
+@pytest.mark.parametrize("nbytes", [0, 100, 3 * FRAG + 5])
+def test_issend_completes_only_once_received(peer, nbytes):
+    comm = peer.comm
+    out = pattern(nbytes, 3)
+    peer.start(op_recv_after_go, nbytes, 40)
+    req = comm.Issend(out, 1, 40)
+    deadline = time.monotonic() + 0.2
+    while time.monotonic() < deadline:
+        assert not req.Test(), "an Issend completed before its receive was posted"
+    comm.send("go", 1, 41)
+    req.Wait()
+    assert peer.result() == digest(out)
+    peer.start(op_recv_after_go, 0, 42)
+    comm.send("go", 1, 43)
+    comm.Ssend(b"", 1, 42)
+    peer.result()
+
+
+def test_ssend_objects(peer):
+    comm = peer.comm
+    peer.start(op_echo_object, 44)
+    comm.ssend({"x": pattern(50, 1)}, 1, 44)
+    assert digest(comm.recv(source=1, tag=44)["x"]) == digest(pattern(50, 1))
+    peer.result()
+    assert comm.issend("x", cma.PROC_NULL).wait() is None
+
+
+@pytest.mark.parametrize("nbytes", [100, 3 * MiB])
+def test_bsend_returns_at_once_with_a_copy(peer, nbytes):
+    comm = peer.comm
+    out = pattern(nbytes, 4)
+    expected = digest(out)
+    comm.Bsend(out, 1, 45)  # returns before the peer even receives
+    out[:] = 0
+    assert peer.call(op_recv_one, nbytes, 45) == expected
+    comm.ibsend({"o": 1}, 1, 46).Wait()
+    assert peer.call(op_echo_object, 46)[0] == {"o": ("int", "1")}
+    assert comm.recv(source=1, tag=46) == {"o": 1}
+
+
+@pytest.mark.parametrize("nbytes", [100, 3 * MiB])
+def test_isendrecv(peer, nbytes):
+    comm = peer.comm
+    peer.start(op_isendrecv, nbytes, 47)
+    out = pattern(nbytes, 6)
+    buf = np.empty(nbytes, np.uint8)
+    st = cma.Status()
+    assert comm.Isendrecv(out, 1, 47, buf, 1, 47).Wait(st)
+    assert digest(buf) == digest(pattern(nbytes, 5)) and (st.source, st.tag, st.count) == (1, 47, nbytes)
+    assert peer.result() == (digest(out), (0, 47, nbytes))
+    same = pattern(64, 8)
+    peer.start(op_isendrecv, 64, 48)
+    comm.Isendrecv_replace(same, 1, 48, 1, 48).Wait()
+    assert digest(same) == digest(pattern(64, 5))
+    peer.result()
+
+
+@pytest.mark.parametrize("nbytes", [10, 3 * MiB])
+def test_matched_probe(peer, nbytes):
+    comm = peer.comm
+    peer.start(op_send_tags, [(49, nbytes, 1), (49, nbytes, 2)])  # both sent before either is received
+    st = cma.Status()
+    message = comm.Mprobe(1, 49, st)
+    assert message and (st.source, st.tag, st.count) == (1, 49, nbytes)
+    second = np.empty(nbytes, np.uint8)
+    comm.Recv(second, 1, 49)  # the probed message is no longer for any receive
+    assert digest(second) == digest(pattern(nbytes, 2))
+    first = np.empty(nbytes, np.uint8)
+    message.Recv(first)
+    assert not message and digest(first) == digest(pattern(nbytes, 1))
+    peer.result()
+    with pytest.raises(CmaError, match="received already"):
+        message.Recv(first)
+    assert comm.Improbe(1, 49) is None
+    peer.call(op_send_object, ("hello", 1), 50)
+    found = comm.improbe(1, 50)
+    assert found is not None and found.recv() == ("hello", 1)
+    assert comm.Mprobe(cma.PROC_NULL).recv() is None
 
 
 @pytest.mark.parametrize("who_is_late", ["peer", "us"])

@@ -33,6 +33,7 @@ from cma.protocol import (
     PUSH,
     RTS,
     SPLIT,
+    SYNC,
     Complete,
     Deliver,
     Engine,
@@ -148,11 +149,12 @@ class Net:
     # -- user calls
 
     def send(self, rank: int, dest: int, tag: int, data: bytes | list[bytes],
-             is_object: bool = False, regions: bool = True, eager: bool = True) -> SendOp:
+             is_object: bool = False, regions: bool = True, eager: bool = True,
+             sync: bool = False) -> SendOp:
         parts = [data] if isinstance(data, (bytes, bytearray)) else list(data)
         segments = [self.mem.buffer(p) for p in parts]
         op, actions = self.engines[rank].send(dest, tag, segments, is_object, expose=regions,
-                                              eager=eager)
+                                              eager=eager, sync=sync)
         self.act(rank, actions)
         return op
 
@@ -1201,3 +1203,66 @@ def test_engine_uses_policy_per_source():
     net.pump()
     assert (received(r0), received(r2)) == (d0, d2)
     assert (r0.mechanism, r2.mechanism) == ("cma", "shm")
+
+
+# ------------------------------------------------------------------ synchronous mode, matched probes
+
+
+@pytest.mark.parametrize("posted_first", [True, False])
+@pytest.mark.parametrize("nbytes", [0, 40, LIMIT + 1])
+def test_synchronous_send_completes_only_once_matched(posted_first, nbytes):
+    net = Net()
+    data = payload(nbytes)
+    rop = net.recv(1, 0, 7, LIMIT + 10) if posted_first else None
+    sop = net.send(0, 1, 7, data, sync=True) if nbytes else None
+    if sop is None:  # an empty synchronous send still waits for its receive
+        sop, actions = net.engines[0].send(1, 7, [memoryview(b"")], sync=True)
+        net.act(0, actions)
+    if nbytes <= LIMIT:
+        (t,) = net.kinds(0, Transmit)
+        assert t.kind == EAGER | SYNC and t.aux == sop.msgid
+    net.pump()
+    assert sop.done == posted_first
+    if not posted_first:
+        rop = net.recv(1, 0, 7, LIMIT + 10)
+        net.pump()
+    assert sop.done and rop.done and received(rop) == data
+    assert net.completed[0] == [sop]
+    assert not net.engines[0].sends
+
+
+def test_truncated_synchronous_send_is_released():
+    net = Net()
+    sop = net.send(0, 1, 2, payload(50), sync=True)
+    rop = net.recv(1, 0, 2, 10)
+    net.pump()
+    assert rop.done and isinstance(rop.error, TruncationError) and sop.done
+
+
+def test_probe_does_not_release_a_synchronous_send():
+    net = Net()
+    sop = net.send(0, 1, 3, payload(8), sync=True)
+    net.pump()
+    assert net.engines[1].probe(0, 3) is not None
+    net.pump()
+    assert not sop.done
+
+
+@pytest.mark.parametrize("nbytes", [8, LIMIT + 1])
+def test_matched_probe_takes_the_message_out_of_matching(nbytes):
+    net = Net()
+    first, second = payload(nbytes, 1), payload(nbytes, 2)
+    net.send(0, 1, 4, first)
+    net.send(0, 1, 4, second)
+    net.pump()
+    engine = net.engines[1]
+    arrival = engine.mprobe(0, 4)
+    assert arrival is not None and arrival.nbytes == nbytes
+    other = net.recv(1, 0, 4, nbytes)  # a receive takes the next message, not the probed one
+    net.pump()
+    assert received(other) == second
+    op, actions = engine.mrecv(arrival, net.mem.buffer(nbytes))
+    net.act(1, actions)
+    net.pump()
+    assert received(op) == first and (op.matched_source, op.matched_tag) == (0, 4)
+    assert engine.mprobe(0, 4) is None

@@ -12,9 +12,11 @@ from mpi4py import MPI
 from .. import _linux
 from ..comm import AUTO, send_view
 from ..comm import Comm as CmaComm
+from ..comm import Message as CmaMessage
 from ..comm import Status as CmaStatus
 from ..errors import CmaError, InvalidRank, InvalidTag, PeerGone, TruncationError
 from ..protocol import ANY_SOURCE as CMA_ANY_SOURCE
+from ..protocol import PROC_NULL as CMA_PROC_NULL
 from ..protocol import SendOp
 from .bootstrap import BARRIER_CMA, BARRIER_MPI, BARRIER_NONBLOCKING, ENV_DISABLE, bootstrap, env_flag
 from .errors import PeerGoneError, TruncateError
@@ -36,6 +38,10 @@ from .mpiapi import (
     mpi_irecv_obj,
     mpi_isend,
     mpi_isend_obj,
+    mpi_isendrecv,
+    mpi_isendrecv_replace,
+    mpi_mprobe,
+    mpi_mprobe_obj,
     mpi_probe,
     mpi_recv,
     mpi_recv_obj,
@@ -237,6 +243,91 @@ class Comm(MPI.Intracomm):
 
     def Irecv(self, buf: Any, source: int = ANY_SOURCE, tag: int = ANY_TAG) -> MPI.Request:
         return self._irecv(buf, source, tag, False)
+
+    def Isendrecv(self, sendbuf: Any, dest: int, sendtag: int = 0, recvbuf: Any = None,
+                  source: int = ANY_SOURCE, recvtag: int = ANY_TAG) -> MPI.Request:
+        peer, origin = self._local.get(dest), self._fast.get(source)
+        if self._cma is None or (peer is None and dest != MPI.PROC_NULL) or (
+                origin is None and source != MPI.PROC_NULL):
+            return mpi_isendrecv(self, sendbuf, dest, sendtag, recvbuf, source, recvtag)
+        try:
+            return self._cma.Isendrecv(  # type: ignore[return-value]
+                sendbuf, CMA_PROC_NULL if peer is None else peer, sendtag, recvbuf,
+                CMA_PROC_NULL if origin is None else origin, recvtag)
+        except CmaError as exc:
+            self._fail(exc)
+
+    def Isendrecv_replace(self, buf: Any, dest: int, sendtag: int = 0, source: int = ANY_SOURCE,
+                          recvtag: int = ANY_TAG) -> MPI.Request:
+        if self._cma is None:
+            return mpi_isendrecv_replace(self, buf, dest, sendtag, source, recvtag)
+        outgoing = b"" if buf is None else bytes(send_view(convert(buf) if buf.__class__ in SPECS
+                                                           else buf))
+        return self.Isendrecv(outgoing, dest, sendtag, buf, source, recvtag)
+
+    # -- matched probes
+
+    def Improbe(self, source: int = ANY_SOURCE, tag: int = ANY_TAG,
+                status: MPI.Status | None = None) -> MPI.Message | None:
+        return self._improbe(source, tag, status, False)
+
+    def Mprobe(self, source: int = ANY_SOURCE, tag: int = ANY_TAG,
+               status: MPI.Status | None = None) -> MPI.Message:
+        return self._mprobe(source, tag, status, False)
+
+    def improbe(self, source: int = ANY_SOURCE, tag: int = ANY_TAG,
+                status: MPI.Status | None = None) -> MPI.Message | None:
+        return self._improbe(source, tag, status, True)
+
+    def mprobe(self, source: int = ANY_SOURCE, tag: int = ANY_TAG,
+               status: MPI.Status | None = None) -> MPI.Message:
+        return self._mprobe(source, tag, status, True)
+
+    def _mprobe(self, source: int, tag: int, status: MPI.Status | None, is_object: bool
+                ) -> MPI.Message:
+        if not self._mixed and source not in self._fast:
+            return (mpi_mprobe_obj if is_object else mpi_mprobe)(self, source, tag, status)
+        found: list[MPI.Message] = []
+
+        def probe() -> bool:
+            message = self._improbe(source, tag, status, is_object)
+            if message is not None:
+                found.append(message)
+            return message is not None
+
+        if self._mixed:
+            self._progress_until(probe, self._local.get(source))
+        else:
+            cma = self._cma
+            assert cma is not None
+            try:
+                cma.Probe(self._fast[source], tag)
+            except CmaError as exc:
+                self._fail(exc)
+            probe()
+        return found[0]
+
+    def _improbe(self, source: int, tag: int, status: MPI.Status | None, is_object: bool
+                 ) -> MPI.Message | None:
+        cma = self._cma
+        if self._mixed:
+            st = MPI.Status()
+            if not self._iprobe_mixed(source, tag, st):
+                return None
+            source, tag = st.Get_source(), st.Get_tag()  # exactly that message
+        peer = self._fast.get(source) if not self._mixed else self._local.get(source)
+        if peer is None or cma is None:
+            return (mpi_improbe_obj if is_object else mpi_improbe)(self, source, tag, status)
+        cs = self._cstatus
+        try:
+            message = cma.Improbe(peer, tag, cs)
+        except CmaError as exc:
+            self._fail(exc)
+        if message is None:
+            return None
+        if status is not None:
+            fill(status, self._ranks[cs.source], cs.tag, cs.count)
+        return Message.of(message)
 
     # -- objects (on-node: pickle protocol 5, large buffers out of band through cma)
 
@@ -468,7 +559,7 @@ class Comm(MPI.Intracomm):
         if posted_only:
             self._progress_until(lambda: req._op is not None or req._over, None)
         else:
-            self._progress_until(lambda: req._over or req._op is not None and req._op.done,
+            self._progress_until(lambda: req._over or req._done_in_cma(),
                                  peer if peer is not None and peer >= 0 else None)
 
     def _step(self) -> None:
@@ -529,6 +620,60 @@ class Comm(MPI.Intracomm):
             pause = min(pause * 2, PAUSE_MAX)
 
 
+class Message(MPI.Message):
+    """A message a matched probe took from an on-node peer: receive it once.
+
+    An ``MPI.Message`` whose receives go through cma; ``MPI.Message``'s class methods
+    (``MPI.Message.Probe(comm, ...)``) probe MPI's own channel and never find it.
+    """
+
+    __slots__ = ("_message",)
+    _message: CmaMessage
+
+    @classmethod
+    def of(cls, message: CmaMessage) -> Message:
+        wrapped = cls()
+        wrapped._message = message
+        return wrapped
+
+    def __bool__(self) -> bool:
+        return bool(self._message)
+
+    def Irecv(self, buf: Any) -> MPI.Request:
+        return self._message.Irecv(buf)  # type: ignore[return-value]  # a node request
+
+    def Recv(self, buf: Any, status: MPI.Status | None = None) -> None:
+        self.Irecv(buf).Wait(status)
+
+    def irecv(self) -> MPI.Request:
+        return self._message.irecv()  # type: ignore[return-value]
+
+    def recv(self, status: MPI.Status | None = None) -> Any:
+        return self.irecv().wait(status)
+
+
+def _send_mode(name: str) -> Callable[..., Any]:
+    """mpi4py's ``name`` (Ssend, Bsend and their kin): through cma to on-node peers."""
+    method = getattr(MPI.Intracomm, name)
+
+    def call(self: Comm, buf: Any, dest: int, tag: int = 0) -> Any:
+        peer = self._local.get(dest)
+        if peer is None:
+            return method(self, buf, dest, tag)
+        try:
+            return getattr(self._cma, name)(buf, peer, tag)
+        except CmaError as exc:
+            self._fail(exc)
+
+    call.__name__ = call.__qualname__ = name
+    call.__doc__ = f"mpi4py's {name}: through cma to on-node peers, through MPI to the others."
+    return call
+
+
+for _name in ("Ssend", "Issend", "ssend", "issend", "Bsend", "Ibsend", "bsend", "ibsend"):
+    setattr(Comm, _name, _send_mode(_name))
+
+
 def _refuse_on_node(name: str, peers: Sequence[tuple[int, str, int]]) -> Callable[..., Any]:
     """An mpi4py method this wrapper cannot route through cma: MPI for off-node peers only.
 
@@ -552,18 +697,11 @@ def _refuse_on_node(name: str, peers: Sequence[tuple[int, str, int]]) -> Callabl
 
 
 _DEST = (1, "dest", MPI.PROC_NULL)
-_SOURCE_FIRST = (0, "source", ANY_SOURCE)
 _SOURCE = (1, "source", ANY_SOURCE)
 _REFUSED = {
-    "Ssend": [_DEST], "Issend": [_DEST], "ssend": [_DEST], "issend": [_DEST],
-    "Bsend": [_DEST], "Ibsend": [_DEST], "bsend": [_DEST], "ibsend": [_DEST],
     "Send_init": [_DEST], "Ssend_init": [_DEST], "Bsend_init": [_DEST], "Rsend_init": [_DEST],
     "Recv_init": [_SOURCE], "Psend_init": [(2, "dest", MPI.PROC_NULL)],
     "Precv_init": [(2, "source", ANY_SOURCE)],
-    "Mprobe": [_SOURCE_FIRST], "Improbe": [_SOURCE_FIRST], "mprobe": [_SOURCE_FIRST],
-    "improbe": [_SOURCE_FIRST],
-    "Isendrecv": [_DEST, (4, "source", ANY_SOURCE)],
-    "Isendrecv_replace": [_DEST, (3, "source", ANY_SOURCE)],
 }
 for _name, _peers in _REFUSED.items():
     if hasattr(MPI.Intracomm, _name):  # older mpi4py lacks some (Isendrecv, partitioned)

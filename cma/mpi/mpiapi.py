@@ -7,6 +7,9 @@ The off-node paths call the unbound ``MPI.Intracomm`` methods on the wrapper its
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from mpi4py import MPI
 
 from ..protocol import ANY_SOURCE as CMA_ANY_SOURCE
@@ -35,6 +38,17 @@ mpi_iprobe = MPI.Intracomm.Iprobe
 mpi_probe = MPI.Intracomm.Probe
 mpi_improbe = MPI.Intracomm.Improbe
 mpi_improbe_obj = MPI.Intracomm.improbe  # its Message knows the pickle's size
+mpi_mprobe = MPI.Intracomm.Mprobe
+mpi_mprobe_obj = MPI.Intracomm.mprobe
+
+
+def _needs_mpi4py_4(*args: Any, **kwargs: Any) -> Any:
+    raise NotImplementedError("MPI_Isendrecv needs mpi4py >= 4 over an MPI-4 library")
+
+
+mpi_isendrecv: Callable[..., MPI.Request] = getattr(MPI.Intracomm, "Isendrecv", _needs_mpi4py_4)
+mpi_isendrecv_replace: Callable[..., MPI.Request] = getattr(
+    MPI.Intracomm, "Isendrecv_replace", _needs_mpi4py_4)
 mpi_sendrecv = MPI.Intracomm.Sendrecv
 mpi_sendrecv_obj = MPI.Intracomm.sendrecv
 mpi_barrier = MPI.Intracomm.Barrier

@@ -108,7 +108,11 @@ class NodeComm(CmaComm):
         if self._pending:
             req = self._pending.pop(op, None)
             if req is not None:
-                req._finish()
+                also = req._also
+                if also is not None and not also.done:
+                    self._pending[also] = req  # (Isendrecv) its send is still going
+                else:
+                    req._finish()
 
     def await_op(self, op: SendOp | RecvOp, req: Request) -> None:
         """``req`` completes when ``op`` does, whoever waits for it (cma or MPI)."""
@@ -134,15 +138,16 @@ class NodeComm(CmaComm):
         if self._mixed or req._op is None:
             self._mpi._settle(req)
             return
-        self._wait(req._op)
+        for op in (req._op, req._also):
+            if op is not None and not op.done:
+                self._wait(op)
 
     def settle_any(self, reqs: list[Request]) -> None:
         """Wait until one of ``reqs`` (all this communicator's) is over."""
         if self._mixed:
             self._mpi._progress_until(lambda: any(r._progress() for r in reqs), None)
             return
-        self._wait_until(lambda: any(r._op is not None and r._op.done or r._failure is not None
-                                     for r in reqs), None)
+        self._wait_until(lambda: any(r._done_in_cma() for r in reqs), None)
 
     def step(self, req: Request) -> None:
         """Move everything once (``req`` is one of ours that is not over)."""

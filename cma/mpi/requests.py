@@ -65,9 +65,11 @@ class Request(MPI.Grequest):
     ``Free``, ``py2f``...) is MPI's own and works on it as on any request.
     """
 
-    __slots__ = ("_node", "_op", "_object", "_over", "_failure", "_cancelled", "_outcome", "_spec")
+    __slots__ = ("_node", "_op", "_also", "_object", "_over", "_failure", "_cancelled",
+                 "_outcome", "_spec")
     _node: NodeComm
     _op: SendOp | RecvOp | None  # None: not yet posted (a wildcard waiting, mixed ranks)
+    _also: SendOp | None  # Isendrecv: the send it also waits for
     _object: bool
     _over: bool  # MPI was told it is complete
     _failure: BaseException | None  # what waiting for it raised (e.g. the peer died)
@@ -82,9 +84,18 @@ class Request(MPI.Grequest):
     def _status(self) -> tuple[int, int, int]:
         """(source, tag, bytes) as the wrapped communicator numbers ranks."""
         op = self._op
-        if isinstance(op, RecvOp) and op.matched_source >= 0:
-            return self._node.comm_rank(op.matched_source), op.matched_tag, op.nbytes
+        if isinstance(op, RecvOp):
+            if op.matched_source >= 0:
+                return self._node.comm_rank(op.matched_source), op.matched_tag, op.nbytes
+            if op.matched_source == CMA_PROC_NULL and op.done:
+                return MPI.PROC_NULL, MPI.ANY_TAG, 0
         return self._outcome or EMPTY
+
+    def _done_in_cma(self) -> bool:
+        """Whether cma has finished with it (its operations done, or failed)."""
+        op, also = self._op, self._also
+        return self._failure is not None or op is not None and op.done \
+            and (also is None or also.done)
 
     def _error(self) -> BaseException | None:
         op = self._op
@@ -131,11 +142,9 @@ class Request(MPI.Grequest):
 
     def _settle(self) -> BaseException | None:
         """Wait inside cma until the operation is over; the error to report, taken from it."""
-        op = self._op
-        node = self._node
-        if op is None or not op.done:
+        if not self._done_in_cma():
             try:
-                node.settle(self)
+                self._node.settle(self)
             except CmaError as exc:
                 self._fail(exc)
         error = self._error()
@@ -147,16 +156,14 @@ class Request(MPI.Grequest):
 
     def _progress(self) -> bool:
         """Move cma once; whether the operation is over."""
-        op = self._op
-        if op is not None and op.done or self._failure is not None:
+        if self._done_in_cma():
             return True
         try:
             self._node.step(self)
         except CmaError as exc:
             self._fail(exc)
             return True
-        op = self._op
-        return op is not None and op.done or self._failure is not None
+        return self._done_in_cma()
 
     def _raise(self, error: BaseException, status: MPI.Status | None) -> None:
         self._node._mpi._fail(error, status)
@@ -334,13 +341,15 @@ def _cancel(completed: bool, box: list[Request]) -> None:
 
 
 def start_request(node: NodeComm, op: SendOp | RecvOp | None, is_object: bool,
-                  spec: tuple[Any, int, int] | None = None) -> Request:
-    """A generalized request for ``op``, complete at once if ``op`` is done."""
+                  spec: tuple[Any, int, int] | None = None, also: SendOp | None = None
+                  ) -> Request:
+    """A generalized request for ``op`` (and ``also``), complete at once if they are done."""
     box: list[Request] = []
     req = Request(_start(_query, None, _cancel, (box,)))
     box.append(req)
     req._node = node
     req._op = op
+    req._also = also
     req._object = is_object
     req._over = False
     req._failure = None
@@ -348,16 +357,18 @@ def start_request(node: NodeComm, op: SendOp | RecvOp | None, is_object: bool,
     req._outcome = None
     req._spec = spec
     if op is not None:
-        if op.done:
+        if req._done_in_cma():
             req._finish()
         else:
-            node.await_op(op, req)
+            node.await_op(op if not op.done else also, req)  # type: ignore[arg-type]
     return req
 
 
-def node_request(node: NodeComm, op: SendOp | RecvOp | None, is_object: bool = False
-                 ) -> MPI.Request:
+def node_request(node: NodeComm, op: SendOp | RecvOp | None, is_object: bool = False,
+                 also: SendOp | None = None) -> MPI.Request:
     """What a node communicator's non-blocking call returns (see the module's docstring)."""
+    if also is not None and not also.done:
+        return start_request(node, op, is_object, also=also)
     if op is None or op.__class__ is SendOp and op.done:
         return mpi_isend(node._mpi, NULL_SPEC, MPI.PROC_NULL)
     if op.done and isinstance(op, RecvOp) and op.matched_source == CMA_PROC_NULL:

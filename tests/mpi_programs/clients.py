@@ -3,7 +3,8 @@
 Each section is a habit of real mpi4py programs that the plugin once broke: mpi4py's
 zero-length messages ([None, "B"], None towards PROC_NULL), MPI.Request's class methods
 given the plugin's requests (alone or mixed with MPI's), statuses from them, cancelled
-receives, DLPack-only buffers, one-rank communicators. Prints "OK <rank>" at the end.
+receives, synchronous and buffered sends, Isendrecv, matched probes, DLPack-only
+buffers, one-rank communicators. Prints "OK <rank>" at the end.
 """
 
 from __future__ import annotations
@@ -100,6 +101,53 @@ comm.Recv(got, left, 50)
 send.Wait()
 assert got.tolist() == [0.0, 1.0, 2.0, 3.0]
 
+
+# -- synchronous mode: an Issend is complete only once the receiver matched it
+sync = comm.Issend(np.full(4, rank, dtype=np.float64), right, 70)
+assert not sync.Test()  # the right neighbour receives only after our token (tag 71)
+comm.Sendrecv([None, "B"], right, 71, [None, "B"], left, 71)
+got = np.empty(4)
+comm.Recv(got, left, 70)
+sync.Wait()
+assert got[0] == left
+pending = comm.irecv(source=left, tag=72)
+request = comm.issend({"from": rank}, right, 72)
+assert pending.wait() == {"from": left}
+request.wait()
+
+# -- buffered mode (MPI needs a buffer attached; cma none): returns at once, copied
+MPI.Attach_buffer(bytearray((1 << 20) + MPI.BSEND_OVERHEAD))
+message = np.full(1 << 19, rank % 256, dtype=np.uint8)
+comm.Bsend(message, right, 73)
+message[:] = 255  # the copy was sent, not this
+got = np.empty(1 << 19, dtype=np.uint8)
+comm.Recv(got, left, 73)
+assert got[0] == got[-1] == left % 256
+MPI.Detach_buffer()
+
+# -- Isendrecv: one request for both (MPICH's own fills no status for it: none checked)
+got = np.empty(3)
+comm.Isendrecv(np.full(3, float(rank)), right, 74, got, left, 74).Wait()
+assert got.tolist() == [float(left)] * 3
+both = np.full(3, float(rank))
+comm.Isendrecv_replace(both, right, 75, left, 75).Wait()
+assert both.tolist() == [float(left)] * 3
+
+# -- matched probes: the message found is no other receive's
+send = comm.Isend(np.arange(5.0), right, 76)
+message = comm.Mprobe(left, 76, st)
+assert isinstance(message, MPI.Message) and message and st.Get_count(MPI.DOUBLE) == 5
+assert comm.Improbe(left, 76) is None
+got = np.empty(5)
+message.Recv(got, st)
+send.Wait()
+assert not message and got.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0] and st.source == left
+send = comm.isend(("obj", rank), right, 77)
+while (message := comm.improbe(left, 77)) is None:
+    pass
+assert message.irecv().wait() == ("obj", left)
+send.wait()
+assert comm.Mprobe(MPI.PROC_NULL) == MPI.MESSAGE_NO_PROC
 
 # -- a buffer that only speaks DLPack
 class DLPackOnly:

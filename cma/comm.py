@@ -13,6 +13,7 @@ A communicator is used by one thread at a time (like MPI_THREAD_SERIALIZED).
 
 from __future__ import annotations
 
+import mmap
 import operator
 import os
 import pickle
@@ -164,6 +165,11 @@ def recv_view(buf: Any) -> memoryview:
     if mv.readonly:
         raise BufferError("receive buffer is read-only: pass a bytearray or a writable array")
     return mv
+
+
+def _export(base: Any, cut: tuple[int, int]) -> memoryview:
+    """Bytes [start, stop) of a fresh export of a bytearray or mmap (see _remember_spec)."""
+    return memoryview(base)[cut[0] : cut[1]]
 
 
 def _region(mv: memoryview) -> Region:
@@ -396,6 +402,17 @@ class Comm:
         self._send_view = memoryview(b"")
         self._recv_obj: Any = _NOTHING
         self._recv_view = memoryview(bytearray())
+        # The same for the last buffer spec list: its buffer, a copy of the list, and the
+        # view (arrays, bytes) or where in a fresh export of it the bytes are (bytearray,
+        # mmap); see _remember_spec.
+        self._send_base: Any = _NOTHING
+        self._send_spec: list[Any] = []
+        self._send_spec_view = memoryview(b"")
+        self._send_cut: tuple[int, int] | None = None
+        self._recv_base: Any = _NOTHING
+        self._recv_spec: list[Any] = []
+        self._recv_spec_view = memoryview(b"")
+        self._recv_cut: tuple[int, int] | None = None
         self._eager_base = (0, 0)  # ring counts at the last reset_stats()
         self._eager_extra = 0  # copies into packets queued for a full ring
         self._looped = (0, 0)  # eager messages and bytes sent to ourselves
@@ -562,6 +579,10 @@ class Comm:
     def Send(self, buf: Any, dest: int, tag: int = 0) -> None:
         if buf is self._send_obj:
             mv = self._send_view
+        elif buf.__class__ is list and buf and buf[0] is self._send_base and buf == self._send_spec:
+            mv = self._send_spec_view if self._send_cut is None else _export(self._send_base, self._send_cut)
+        elif buf.__class__ is bytearray:
+            mv = memoryview(buf)
         else:
             mv = self._cached_view(buf, send_view)
         n = mv.nbytes
@@ -579,6 +600,11 @@ class Comm:
              status: Status | None = None) -> None:
         if buf is self._recv_obj and buf.flags.writeable:
             mv = self._recv_view
+        elif buf.__class__ is list and buf and buf[0] is self._recv_base and buf == self._recv_spec \
+                and (self._recv_cut is not None or self._recv_base.flags.writeable):
+            mv = self._recv_spec_view if self._recv_cut is None else _export(self._recv_base, self._recv_cut)
+        elif buf.__class__ is bytearray:
+            mv = memoryview(buf)
         else:
             mv = self._cached_view(buf, recv_view)
         matcher = self._matcher
@@ -672,6 +698,8 @@ class Comm:
     # raise and fill (cma.mpi's node communicator) without a frame on the hot paths.
 
     def _send(self, mv: memoryview, dest: Any, tag: Any) -> None:
+        if not self._attached:  # (a bytearray's fast path comes here before attaching)
+            self._attach()
         dest = self._check_dest(dest)
         tag = self._check_tag(tag)
         if dest == PROC_NULL:
@@ -679,6 +707,8 @@ class Comm:
         self._wait(self._start_send([mv], dest, tag, False))
 
     def _recv(self, mv: memoryview, source: Any, tag: Any, status: Status | None) -> None:
+        if not self._attached:  # (a bytearray's fast path comes here before attaching)
+            self._attach()
         source = self._check_source(source)
         tag = self._check_tag(tag, wildcard=True)
         if source == PROC_NULL:
@@ -692,7 +722,14 @@ class Comm:
     # -- non-blocking buffer point-to-point
 
     def Isend(self, buf: Any, dest: int, tag: int = 0) -> Request:
-        mv = self._send_view if buf is self._send_obj else self._cached_view(buf, send_view)
+        if buf is self._send_obj:
+            mv = self._send_view
+        elif buf.__class__ is list and buf and buf[0] is self._send_base and buf == self._send_spec:
+            mv = self._send_spec_view if self._send_cut is None else _export(self._send_base, self._send_cut)
+        elif buf.__class__ is bytearray:
+            mv = memoryview(buf)
+        else:
+            mv = self._cached_view(buf, send_view)
         n = mv.nbytes
         if n <= self._eager_limit:
             # An eager send is complete once its packet is in the ring or queued, so it
@@ -713,6 +750,11 @@ class Comm:
     def Irecv(self, buf: Any, source: int = ANY_SOURCE, tag: int = ANY_TAG) -> Request:
         if buf is self._recv_obj and buf.flags.writeable:
             mv = self._recv_view
+        elif buf.__class__ is list and buf and buf[0] is self._recv_base and buf == self._recv_spec \
+                and (self._recv_cut is not None or self._recv_base.flags.writeable):
+            mv = self._recv_spec_view if self._recv_cut is None else _export(self._recv_base, self._recv_cut)
+        elif buf.__class__ is bytearray:
+            mv = memoryview(buf)
         else:
             mv = self._cached_view(buf, recv_view)
         matcher = self._matcher
@@ -734,6 +776,8 @@ class Comm:
     # Their general paths, apart for the same reason as _send and _recv.
 
     def _isend(self, mv: memoryview, dest: Any, tag: Any) -> Request:
+        if not self._attached:  # (a bytearray's fast path comes here before attaching)
+            self._attach()
         dest = self._check_dest(dest)
         tag = self._check_tag(tag)
         if dest == PROC_NULL:
@@ -744,6 +788,8 @@ class Comm:
         return self._request(self, self._start_send([mv], dest, tag, False, eager=False))
 
     def _irecv(self, mv: memoryview, source: Any, tag: Any) -> Request:
+        if not self._attached:  # (a bytearray's fast path comes here before attaching)
+            self._attach()
         source = self._check_source(source)
         tag = self._check_tag(tag, wildcard=True)
         if source == PROC_NULL:
@@ -971,7 +1017,8 @@ class Comm:
         if self._closed:
             return
         self._closed = True
-        self._send_obj = self._recv_obj = _NOTHING
+        self._send_obj = self._recv_obj = self._send_base = self._recv_base = _NOTHING
+        self._send_spec_view = self._recv_spec_view = memoryview(b"")
         try:
             copier_stopped = self._copier.shutdown()
             if self._attached and self._world is not None and self._world.owned_here():
@@ -1005,9 +1052,14 @@ class Comm:
     # -- argument checks
 
     def _cached_view(self, buf: Any, convert: Callable[[Any], memoryview]) -> memoryview:
-        """Convert, attach if needed, and remember arrays and bytes (never resizable objects)."""
+        """Convert, attach if needed, and remember arrays and bytes (never resizable objects)
+        and buffer specs (lists) over them, over bytearrays and over mmaps."""
         if not self._attached:
             self._attach()
+        if buf.__class__ is list:
+            mv = self._spec_view(buf, convert)
+            self._remember_spec(buf, mv, convert is send_view)
+            return mv
         mv = convert(buf)
         if type(buf) is np.ndarray or type(buf) is bytes:
             if convert is send_view:
@@ -1015,6 +1067,38 @@ class Comm:
             else:
                 self._recv_obj, self._recv_view = buf, mv
         return mv
+
+    def _spec_view(self, spec: list[Any], convert: Callable[[Any], memoryview]) -> memoryview:
+        """The bytes a buffer spec names (cma's: [buf, typechar], [buf, count, typechar])."""
+        return convert(spec)
+
+    def _remember_spec(self, spec: list[Any], mv: memoryview, sending: bool) -> None:
+        """Keep what ``spec`` converted to, for the next call given an equal spec list (one
+        written inline, ``[buf, n, MPI.BYTE]``, is a new list every call).
+
+        For an array or bytes the view is kept; a bytearray or mmap is exported anew each
+        time (~60 ns) from the offsets kept here: a view kept alive would stop its owner
+        from resizing or closing it.
+        """
+        base = spec[0]
+        kind = base.__class__
+        view = memoryview(b"")
+        cut: tuple[int, int] | None = None
+        if kind is np.ndarray or kind is bytes:
+            view = mv
+        elif kind is bytearray or kind is mmap.mmap:
+            with memoryview(base) as whole:
+                start = 0 if not mv.nbytes else \
+                    _linux.buffer_address(mv) - _linux.buffer_address(whole)
+            cut = (start, start + mv.nbytes)
+        else:
+            return
+        if sending:
+            self._send_base, self._send_spec = base, list(spec)
+            self._send_spec_view, self._send_cut = view, cut
+        else:
+            self._recv_base, self._recv_spec = base, list(spec)
+            self._recv_spec_view, self._recv_cut = view, cut
 
     def _check_dest(self, dest: Any) -> int:
         rank = _as_int(dest)

@@ -8,10 +8,12 @@ to die or a fresh communicator start their own short-lived child.
 from __future__ import annotations
 
 import hashlib
+import mmap
 import multiprocessing as mp
 import os
 import threading
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -543,6 +545,54 @@ def test_bytes_like_buffers(peer, kind, nbytes):
         comm.Recv(target, source=1, tag=43)
         peer.result()
         assert bytes(target) == raw
+
+
+def _spec_base(kind: str, nbytes: int) -> Any:
+    if kind == "ndarray":
+        return np.zeros(nbytes, np.uint8)
+    if kind == "bytearray":
+        return bytearray(nbytes)
+    mm = mmap.mmap(-1, nbytes)
+    return mm
+
+
+@pytest.mark.parametrize("kind", ["ndarray", "bytearray", "mmap"])
+@pytest.mark.parametrize("call", ["Send", "Isend"])
+def test_spec_list_rebuilt_each_call(peer, kind, call):
+    """[buf, count, typechar] written inline is a new list each call: the view cached from
+    an equal one serves it, a different count is honoured, and a bytearray or mmap is not
+    left exported (it can be resized or closed after the call)."""
+    comm = peer.comm
+    base = _spec_base(kind, 64)
+    send = getattr(comm, call)
+    for count, seed in [(64, 1), (64, 2), (16, 3), (64, 4)]:
+        memoryview(base)[:count] = pattern(count, seed).tobytes()
+        peer.start(op_recv_bytes, 100, 44)
+        request = send([base, count, "B"], 1, 44)
+        if call == "Isend":
+            request.Wait()
+        assert peer.result() == pattern(count, seed).tobytes()
+        peer.start(op_send, [pattern(count, seed + 10)], 45)
+        target = np.zeros(count, np.uint8) if kind == "ndarray" else base
+        comm.Recv([target, count, "B"], source=1, tag=45)
+        peer.result()
+        assert bytes(memoryview(target)[:count]) == pattern(count, seed + 10).tobytes()
+    if kind == "bytearray":
+        base.extend(b"more")  # no export of ours is left holding it
+    elif kind == "mmap":
+        base.close()
+
+
+def test_spec_list_of_an_array_made_read_only_is_refused(peer):
+    comm = peer.comm
+    peer.start(op_send, [pattern(8, 1), pattern(8, 2)], 46)
+    arr = np.zeros(8, np.uint8)
+    comm.Recv([arr, 8, "B"], source=1, tag=46)
+    arr.flags.writeable = False
+    with pytest.raises(CmaBufferError, match="read-only"):
+        comm.Recv([arr, 8, "B"], source=1, tag=46)
+    comm.Recv(np.zeros(8, np.uint8), source=1, tag=46)
+    peer.result()
 
 
 # ------------------------------------------------------------------ matching and status

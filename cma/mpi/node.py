@@ -12,13 +12,14 @@ from .. import _linux
 from ..comm import Comm as CmaComm
 from ..comm import Request as CmaRequest
 from ..comm import Status as CmaStatus
-from ..comm import recv_view, send_view
+from ..comm import recv_view
 from ..errors import CmaError, PeerGone
 from ..protocol import ANY_SOURCE as CMA_ANY_SOURCE
 from ..protocol import RecvOp, SendOp
+from . import specs
 from .mpiapi import fill
 from .requests import PROGRESS, Request, node_request
-from .specs import NO_BYTES, SPECS, SpecCache
+from .specs import NO_BYTES
 
 if TYPE_CHECKING:
     from .comm import Comm
@@ -47,8 +48,6 @@ class NodeComm(CmaComm):
         self._mpi = mpi  # the wrapper: its _fail runs the error handler, raises its exception
         self._ranks = list(ranks)  # cma rank -> rank of the wrapped communicator
         self._mixed = mixed  # peers elsewhere too: waits must keep MPI moving
-        self._send_spec = SpecCache()
-        self._recv_spec = SpecCache()
         self._mpi_scratch = CmaStatus()
         self._pending: dict[SendOp | RecvOp, Request] = {}
         self._next_peer_check = 0.0
@@ -59,11 +58,15 @@ class NodeComm(CmaComm):
     # -- buffer specs, statuses and errors as mpi4py's
 
     def _cached_view(self, buf: Any, convert: Callable[[Any], memoryview]) -> memoryview:
-        if buf.__class__ in SPECS:  # [buf, MPI.DOUBLE] & co: never cached themselves
-            buf = (self._send_spec if convert is send_view else self._recv_spec).convert(buf)
+        if buf.__class__ is tuple:  # (lists are cma's to convert and remember, as specs)
+            buf = self._spec_view(buf, convert)
         elif buf is None:  # mpi4py's message of nothing (towards PROC_NULL, say)
             buf = NO_BYTES
         return super()._cached_view(buf, convert)
+
+    def _spec_view(self, spec: Sequence[Any], convert: Callable[[Any], memoryview]) -> memoryview:
+        """mpi4py's buffer specs: [buf, count, MPI.BYTE], [buf, (count, displ), dt] & co."""
+        return convert(specs.convert(spec))
 
     def _unpickle(self, op: RecvOp) -> Any:
         """An object receive that matched a buffer message loads it as mpi4py does: zero

@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 from mpi4py import MPI
 
 from ..comm import send_view
@@ -93,32 +92,3 @@ def convert(spec: Sequence[Any]) -> Any:
     if stop > view.nbytes or count < 0 or displ < 0:
         raise ValueError(f"message: {count} elements at {displ} exceed a {view.nbytes}-byte buffer")
     return view[start:stop]
-
-
-class SpecCache:
-    """The last [array, count, datatype] spec seen on one path, converted once.
-
-    Programs resend the same spec in a loop (``[buf, n, MPI.BYTE]``, built anew each
-    call); the converted form is kept as an array so that cma's own per-object view
-    cache hits too. Only NumPy arrays are remembered: holding a view of a bytearray
-    would stop its owner from resizing it.
-    """
-
-    __slots__ = ("buf", "count", "datatype", "out")
-
-    def __init__(self) -> None:
-        self.buf: Any = None
-        self.count: Any = None
-        self.datatype: Any = None
-        self.out: Any = None
-
-    def convert(self, spec: Sequence[Any]) -> Any:
-        if len(spec) == 3 and spec[0] is self.buf and spec[2] is self.datatype \
-                and spec[1] == self.count:
-            return self.out
-        out = convert(spec)
-        if len(spec) == 3 and type(spec[0]) is np.ndarray and type(spec[1]) is int:
-            self.buf, self.count, self.datatype = spec
-            self.out = out if out is spec[0] else np.frombuffer(out, dtype=np.uint8)
-        return out
-

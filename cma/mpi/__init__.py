@@ -38,11 +38,12 @@ communicator), ``requests``, ``specs`` (buffer specs), ``bootstrap``, ``mixed``
 from __future__ import annotations
 
 from .bootstrap import ENV_DISABLE, ENV_NODES, ENV_RANKS_PER_NODE
-from .comm import Comm
+from .comm import Comm, Message
 from .errors import PeerGoneError, TruncateError
+from .persistent import Prequest
 from .requests import Request
 
 __all__ = [
-    "ENV_DISABLE", "ENV_NODES", "ENV_RANKS_PER_NODE", "Comm", "PeerGoneError", "Request",
-    "TruncateError",
+    "ENV_DISABLE", "ENV_NODES", "ENV_RANKS_PER_NODE", "Comm", "Message", "PeerGoneError",
+    "Prequest", "Request", "TruncateError",
 ]

@@ -265,6 +265,20 @@ class Comm(MPI.Intracomm):
                                                            else buf))
         return self.Isendrecv(outgoing, dest, sendtag, buf, source, recvtag)
 
+    def Recv_init(self, buf: Any, source: int = ANY_SOURCE, tag: int = ANY_TAG) -> MPI.Prequest:
+        peer = self._fast.get(source)
+        if peer is None and (self._mixed and source == ANY_SOURCE or source not in self._local):
+            if self._mixed and source == ANY_SOURCE:
+                raise NotImplementedError(
+                    "cma.mpi.Comm.Recv_init(ANY_SOURCE) on a rank with peers on its node and "
+                    "elsewhere: not available (post an Irecv for each start instead)")
+            return MPI.Intracomm.Recv_init(self, buf, source, tag)
+        try:
+            return self._cma.recv_init(  # type: ignore[union-attr]
+                buf, self._local[source] if peer is None else peer, tag)
+        except CmaError as exc:
+            self._fail(exc)
+
     # -- matched probes
 
     def Improbe(self, source: int = ANY_SOURCE, tag: int = ANY_TAG,
@@ -674,6 +688,29 @@ for _name in ("Ssend", "Issend", "ssend", "issend", "Bsend", "Ibsend", "bsend", 
     setattr(Comm, _name, _send_mode(_name))
 
 
+def _send_init(name: str, mode: str) -> Callable[..., Any]:
+    """mpi4py's persistent send ``name``: a cma persistent request to on-node peers."""
+    method = getattr(MPI.Intracomm, name)
+
+    def call(self: Comm, buf: Any, dest: int, tag: int = 0) -> MPI.Prequest:
+        peer = self._local.get(dest)
+        if peer is None:
+            return method(self, buf, dest, tag)
+        try:
+            return self._cma.send_init(buf, peer, tag, mode)  # type: ignore[union-attr]
+        except CmaError as exc:
+            self._fail(exc)
+
+    call.__name__ = call.__qualname__ = name
+    call.__doc__ = f"mpi4py's {name}: through cma to on-node peers, through MPI to the others."
+    return call
+
+
+for _name, _mode in (("Send_init", "standard"), ("Rsend_init", "standard"),
+                     ("Ssend_init", "sync"), ("Bsend_init", "buffered")):
+    setattr(Comm, _name, _send_init(_name, _mode))
+
+
 def _refuse_on_node(name: str, peers: Sequence[tuple[int, str, int]]) -> Callable[..., Any]:
     """An mpi4py method this wrapper cannot route through cma: MPI for off-node peers only.
 
@@ -696,12 +733,8 @@ def _refuse_on_node(name: str, peers: Sequence[tuple[int, str, int]]) -> Callabl
     return call
 
 
-_DEST = (1, "dest", MPI.PROC_NULL)
-_SOURCE = (1, "source", ANY_SOURCE)
 _REFUSED = {
-    "Send_init": [_DEST], "Ssend_init": [_DEST], "Bsend_init": [_DEST], "Rsend_init": [_DEST],
-    "Recv_init": [_SOURCE], "Psend_init": [(2, "dest", MPI.PROC_NULL)],
-    "Precv_init": [(2, "source", ANY_SOURCE)],
+    "Psend_init": [(2, "dest", MPI.PROC_NULL)], "Precv_init": [(2, "source", ANY_SOURCE)],
 }
 for _name, _peers in _REFUSED.items():
     if hasattr(MPI.Intracomm, _name):  # older mpi4py lacks some (Isendrecv, partitioned)

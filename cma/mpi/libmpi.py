@@ -10,8 +10,9 @@ internal but exported, and has kept its signature since Open MPI 1.x. docs/mpi.m
 says what it costs.
 
 The callback must not call an MPI function that progresses (MPICH holds a lock of its
-progress loop while it runs): it only moves cma's rings and calls
-``MPI_Grequest_complete``.
+progress loop while it runs, and aborts on a second one): it moves cma's rings, calls
+``MPI_Grequest_complete``, posts sends (``MPI_Isend``, which does not progress) and asks
+whether a request is active with ``MPIX_Request_is_complete`` (which does not either).
 """
 
 from __future__ import annotations
@@ -77,6 +78,12 @@ class ProgressHook:
     def arm(self) -> None:
         raise NotImplementedError
 
+    def active(self, request: MPI.Request) -> bool:
+        """Whether a persistent request was started and is not complete (MPI's Startall
+        starts ours without telling us), asked without progressing MPI; False where the
+        library offers no such question (then only our own Start is seen)."""
+        return False
+
     def rest(self) -> None:
         """Nothing is pending now: stop calling back where that costs a call per progress."""
 
@@ -92,6 +99,9 @@ class MpichHook(ProgressHook):
         self._start = lib.MPIX_Async_start
         self._start.argtypes = [_MPICH_POLL, ctypes.c_void_p, ctypes.c_int]
         self._start.restype = ctypes.c_int
+        self._is_complete = lib.MPIX_Request_is_complete  # tells without progressing MPI,
+        self._is_complete.argtypes = [ctypes.c_int]        # which its callbacks may not do
+        self._is_complete.restype = ctypes.c_int
         self._stream_progress = lib.MPIX_Stream_progress
         self._stream_progress.argtypes = [ctypes.c_int]
         self._stream_progress.restype = ctypes.c_int
@@ -108,6 +118,9 @@ class MpichHook(ProgressHook):
             if self._start(self._callback, None, MPICH_STREAM_NULL) != 0:
                 raise RuntimeError("MPIX_Async_start failed")
             self._armed = True
+
+    def active(self, request: MPI.Request) -> bool:
+        return not self._is_complete(ctypes.c_int(request.handle & 0xFFFFFFFF).value)
 
     def close(self) -> None:
         """Let MPICH drop the hook now: MPI_Finalize, which would otherwise poll it, runs
@@ -155,8 +168,9 @@ def make_hook(poll: Callable[[], bool]) -> ProgressHook | None:
     hook: ProgressHook | None = None
     if version.startswith("MPICH"):
         path = _loaded_library(r"^libmpi(ch)?\.so")
-        if path is not None and hasattr(lib := ctypes.CDLL(path), "MPIX_Async_start") \
-                and hasattr(lib, "MPIX_Stream_progress"):
+        lib = ctypes.CDLL(path) if path is not None else None
+        if lib is not None and all(hasattr(lib, name) for name in (
+                "MPIX_Async_start", "MPIX_Stream_progress", "MPIX_Request_is_complete")):
             hook = MpichHook(poll, lib)
     elif version.startswith("Open MPI"):
         path = _loaded_library(r"^libopen-pal\.so")

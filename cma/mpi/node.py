@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -12,12 +13,13 @@ from .. import _linux
 from ..comm import Comm as CmaComm
 from ..comm import Request as CmaRequest
 from ..comm import Status as CmaStatus
-from ..comm import recv_view
+from ..comm import recv_view, send_view
 from ..errors import CmaError, PeerGone
 from ..protocol import ANY_SOURCE as CMA_ANY_SOURCE
 from ..protocol import RecvOp, SendOp
 from . import specs
 from .mpiapi import fill
+from .persistent import Prequest, persistent_request
 from .requests import PROGRESS, Request, node_request
 from .specs import NO_BYTES
 
@@ -50,6 +52,10 @@ class NodeComm(CmaComm):
         self._mixed = mixed  # peers elsewhere too: waits must keep MPI moving
         self._mpi_scratch = CmaStatus()
         self._pending: dict[SendOp | RecvOp, Request] = {}
+        # persistent requests, by tag (MPI.Request defines == but no hash): weakly, so
+        # that one dropped without Free stops being watched
+        self._persistent: dict[int, weakref.ref[Prequest]] = {}
+        self._private: MPI.Intracomm | None = None  # where persistent requests live in MPI
         self._next_peer_check = 0.0
 
     def comm_rank(self, rank: int) -> int:
@@ -178,7 +184,8 @@ class NodeComm(CmaComm):
         return False
 
     def poll_requests(self) -> bool:
-        """The hook's call from inside MPI: move cma, notice dead peers; whether to stay."""
+        """The hook's call from inside MPI: move cma, notice dead peers, start and finish
+        persistent requests; whether to stay."""
         if self._closed:
             return False
         self._progress()
@@ -187,7 +194,66 @@ class NodeComm(CmaComm):
             if now >= self._next_peer_check:
                 self._next_peer_check = now + PEER_CHECK_SECONDS
                 self._check_peers()
-        return self._mixed or bool(self._pending)
+        for tag, ref in list(self._persistent.items()):
+            preq = ref()
+            if preq is None:
+                del self._persistent[tag]
+            else:
+                preq.poll()
+        return self._mixed or bool(self._pending) or bool(self._persistent)
+
+    # -- persistent requests
+
+    def private_comm(self) -> MPI.Intracomm:
+        if self._private is None:
+            self._private = MPI.COMM_SELF.Dup()
+        return self._private
+
+    def send_init(self, buf: Any, dest: int, tag: int, mode: str) -> Prequest:
+        """A persistent send (mode: "standard", "sync" or "buffered") of a bound buffer."""
+        mv = self._cached_view(buf, send_view)
+        dest = self._check_dest(dest)
+        tag = self._check_tag(tag)
+        if mode == "buffered":
+            def begin() -> SendOp | RecvOp | None:
+                self._start_buffered([mv], dest, tag, False)
+                return None
+        else:
+            def begin() -> SendOp | RecvOp | None:
+                return self._start_send([mv], dest, tag, False, sync=mode == "sync")
+        return persistent_request(self, begin)
+
+    def recv_init(self, buf: Any, source: int, tag: int) -> Prequest:
+        mv = self._cached_view(buf, recv_view)
+        source = self._check_source(source)
+        tag = self._check_tag(tag, wildcard=True)
+
+        def begin() -> SendOp | RecvOp | None:
+            op, actions = self._engine.recv(source, tag, mv)
+            self._run(actions)
+            return op
+        return persistent_request(self, begin)
+
+    def watch(self, preq: Prequest) -> None:
+        self._persistent[preq._tag] = weakref.ref(preq)
+        PROGRESS.serve(self)  # MPI's Startall must be noticed inside MPI's waits
+
+    def forget(self, preq: Prequest) -> None:
+        self._persistent.pop(preq._tag, None)
+
+    def settle_op(self, op: SendOp | RecvOp) -> None:
+        """Wait until ``op`` is done (in both engines on a mixed rank)."""
+        if self._mixed:
+            peer = op.dest if isinstance(op, SendOp) else op.source
+            self._mpi._progress_until(lambda: op.done, peer if peer >= 0 else None)
+        else:
+            self._wait(op)
+
+    def step_all(self) -> None:
+        if self._mixed:
+            self._mpi._step()
+        else:
+            self._progress()
 
     def _check_peers(self) -> None:
         """Fail the pending requests that wait for a peer that has exited."""
@@ -208,6 +274,10 @@ class NodeComm(CmaComm):
     def close(self) -> None:
         """Close the world; requests still pending fail (nothing will complete them)."""
         PROGRESS.drop(self)
+        self._persistent.clear()
+        if self._private is not None:
+            self._private.Free()
+            self._private = None
         for req in list(self._pending.values()):
             req._fail(CmaError("the communicator was freed before this operation completed"))
         self._pending.clear()

@@ -411,6 +411,11 @@ class Progress:
         if not self._nodes and self._hook is not None:
             self._hook.rest()
 
+    def active(self, request: MPI.Request) -> bool:
+        """Whether a persistent request is started and not complete (see ProgressHook)."""
+        assert self._hook is not None
+        return self._hook.active(request)
+
     @property
     def available(self) -> bool:
         """Whether MPI's own wait functions can wait for cma's requests here."""

@@ -3,8 +3,8 @@
 Each section is a habit of real mpi4py programs that the plugin once broke: mpi4py's
 zero-length messages ([None, "B"], None towards PROC_NULL), MPI.Request's class methods
 given the plugin's requests (alone or mixed with MPI's), statuses from them, cancelled
-receives, synchronous and buffered sends, Isendrecv, matched probes, DLPack-only
-buffers, one-rank communicators. Prints "OK <rank>" at the end.
+receives, synchronous and buffered sends, Isendrecv, matched probes, persistent
+requests, DLPack-only buffers, one-rank communicators. Prints "OK <rank>" at the end.
 """
 
 from __future__ import annotations
@@ -148,6 +148,27 @@ while (message := comm.improbe(left, 77)) is None:
 assert message.irecv().wait() == ("obj", left)
 send.wait()
 assert comm.Mprobe(MPI.PROC_NULL) == MPI.MESSAGE_NO_PROC
+
+# -- persistent requests: bound once, started again and again, waited for by MPI
+MPICH = MPI.Get_library_version().startswith("MPICH")
+out, got = np.zeros(4), np.zeros(4)
+persistent = [comm.Send_init(out, right, 80), comm.Recv_init(got, left, 80)]
+starts = [lambda reqs: [r.Start() for r in reqs], cma.mpi.Prequest.Startall]
+if MPICH:  # (only MPICH lets cma see MPI's own Startall: docs/mpi.md)
+    starts.append(MPI.Prequest.Startall)
+for k, start in enumerate(starts):
+    out[:] = rank * 10 + k
+    start(persistent)
+    MPI.Request.Waitall(persistent)
+    assert got.tolist() == [left * 10.0 + k] * 4, (k, got)
+    assert all(persistent)  # inactive, not null
+persistent[1].Start()
+persistent[0].Start()
+assert sorted([MPI.Prequest.Waitany(persistent), MPI.Prequest.Waitany(persistent)]) == [0, 1]
+assert MPI.Prequest.Waitany(persistent) == MPI.UNDEFINED
+for request in persistent:
+    request.Free()
+    assert request == MPI.REQUEST_NULL
 
 # -- a buffer that only speaks DLPack
 class DLPackOnly:

@@ -27,6 +27,7 @@ from typing import Any, Literal
 import numpy as np
 
 from . import _linux
+from ._exporters import cai_array, dlpack_array
 from ._pool import ProcessPool
 from .channel import MORE, ChannelConfig, Inbox, Outbox
 from .errors import BufferError, CmaError, InvalidRank, InvalidTag, PeerGone, TransportUnavailable
@@ -145,19 +146,12 @@ def send_view(buf: Any) -> memoryview:
         if isinstance(buf, np.ndarray) and buf.dtype != object and buf.flags.c_contiguous:
             return buf.reshape(-1).view(np.uint8).data  # dtypes without a PEP 3118 code
         if hasattr(buf, "__dlpack__"):
-            return _dlpack_view(buf)
+            return dlpack_array(buf).data
+        if hasattr(buf, "__cuda_array_interface__"):
+            return cai_array(buf).data
         raise BufferError(f"{type(buf).__name__} supports neither the buffer protocol nor "
-                          "DLPack") from exc
+                          "DLPack nor the CUDA array interface") from exc
     return _as_bytes_view(mv)
-
-
-def _dlpack_view(buf: Any) -> memoryview:
-    """A DLPack exporter's memory (on the CPU) as bytes, through NumPy."""
-    try:
-        array = np.from_dlpack(buf)
-    except (TypeError, ValueError, RuntimeError, BufferError) as exc:
-        raise BufferError(f"{type(buf).__name__}: its DLPack export is not usable here ({exc})") from exc
-    return send_view(array)
 
 
 def recv_view(buf: Any) -> memoryview:

@@ -583,6 +583,24 @@ def test_spec_list_rebuilt_each_call(peer, kind, call):
         base.close()
 
 
+class _CudaArrayInterface:
+    """An exporter of __cuda_array_interface__ only (mpi4py's tests fake GPU arrays so)."""
+
+    def __init__(self, address: int, nbytes: int, readonly: bool = False) -> None:
+        self.__cuda_array_interface__ = {"version": 0, "data": (address, readonly),
+                                         "typestr": "|u1", "shape": (nbytes,)}
+
+
+def test_cuda_array_interface_in_host_memory_is_taken_device_memory_refused():
+    host = np.arange(16, dtype=np.uint8)
+    view = cma.comm.send_view(_CudaArrayInterface(host.ctypes.data, 16))
+    assert bytes(view) == host.tobytes()
+    with pytest.raises(CmaBufferError, match="read-only"):
+        cma.comm.recv_view(_CudaArrayInterface(host.ctypes.data, 16, readonly=True))
+    with pytest.raises(CmaBufferError, match="device memory"):
+        cma.comm.send_view(_CudaArrayInterface(4096, 16))  # mapped nowhere in this process
+
+
 def test_spec_list_of_an_array_made_read_only_is_refused(peer):
     comm = peer.comm
     peer.start(op_send, [pattern(8, 1), pattern(8, 2)], 46)

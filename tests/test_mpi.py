@@ -9,26 +9,18 @@ off-node peers at once.
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from mpijobs import find_mpiexec, job_env, kill, launcher_flags, segments_removed, start
 
 pytest.importorskip("mpi4py", reason="mpi4py is not installed (pip install 'cma-ipc[mpi]')")
 
-
-def _find_mpiexec() -> str | None:
-    beside_python = Path(sys.executable).parent / "mpiexec"  # the mpich wheel puts it there
-    return str(beside_python) if beside_python.exists() else shutil.which("mpiexec")
-
-
-_mpiexec = _find_mpiexec()
+_mpiexec = find_mpiexec()
 if _mpiexec is None:
     pytest.skip("no mpiexec found (pip install mpich)", allow_module_level=True)
 MPIEXEC: str = _mpiexec
@@ -40,76 +32,31 @@ MODES = "cma|mixed|mpi-only|disabled"
 
 pytestmark = pytest.mark.timeout(RUN_TIMEOUT + 30)
 
-
-def _launcher_flags() -> list[str]:
-    """Open MPI needs these for more ranks than cores and for root; MPICH needs nothing."""
-    version = subprocess.run([MPIEXEC, "--version"], capture_output=True, text=True, timeout=30)
-    if "Open MPI" in version.stdout + version.stderr or "OpenRTE" in version.stdout:
-        return ["--oversubscribe", "--allow-run-as-root"]
-    return []
-
-
-FLAGS = _launcher_flags()
+FLAGS = launcher_flags(MPIEXEC)
 IS_HYDRA = not FLAGS
-
-
-def _mapped_segments() -> set[str]:
-    mapped: set[str] = set()
-    for maps in Path("/proc").glob("[0-9]*/maps"):
-        try:
-            mapped.update(line.split("/dev/shm/")[1].split()[0]
-                          for line in maps.read_text().splitlines() if "/dev/shm/" in line)
-        except (OSError, IndexError):
-            continue  # the process exited meanwhile
-    return mapped
-
-
-def _remove_orphan_segments(names: set[str]) -> None:
-    """Unlink MPICH's shared-memory files that a job left and nobody maps any more.
-
-    Ranks may still be exiting when mpiexec returns, so a segment still mapped gets a
-    few seconds to be released before it is left alone.
-    """
-    deadline = time.monotonic() + 5
-    while names:
-        for name in names - _mapped_segments():
-            Path("/dev/shm", name).unlink(missing_ok=True)
-        names = {name for name in names if Path("/dev/shm", name).exists()}
-        if not names or time.monotonic() > deadline:
-            return
-        time.sleep(0.1)
 
 
 def mpirun(n: int, program: str, *args: str, env: dict[str, str] | None = None,
            flags: tuple[str, ...] = ()) -> tuple[int, str, float]:
     """(exit code, stdout + stderr, seconds) of ``mpiexec -n N python -m mpi4py program``.
 
-    A job that did not end cleanly (aborted, killed) leaves MPICH's segments in /dev/shm,
-    and so, in runs on this machine, did some that exited 0: those that appeared during
-    this run and are mapped by no process are removed.
+    The job runs without the caller's CMA_MPI_* settings (``env`` adds its own); the MPI
+    segments it leaves in /dev/shm are removed (mpijobs.segments_removed).
     """
-    shm_before = set(os.listdir("/dev/shm"))
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("CMA_MPI_")}
-    environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), environ.get("PYTHONPATH")]))
-    environ.update(env or {})
     command = [MPIEXEC, *FLAGS, *flags, "-n", str(n), sys.executable, "-m", "mpi4py",
                str(PROGRAMS / program), *args]
-    start = time.monotonic()
-    proc = subprocess.Popen(command, env=environ, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=RUN_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # mpiexec and every rank it started
-        out, _ = proc.communicate()
-        pytest.fail(f"mpiexec -n {n} {program} {' '.join(args)} hung:\n{out}")
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        _remove_orphan_segments({name for name in set(os.listdir("/dev/shm")) - shm_before
-                                 if name.startswith("mpich_shm_")})
-    return proc.returncode, out, time.monotonic() - start
+    begin = time.monotonic()
+    with segments_removed():
+        proc = start(command, job_env(env), stdout=subprocess.PIPE)
+        try:
+            out, _ = proc.communicate(timeout=RUN_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            kill(proc)  # mpiexec and every rank it started
+            out, _ = proc.communicate()
+            pytest.fail(f"mpiexec -n {n} {program} {' '.join(args)} hung:\n{out}")
+        finally:
+            kill(proc)
+    return proc.returncode, out, time.monotonic() - begin
 
 
 def modes(out: str) -> dict[int, str]:

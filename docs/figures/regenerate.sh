@@ -6,7 +6,7 @@
 #
 #     bash docs/figures/regenerate.sh
 #
-# What it runs (25-50 minutes on a 2-vCPU machine, depending on the guard's waits). Every step passes
+# What it runs (30-55 minutes on a 2-vCPU machine, depending on the guard's waits). Every step passes
 # --guard 60 when the machine has two CPUs: each size is timed only while a probe finds
 # the CPUs passing data at their usual speed (guide.md, section 6).
 #   1. latency  - blocking ping-pong, 8 B .. 64 MiB, every transport, one round.
@@ -16,7 +16,7 @@
 #                 `mpiexec -n 2` with mpi4py 4.1), the latency steps run under
 #                 `mpiexec -n 2`, which adds the plain `mpi4py` baseline and the
 #                 `cma.mpi` series. Without mpiexec, cma-bench spawns its own
-#                 two processes, those two series are absent and 1c-1g are skipped.
+#                 two processes, those two series are absent and 1c-1h are skipped.
 #   1b. latency-large - the same from 64 MiB to 256 MiB, into latency-large.txt.
 #   1c. latency-mpi - cma.mpi.Comm against plain mpi4py alone, 1 B .. 64 MiB, nine
 #                 rounds interleaved (at each size both series take all their turns
@@ -35,6 +35,14 @@
 #   1g. bw-mpi  - cma.mpi.Comm against plain mpi4py in the osu_bw pattern (a window of
 #                 64 Isends, Waitall, a 1-byte ack), 8 B .. 4 MiB, five rounds
 #                 interleaved, into bw-mpi.txt.
+#   1h. external-clients - clients nobody here wrote, with only the one-line change:
+#                 mpi4py's own `mpi4py.bench pingpong` (NumPy and bytearray buffers,
+#                 1 B .. 64 MiB) and the demo/osu_latency, osu_bw and osu_bibw programs of
+#                 the installed mpi4py's sdist (downloaded once with pip into
+#                 ~/.cache/cma-ipc, or $CMA_IPC_CACHE), each plain and through
+#                 cma.mpi.Comm, six rounds alternating which goes first, into
+#                 external-clients.txt (bench/external_clients.py; no --guard: it reports
+#                 the hand-off probe and CPU share of every round instead). ~5 minutes.
 #   2. bw       - window of 64 Isends + ack, 4 KiB .. 4 MiB, --quick.
 #                 Writes bw.txt, bw.json, bw.png.
 #   3. latency --cold - a never-touched receive buffer each iteration,
@@ -86,6 +94,7 @@ if [ ${#launch[@]} -gt 0 ]; then
     "${launch[@]}" python -m cma.bench bw --transport cma.mpi --baseline mpi4py \
         --min-size 8 --max-size 4M --rounds 5 --interleave "${guard[@]}" \
         > docs/figures/bw-mpi.txt
+    "${launch[@]}" python bench/external_clients.py > docs/figures/external-clients.txt
 fi
 
 python -m cma.bench bw --transport all --min-size 4K --max-size 4M --quick "${guard[@]}" \

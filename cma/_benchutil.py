@@ -253,6 +253,7 @@ class Series:
     reason: str = ""
     results: list[SizeResult] = field(default_factory=list)
     seconds: float = 0.0  # wall time of the whole series, peer start-up included
+    buffer: str | None = None  # the --buffer form it sent; None: a series that ignores it
 
 
 def round_order(count: int, round_index: int) -> list[int]:
@@ -302,7 +303,8 @@ def merge_series(runs: Sequence[Series]) -> Series:
     the median of a subset of rounds would look as solid as one over all of them.
     """
     first = runs[0]
-    merged = Series(first.name, first.family, seconds=sum(r.seconds for r in runs))
+    merged = Series(first.name, first.family, seconds=sum(r.seconds for r in runs),
+                    buffer=first.buffer)
     broken = next((r for r in runs if r.status != "ok"), None)
     if broken is not None:
         merged.status = broken.status
@@ -475,10 +477,20 @@ def format_number(value: float) -> str:
     return f"{value:.2f}"
 
 
+def base_name(name: str) -> str:
+    """A series' name without the ``[form]`` of ``cma-bench --buffer``: ``mpi4py[spec]`` -> ``mpi4py``."""
+    return name.partition("[")[0]
+
+
 def reference_baseline(series: Sequence[Series]) -> Series | None:
-    """The baseline a user would otherwise pick: mpi4py when measured, else multiprocessing.Pipe."""
-    ok = {s.name: s for s in series if s.status == "ok" and s.results}
-    return ok.get("mpi4py") or ok.get("mp-pipe")
+    """The baseline a user would otherwise pick: mpi4py when measured, else multiprocessing.Pipe;
+    of several buffer forms, the first one listed."""
+    ok = [s for s in series if s.status == "ok" and s.results]
+    for wanted in ("mpi4py", "mp-pipe"):
+        found = next((s for s in ok if base_name(s.name) == wanted), None)
+        if found is not None:
+            return found
+    return None
 
 
 def _ok(series: Sequence[Series], name: str) -> Series | None:
@@ -640,8 +652,9 @@ def series_json(series: Series) -> dict[str, object]:
             "samples_per_round": r.samples_per_round or [len(r.samples_ns)],
             "guard": {"waited_s": r.waited_s, "probes": r.probes, "redone_us": r.redone_us},
         })
-    return {"name": series.name, "family": series.family, "status": series.status,
-            "reason": series.reason, "seconds": series.seconds, "results": results}
+    return {"name": series.name, "family": series.family, "buffer": series.buffer,
+            "status": series.status, "reason": series.reason, "seconds": series.seconds,
+            "results": results}
 
 
 def _read_first(path: str) -> str | None:

@@ -12,6 +12,8 @@
     cma-bench latency --rounds 5               # every series 5 times in turn; medians of rounds
     cma-bench latency --rounds 5 --interleave  # ... taking those turns at every size
     cma-bench latency --guard 120              # time each size only while the CPUs are quiet
+    cma-bench latency --buffer numpy,spec      # one series per buffer form: shm[numpy], shm[spec]...
+    mpiexec -n 2 cma-bench bw --waitall mpi    # cma.mpi waits with MPI.Request.Waitall
 
 Without mpiexec every peer is a child process this command starts (spawn) for each
 series and ends before the next one (with ``--interleave``, one per series for the
@@ -59,6 +61,17 @@ TAG_GUARD = 5
 JOIN_TIMEOUT = 10.0
 
 Bytes = npt.NDArray[np.uint8]
+Buffer = Bytes | bytearray
+
+# --buffer: what the kernels pass to Send/Recv/Isend/Irecv (memcpy and mp-pipe ignore it).
+BUFFER_FORMS = {
+    "numpy": "a bare NumPy uint8 array",
+    "bytearray": "a bare bytearray",
+    "spec": "[array, count, MPI.BYTE] built in every call ([array, count, 'B'] for cma transports)",
+    "spec-bytearray": "the same over a bytearray",
+}
+BUFFER_KINDS = ("latency", "bw")
+WAITALL_MODES = ("each", "mpi")
 
 
 # ---------------------------------------------------------------- the multiprocessing.Pipe baseline
@@ -136,25 +149,28 @@ class Endpoint:
     """A communicator of any flavour plus the few things the kernels need to drive it.
 
     Flavours: ``cma`` (a ``cma.Pipe`` end), ``mpi`` (an mpi4py Intracomm), ``cma.mpi``
-    (``cma.mpi.Comm``) and ``pipe`` (``PipeComm``).
+    (``cma.mpi.Comm``) and ``pipe`` (``PipeComm``). ``waitall="mpi"`` makes ``cma.mpi``
+    wait for a list of requests with ``MPI.Request.Waitall``; ``mpi`` always does, the
+    others cannot (they have no MPI).
     """
 
-    def __init__(self, comm: Any, flavor: str) -> None:
+    def __init__(self, comm: Any, flavor: str, waitall: str = "each") -> None:
         self.comm = comm
         self.rank = int(comm.rank)
         self.has_stats = callable(getattr(comm, "stats", None)) and callable(
             getattr(comm, "reset_stats", None))
-        self.waitall: Callable[[Sequence[Any]], object]
+        self.waitall: Callable[[Sequence[Any]], object] = _wait_each
+        self.byte: Any = "B"  # the datatype of a --buffer spec list
         if flavor == "cma":
             import cma
 
             self.waitall = cma.Request.Waitall
-        elif flavor == "mpi":
+        elif flavor in ("mpi", "cma.mpi"):
             from mpi4py import MPI
 
-            self.waitall = MPI.Request.Waitall
-        else:
-            self.waitall = _wait_each
+            self.byte = MPI.BYTE
+            if flavor == "mpi" or waitall == "mpi":
+                self.waitall = MPI.Request.Waitall
 
     def stats(self) -> dict[str, dict[str, float]] | None:
         return self.comm.stats() if self.has_stats else None
@@ -177,6 +193,8 @@ class Plan:
     cold: bool
     guard: float = 0.0  # --guard: seconds to wait for a quiet machine per timed loop
     guard_cpus: tuple[int, ...] = ()  # the two CPUs the probe copies between
+    buffer: str = "numpy"  # --buffer: one of BUFFER_FORMS
+    waitall: str = "each"  # --waitall: one of WAITALL_MODES
 
 
 def build_plan(kind: str, sizes: Sequence[int], *, window: int, cold: bool, quick: bool,
@@ -206,9 +224,18 @@ def _fresh(size: int) -> Bytes:
 
 @dataclass
 class _Buffers:
-    send: Bytes
-    recv: Bytes
+    send: Buffer
+    recv: Buffer
     ack: Bytes
+
+
+def make_buffers(size: int, form: str) -> _Buffers:
+    """The send and receive buffers of one size in a --buffer form, every page written."""
+    send: Buffer = _touched(size, 0x5A)
+    recv: Buffer = _touched(size, 0)
+    if form.endswith("bytearray"):
+        send, recv = bytearray(send), bytearray(recv)
+    return _Buffers(send, recv, _touched(1, 1))
 
 
 # Fresh receive buffers are mapped this many bytes at a time, between untimed barriers,
@@ -219,7 +246,7 @@ COLD_WINDOW_LIMIT = 1 * util.GIB
 
 
 def _receive_buffers(ep: Endpoint, bufs: _Buffers, n: int, count: int, per_iteration: int,
-                     cold: bool) -> Iterator[list[Bytes]]:
+                     cold: bool) -> Iterator[list[Buffer]]:
     """Per iteration, ``count`` buffers to receive into: the warm one, or never-touched ones.
 
     ``per_iteration`` is the most any rank receives per iteration; both ranks derive the
@@ -230,9 +257,9 @@ def _receive_buffers(ep: Endpoint, bufs: _Buffers, n: int, count: int, per_itera
         for _ in range(n):
             yield warm
         return
-    size = bufs.recv.nbytes
+    size = len(bufs.recv)
     batch = max(1, COLD_POOL_BYTES // (per_iteration * size))
-    mapped: list[list[list[Bytes]]] = []  # batches still mapped, oldest first
+    mapped: list[list[list[Buffer]]] = []  # batches still mapped, oldest first
     for start in range(0, n, batch):
         # The caller holds the last buffers of the latest batch until it takes the next
         # one, so only the batches before that one are unmapped here.
@@ -280,6 +307,47 @@ def _bandwidth(ep: Endpoint, bufs: _Buffers, n: int, cold: bool, window: int) ->
     return samples
 
 
+def _pingpong_spec(ep: Endpoint, bufs: _Buffers, n: int, cold: bool, window: int) -> list[int]:
+    """``_pingpong`` with each buffer passed as ``[buf, count, datatype]``, the list built in
+    the call as mpi4py code writes it inline, so that its conversion is timed every time."""
+    send, recv, sbuf = ep.comm.Send, ep.comm.Recv, bufs.send
+    count, byte = len(sbuf), ep.byte
+    peer = 1 - ep.rank
+    clock = time.perf_counter_ns
+    samples = []
+    for (rbuf,) in _receive_buffers(ep, bufs, n, 1, 1, cold):
+        if ep.rank == 0:
+            t0 = clock()
+            send([sbuf, count, byte], peer, TAG_DATA)
+            recv([rbuf, count, byte], peer, TAG_DATA)
+            samples.append(clock() - t0)
+        else:
+            recv([rbuf, count, byte], peer, TAG_DATA)
+            send([sbuf, count, byte], peer, TAG_DATA)
+    return samples
+
+
+def _bandwidth_spec(ep: Endpoint, bufs: _Buffers, n: int, cold: bool, window: int) -> list[int]:
+    """``_bandwidth`` with each payload buffer passed as a ``[buf, count, datatype]`` built
+    in the call (the 1-byte ack stays a bare array)."""
+    comm, waitall, sbuf = ep.comm, ep.waitall, bufs.send
+    count, byte = len(sbuf), ep.byte
+    peer = 1 - ep.rank
+    clock = time.perf_counter_ns
+    samples = []
+    receives = 0 if ep.rank == 0 else window
+    for targets in _receive_buffers(ep, bufs, n, receives, window, cold):
+        if ep.rank == 0:
+            t0 = clock()
+            waitall([comm.Isend([sbuf, count, byte], peer, TAG_DATA) for _ in range(window)])
+            comm.Recv(bufs.ack, peer, TAG_ACK)
+            samples.append(clock() - t0)
+        else:
+            waitall([comm.Irecv([target, count - 1, byte], peer, TAG_DATA) for target in targets])
+            comm.Send(bufs.ack, peer, TAG_ACK)
+    return samples
+
+
 def _bibandwidth(ep: Endpoint, bufs: _Buffers, n: int, cold: bool, window: int) -> list[int]:
     """OSU bibw: both ranks post ``window`` Irecvs and ``window`` Isends, then wait for all."""
     comm, waitall, sbuf = ep.comm, ep.waitall, bufs.send
@@ -295,7 +363,22 @@ def _bibandwidth(ep: Endpoint, bufs: _Buffers, n: int, cold: bool, window: int) 
     return samples
 
 
-KERNELS = {"latency": _pingpong, "bw": _bandwidth, "bibw": _bibandwidth}
+Kernel = Callable[[Endpoint, _Buffers, int, bool, int], list[int]]
+# By kind and whether buffers go as spec lists: a loop of its own for each, so that the
+# loop of bare buffers does no work for the other forms. (A bare array and a bare
+# bytearray share theirs: only the objects passed differ.)
+KERNELS: dict[tuple[str, bool], Kernel] = {
+    ("latency", False): _pingpong, ("latency", True): _pingpong_spec,
+    ("bw", False): _bandwidth, ("bw", True): _bandwidth_spec,
+    ("bibw", False): _bibandwidth,
+}
+
+
+def kernel_for(kind: str, form: str) -> Kernel:
+    try:
+        return KERNELS[(kind, form.startswith("spec"))]
+    except KeyError:
+        raise ValueError(f"cma-bench {kind} has no --buffer {form}") from None
 
 
 # --guard. On the project VM the two CPUs sometimes hand data to each other slowly for
@@ -401,7 +484,7 @@ def _run_size(ep: Endpoint, plan: Plan, sp: SizePlan) -> SizeResult | None:
     the result lists every probe and the mean of every loop left out.
     """
     comm = ep.comm
-    kernel = KERNELS[plan.kind]
+    kernel = kernel_for(plan.kind, plan.buffer)
     active = ep.rank < 2
     result = SizeResult(size=sp.size, iterations=sp.iterations, warmup=sp.warmup,
                         messages_per_sample=util.messages_per_sample(plan.kind, plan.window),
@@ -410,7 +493,7 @@ def _run_size(ep: Endpoint, plan: Plan, sp: SizePlan) -> SizeResult | None:
     redos = 0
     comm.Barrier()
     if active:
-        bufs = _Buffers(_touched(sp.size, 0x5A), _touched(sp.size, 0), _touched(1, 1))
+        bufs = make_buffers(sp.size, plan.buffer)
     while True:
         if guarded:
             _await_quiet(ep, plan, result)
@@ -586,7 +669,7 @@ class WorldRunner(EndpointRunner):
 
     def open(self, sizes: Sequence[SizePlan]) -> None:
         # (a cma.mpi.Comm over COMM_WORLD is left open: its Free would free COMM_WORLD)
-        self.ep = Endpoint(self.make_comm(), self.flavor)
+        self.ep = Endpoint(self.make_comm(), self.flavor, self.plan.waitall)
 
 
 def serve_echo(comm: Any, flavor: str = "cma") -> None:
@@ -653,6 +736,7 @@ class SeriesSpec:
     where: str
     runner: Callable[[Plan], Runner]
     skip: str = ""
+    buffer: str | None = None  # the --buffer form it sends; None: it ignores --buffer
 
 
 BASELINES = ("memcpy", "mp-pipe", "mpi4py")
@@ -662,9 +746,18 @@ def _split(text: str) -> list[str]:
     return [] if text.strip() == "none" else [t.strip() for t in text.split(",") if t.strip()]
 
 
-def select_series(kind: str, transports: str, baselines: str,
-                  world: Any | None) -> tuple[list[SeriesSpec], list[Series]]:
-    """The series to run in order, and the ones reported as not run (with the reason)."""
+def _forms(name: str, buffers: Sequence[str]) -> list[tuple[str, str]]:
+    """(series name, buffer form) for each --buffer form of a series that sends buffers;
+    the name says the form unless it is only the default one."""
+    if list(buffers) == ["numpy"]:
+        return [(name, "numpy")]
+    return [(f"{name}[{form}]", form) for form in buffers]
+
+
+def select_series(kind: str, transports: str, baselines: str, world: Any | None,
+                  buffers: Sequence[str] = ("numpy",)) -> tuple[list[SeriesSpec], list[Series]]:
+    """The series to run in order, and the ones reported as not run (with the reason);
+    a series that sends buffers comes once per form in ``buffers``."""
     specs: list[SeriesSpec] = []
     not_run: list[Series] = []
     wanted_baselines = _split(baselines)
@@ -683,15 +776,17 @@ def select_series(kind: str, transports: str, baselines: str,
                 skip="bibw needs sends that do not block; multiprocessing.Pipe has none"
                 if kind == "bibw" else ""))
         elif world is not None:
-            specs.append(SeriesSpec(name, "baseline", "world",
-                                    lambda plan: WorldRunner(plan, lambda: world, "mpi")))
+            specs += [SeriesSpec(named, "baseline", "world",
+                                 lambda plan: WorldRunner(plan, lambda: world, "mpi"), buffer=form)
+                      for named, form in _forms(name, buffers)]
         else:
-            not_run.append(Series(name, "baseline", "skipped", _mpi_hint()))
+            not_run += [Series(named, "baseline", "skipped", _mpi_hint(), buffer=form)
+                        for named, form in _forms(name, buffers)]
     for name in _transport_names(transports, world):
-        if name == "cma.mpi":
-            specs.append(SeriesSpec(name, "transport", "world", _cma_mpi_runner(world)))
-        else:
-            specs.append(SeriesSpec(name, "transport", "local", _cma_pipe_runner(name)))
+        runner = _cma_mpi_runner(world) if name == "cma.mpi" else _cma_pipe_runner(name)
+        where = "world" if name == "cma.mpi" else "local"
+        specs += [SeriesSpec(named, "transport", where, runner, buffer=form)
+                  for named, form in _forms(name, buffers)]
     return specs, not_run
 
 
@@ -768,7 +863,8 @@ def run_schedule(specs: Sequence[SeriesSpec], plans: Mapping[str, Plan],
     remaining steps are skipped."""
     rank = world.Get_rank() if world is not None else 0
     rounds = 1 + max((r for session in sessions for _, r, _ in session), default=0)
-    runs = [[Series(spec.name, spec.family) for _ in range(rounds)] for spec in specs]
+    runs = [[Series(spec.name, spec.family, buffer=spec.buffer) for _ in range(rounds)]
+            for spec in specs]
     for spec, series_runs in zip(specs, runs, strict=True):
         if spec.skip:
             for series in series_runs:
@@ -801,7 +897,8 @@ def run_schedule(specs: Sequence[SeriesSpec], plans: Mapping[str, Plan],
                 try:
                     runner = runners.get(index)
                     if runner is None:
-                        runner = runners[index] = spec.runner(plan)
+                        own = plan if spec.buffer is None else replace(plan, buffer=spec.buffer)
+                        runner = runners[index] = spec.runner(own)
                         runner.open([plan.sizes[k] for i, _, k in session if i == index])
                     result = runner.run_size(sp)
                 except Exception as exc:
@@ -841,6 +938,16 @@ def _count_arg(minimum: int) -> Callable[[str], int]:
         return value
 
     return parse
+
+
+def _forms_arg(text: str) -> list[str]:
+    forms = list(dict.fromkeys(t.strip() for t in text.split(",") if t.strip()))
+    unknown = [form for form in forms if form not in BUFFER_FORMS]
+    if unknown or not forms:
+        raise argparse.ArgumentTypeError(
+            f"unknown buffer form {', '.join(map(repr, unknown)) or repr(text)}: choose one or "
+            f"more, comma-separated, of {', '.join(BUFFER_FORMS)}")
+    return forms
 
 
 DEFAULT_MAX_SIZE = {"latency": 64 * util.MIB, "bw": 4 * util.MIB, "bibw": 4 * util.MIB}
@@ -909,6 +1016,21 @@ def build_parser() -> argparse.ArgumentParser:
                              "(default off)")
     common.add_argument("--format", choices=("table", "mpi4py"), default="table",
                         help="'mpi4py' prints rows like python -m mpi4py.bench pingpong")
+    buffer_option = argparse.ArgumentParser(add_help=False)
+    buffer_option.add_argument(
+        "--buffer", type=_forms_arg, default=["numpy"], metavar="FORMS",
+        help="what is passed to Send/Recv/Isend/Irecv: "
+             + "; ".join(f"{form}: {meaning}" for form, meaning in BUFFER_FORMS.items())
+             + ". Comma-separated: one series per form, named like cma.mpi[spec] (numpy "
+             "alone keeps the plain names). Used by the cma transports, cma.mpi and "
+             "mpi4py; memcpy and mp-pipe ignore it (default: numpy)")
+    waitall_option = argparse.ArgumentParser(add_help=False)
+    waitall_option.add_argument(
+        "--waitall", choices=WAITALL_MODES, default="each",
+        help="how cma.mpi waits for a window: each (Wait on every request in turn) or mpi "
+             "(MPI.Request.Waitall on the list, in C, as mpi4py programs do). Ignored by "
+             "the series without MPI: cma transports and mp-pipe wait on each request; "
+             "the mpi4py baseline always uses MPI.Request.Waitall (default: each)")
     parser = argparse.ArgumentParser(
         prog="cma-bench",
         description="Latency and bandwidth of cma's transports beside memcpy, "
@@ -916,8 +1038,14 @@ def build_parser() -> argparse.ArgumentParser:
                     "latency --quick over every transport, 8 B to 64 MiB.")
     sub = parser.add_subparsers(dest="kind", metavar="{latency,bw,bibw}")
     for kind in util.KINDS:
-        sub.add_parser(kind, parents=[common], help=KIND_HELP[kind],
-                       description=KIND_HELP[kind])
+        parents = [common]
+        if kind in BUFFER_KINDS:
+            parents.append(buffer_option)
+        if kind == "bw":
+            parents.append(waitall_option)
+        kind_parser = sub.add_parser(kind, parents=parents, help=KIND_HELP[kind],
+                                     description=KIND_HELP[kind])
+        kind_parser.set_defaults(buffer=["numpy"], waitall="each")
     return parser
 
 
@@ -937,6 +1065,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error(f"--cold maps a fresh buffer for each of the {ns.window} messages of a "
                      f"window: over {util.format_size(COLD_WINDOW_LIMIT)} at "
                      f"{util.format_size(ns.sizes[-1])}; lower --max-size or --window")
+    if ns.cold and any(form.endswith("bytearray") for form in ns.buffer):
+        parser.error("--cold receives into pages no one has touched, but a bytearray is "
+                     "written when it is made: use --buffer numpy or spec with --cold")
     if ns.plot:
         try:
             import matplotlib  # noqa: F401
@@ -945,10 +1076,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return ns
 
 
-def report(kind: str, series: Sequence[Series], fmt: str) -> str:
+WAITALL_NOTE = ("--waitall mpi: cma.mpi and mpi4py waited for each window with "
+                "MPI.Request.Waitall; the series without MPI waited on each request in turn")
+
+
+def report(kind: str, series: Sequence[Series], fmt: str, waitall: str = "each") -> str:
     if fmt == "mpi4py":
         return util.format_mpi4py(series)
     parts = [util.format_results(kind, series), util.format_copies(series)]
+    if waitall == "mpi":
+        parts.insert(1, WAITALL_NOTE)
     crossing = util.format_crossovers(util.crossovers(*util.compared_series(series)))
     if crossing:
         parts.append("crossovers: time per message, differences within 2 standard errors "
@@ -974,7 +1111,7 @@ def write_json(path: str, args: argparse.Namespace, plans: dict[str, Plan],
             "kind": args.kind, "sizes": args.sizes, "window": args.window, "cold": args.cold,
             "quick": args.quick, "iterations": args.iterations, "warmup": args.warmup,
             "rounds": args.rounds, "interleave": args.interleave, "guard": args.guard,
-            "settle": args.settle,
+            "settle": args.settle, "buffer": args.buffer, "waitall": args.waitall,
             "transport": args.transport, "baseline": args.baseline, "cpus": dict(_cpus),
             "samples_ns": "nanoseconds per timed sample: a round trip (latency), a window "
                           "(bw, bibw) or one copy (memcpy); time per message = sample / "
@@ -998,13 +1135,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.bind:
         _cpus.update(bind_cpus(rank))
     try:
-        specs, not_run = select_series(args.kind, args.transport, args.baseline, world)
+        specs, not_run = select_series(args.kind, args.transport, args.baseline, world,
+                                       args.buffer)
     except (ValueError, ImportError, AttributeError) as exc:
         print(f"cma-bench: {exc}", file=sys.stderr)
         return 2
+    if args.waitall == "mpi" and not any(spec.where == "world" for spec in specs):
+        print("cma-bench: --waitall mpi changes only how the MPI series (cma.mpi, mpi4py) "
+              "wait: run under mpiexec -n 2 with one of them", file=sys.stderr)
+        return 2
     knobs = dict(window=args.window, cold=args.cold, quick=args.quick,
                  iterations=args.iterations, warmup=args.warmup)
-    plans = {"messages": build_plan(args.kind, args.sizes, **knobs),
+    plans = {"messages": replace(build_plan(args.kind, args.sizes, **knobs), waitall=args.waitall),
              "memcpy": build_plan("memcpy", args.sizes, **knobs)}
     if args.guard > 0:
         # the in-process memcpy has no second CPU to wait for
@@ -1029,7 +1171,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if rank != 0:
         return 0
     results = [util.merge_series(series_runs) for series_runs in runs] + not_run
-    text = report(args.kind, results, args.format)
+    text = report(args.kind, results, args.format, args.waitall)
     print(text, flush=True)
     if args.format == "mpi4py" and util.format_notes(results):
         print(util.format_notes(results), file=sys.stderr)

@@ -140,6 +140,13 @@ def test_mpi4py_habits(n: int, env: dict[str, str], mode: str) -> None:
     expect_ok(n, "clients.py", env=env)
 
 
+@pytest.mark.parametrize(("n", "env"), [(2, {}), (4, {}), (3, {"CMA_MPI_DISABLE": "1"})])
+def test_library_code(n: int, env: dict[str, str]) -> None:
+    """A task farm, a halo exchange and a wildcard fan-in written against MPI.Comm,
+    handed the plugin (library.py)."""
+    expect_ok(n, "library.py", env=env)
+
+
 def test_bad_pretend_nodes() -> None:
     code, out, _ = mpirun(3, "p2p.py", env={"CMA_MPI_NODES": "0,1"})
     assert code != 0 and "CMA_MPI_NODES='0,1' must list a node number" in out, out

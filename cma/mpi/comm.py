@@ -73,8 +73,8 @@ class Comm(MPI.Intracomm):
     # __dict__: when every rank is on this node, an instance's HANDED_OUT methods are its
     # cma communicator's own bound methods (see NodeComm), found before the class's.
     __slots__ = ("_cma", "_cma_send", "_cma_recv", "_fast", "_local", "_ranks", "_mixed",
-                 "_deferred", "_cstatus", "_cma_first", "_yield", "_barrier", "_transport",
-                 "_options", "__dict__")
+                 "_deferred", "_advancing", "_cstatus", "_cma_first", "_yield", "_barrier",
+                 "_transport", "_options", "__dict__")
     _cma: NodeComm | None
     _cma_send: Callable[..., None]  # bound methods of _cma: one lookup less per message
     _cma_recv: Callable[..., None]
@@ -85,6 +85,7 @@ class Comm(MPI.Intracomm):
     _ranks: list[int]  # cma rank -> rank of the wrapped comm
     _mixed: bool  # this rank has peers on this node and on others
     _deferred: list[Request]  # receives waiting behind a wildcard receive (mixed ranks)
+    _advancing: bool  # inside _advance
     _cstatus: CmaStatus  # reused: one thread uses a communicator at a time
     _cma_first: bool
     _yield: bool  # more ranks than cores on this machine: yield while spinning
@@ -103,6 +104,7 @@ class Comm(MPI.Intracomm):
         self._ranks = []
         self._mixed = False
         self._deferred = []
+        self._advancing = False
         self._cstatus = CmaStatus()
         self._cma_first = True
         self._yield = False
@@ -507,19 +509,26 @@ class Comm(MPI.Intracomm):
         return self._mixed and (source in self._local or source == ANY_SOURCE
                                 or any(overlap(w, source, tag) for w in self._deferred))
 
-    def _advance(self) -> None:
+    def _advance(self, probe_mpi: bool = True) -> None:
         """Match the receives waiting behind a wildcard, in the order they were posted.
 
         A waiting receive takes the first message it matches unless an earlier waiting
         receive matches that message too (then the earlier one gets it on a later pass).
+        ``probe_mpi=False``: cma's messages only (from the progress hook, inside MPI).
         """
-        waiting: list[Request] = []
-        for req in self._deferred:
-            if not self._match(req, waiting):
-                waiting.append(req)
-        self._deferred = waiting
+        if self._advancing:
+            return  # (MPI's probe below runs the hook, which would match the same receives)
+        self._advancing = True
+        try:
+            waiting: list[Request] = []
+            for req in self._deferred:
+                if not self._match(req, waiting, probe_mpi):
+                    waiting.append(req)
+            self._deferred = waiting
+        finally:
+            self._advancing = False
 
-    def _match(self, req: Request, earlier: list[Request]) -> bool:
+    def _match(self, req: Request, earlier: list[Request], probe_mpi: bool = True) -> bool:
         """Take for ``req`` exactly the first message it matches, if no earlier one owns it."""
         assert req._spec is not None
         buf, source, tag = req._spec
@@ -536,7 +545,7 @@ class Comm(MPI.Intracomm):
                     return False
                 cma.bind(req, self._local[found_source], found_tag)
                 return True
-            if not on_cma and peer is None:
+            if not on_cma and peer is None and probe_mpi:
                 st = MPI.Status()
                 if not mpi_iprobe(self, source, tag, st):
                     continue

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -29,6 +30,8 @@ if TYPE_CHECKING:
 # How often a request that MPI waits for (inside MPI's progress loop, where cma never
 # sleeps on its doorbell) checks whether its peer is still alive.
 PEER_CHECK_SECONDS = 0.01
+# How long a mixed rank's wildcard receive waits inside MPI before the hook warns.
+DEFERRED_WARNING_SECONDS = 2.0
 
 
 class NodeComm(CmaComm):
@@ -57,6 +60,8 @@ class NodeComm(CmaComm):
         self._persistent: dict[int, weakref.ref[Prequest]] = {}
         self._private: MPI.Intracomm | None = None  # where persistent requests live in MPI
         self._next_peer_check = 0.0
+        self._deferred_since = 0.0  # (mixed ranks) when the hook first saw a waiting wildcard
+        self._warned = False
 
     def comm_rank(self, rank: int) -> int:
         return self._ranks[rank]
@@ -189,6 +194,12 @@ class NodeComm(CmaComm):
         if self._closed:
             return False
         self._progress()
+        if self._mixed:
+            if self._mpi._deferred:
+                self._mpi._advance(probe_mpi=False)
+                self._warn_deferred()
+            else:
+                self._deferred_since = 0.0
         if self._pending:
             now = time.monotonic()
             if now >= self._next_peer_check:
@@ -201,6 +212,21 @@ class NodeComm(CmaComm):
             else:
                 preq.poll()
         return self._mixed or bool(self._pending) or bool(self._persistent)
+
+    def _warn_deferred(self) -> None:
+        """Say once why a wait inside MPI may never end: a wildcard receive on a rank with
+        peers on and off its node can take an off-node message only inside cma.mpi's own
+        calls (probing MPI from MPI's progress loop is not allowed)."""
+        now = time.monotonic()
+        if not self._deferred_since:
+            self._deferred_since = now
+        elif now - self._deferred_since > DEFERRED_WARNING_SECONDS and not self._warned:
+            self._warned = True
+            warnings.warn(
+                "cma.mpi: an ANY_SOURCE receive on a rank with peers on its node and elsewhere "
+                "has waited for seconds inside MPI's own wait; off-node messages reach it only "
+                "inside cma.mpi's calls: wait with req.Wait() or cma.mpi.Request.Waitall/Waitany "
+                "(docs/mpi.md, 'Mixed ranks')", RuntimeWarning, stacklevel=1)
 
     # -- persistent requests
 

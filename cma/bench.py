@@ -343,7 +343,7 @@ def _bandwidth_spec(ep: Endpoint, bufs: _Buffers, n: int, cold: bool, window: in
             comm.Recv(bufs.ack, peer, TAG_ACK)
             samples.append(clock() - t0)
         else:
-            waitall([comm.Irecv([target, count - 1, byte], peer, TAG_DATA) for target in targets])
+            waitall([comm.Irecv([target, count, byte], peer, TAG_DATA) for target in targets])
             comm.Send(bufs.ack, peer, TAG_ACK)
     return samples
 

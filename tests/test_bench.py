@@ -3,6 +3,7 @@ short end-to-end runs of ``python -m cma.bench``."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import multiprocessing
 import os
@@ -10,11 +11,17 @@ import statistics
 import subprocess
 import sys
 import threading
+import types
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
+from conftest import Peer
+from mpijobs import find_mpiexec, job_env, kill, launcher_flags, segments_removed, start
 
+import cma
 from cma import _benchutil as util
 from cma import bench
 from cma._benchutil import Series, SizeResult
@@ -278,6 +285,16 @@ def test_reference_baseline_prefers_mpi4py() -> None:
     assert "bw/mpi4py" in util.format_results("latency", [*series, mpi])
 
 
+def test_reference_baseline_of_several_buffer_forms_is_the_first_listed() -> None:
+    forms = [Series(f"mpi4py[{form}]", "baseline", results=[fake_result(8, t)], buffer=form)
+             for form, t in (("spec", 4.0), ("numpy", 3.0))]
+    cma_mpi = Series("cma.mpi[spec]", "transport", results=[fake_result(8, 2.0)], buffer="spec")
+    assert util.reference_baseline([*fake_series(), *forms, cma_mpi]) is forms[0]
+    text = util.format_results("latency", [*forms, cma_mpi])
+    row = next(line for line in text.splitlines() if "cma.mpi[spec]" in line).split()
+    assert "bw/mpi4py[spec]" in text and row[-3] == "2.00"  # 4 us against 2 us
+
+
 def test_copies_table() -> None:
     text = util.format_copies(fake_series())
     row = text.splitlines()[-1].split()
@@ -304,6 +321,8 @@ def test_mpi4py_blocks() -> None:
 
 def test_series_json_keeps_every_sample() -> None:
     doc = util.series_json(fake_series()[2])
+    assert doc["buffer"] is None
+    assert util.series_json(Series("shm[spec]", "transport", buffer="spec"))["buffer"] == "spec"
     big: Any = doc["results"][1]  # type: ignore[index]
     assert big["samples_ns"] == [500_000] * 4
     assert big["samples_per_round"] == [4]
@@ -341,6 +360,52 @@ def test_bad_arguments(argv: list[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         bench.parse_args(argv)
     assert exc.value.code == 2
+
+
+def bad_arguments(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """What argparse says when it refuses ``argv`` (exit code 2)."""
+    with pytest.raises(SystemExit) as exc:
+        bench.parse_args(argv)
+    assert exc.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_buffer_and_waitall_options(capsys: pytest.CaptureFixture[str]) -> None:
+    for kind in util.KINDS:  # the defaults: today's behaviour, whatever the kind
+        ns = bench.parse_args([kind])
+        assert (ns.buffer, ns.waitall) == (["numpy"], "each")
+    ns = bench.parse_args(["latency", "--buffer", "spec, numpy,spec,spec-bytearray"])
+    assert ns.buffer == ["spec", "numpy", "spec-bytearray"]  # in order, each once
+    assert bench.parse_args(["bw", "--waitall", "mpi", "--buffer", "bytearray"]).waitall == "mpi"
+    assert "unknown buffer form 'arrays': choose one or more, comma-separated, of numpy, " \
+        "bytearray, spec, spec-bytearray" in bad_arguments(["latency", "--buffer", "numpy,arrays"],
+                                                           capsys)
+    assert "unknown buffer form" in bad_arguments(["bw", "--buffer", ","], capsys)
+    assert "argument --waitall: invalid choice: 'all'" in bad_arguments(
+        ["bw", "--waitall", "all"], capsys)
+    # --buffer is for latency and bw, --waitall for bw only
+    assert "unrecognized arguments: --buffer spec" in bad_arguments(
+        ["bibw", "--buffer", "spec"], capsys)
+    assert "unrecognized arguments: --waitall mpi" in bad_arguments(
+        ["latency", "--waitall", "mpi"], capsys)
+    assert "a bytearray is written when it is made" in bad_arguments(
+        ["latency", "--cold", "--buffer", "numpy,spec-bytearray"], capsys)
+    assert bench.parse_args(["latency", "--cold", "--buffer", "spec"]).cold
+
+
+def test_buffer_forms_make_one_series_each() -> None:
+    plain, _ = bench.select_series("latency", "shm", "memcpy,mp-pipe", None)
+    assert [(s.name, s.buffer) for s in plain] == [
+        ("memcpy", None), ("mp-pipe", None), ("shm", "numpy")]
+    specs, not_run = bench.select_series("bw", "shm,cma", "memcpy,mp-pipe,mpi4py", None,
+                                         ["numpy", "spec"])
+    assert [(s.name, s.buffer) for s in specs] == [
+        ("memcpy", None), ("mp-pipe", None), ("shm[numpy]", "numpy"), ("shm[spec]", "spec"),
+        ("cma[numpy]", "numpy"), ("cma[spec]", "spec")]
+    assert [(s.name, s.buffer, s.status) for s in not_run] == [
+        ("mpi4py[numpy]", "numpy", "skipped"), ("mpi4py[spec]", "spec", "skipped")]
+    (one,), _ = bench.select_series("latency", "shm", "none", None, ["bytearray"])
+    assert (one.name, one.buffer) == ("shm[bytearray]", "bytearray")
 
 
 def test_unknown_baseline() -> None:
@@ -382,6 +447,146 @@ def test_kernels_over_threads(kind: str, cold: bool) -> None:
     assert results[0].messages_per_sample == util.messages_per_sample(kind, 4)
     assert all(ns > 0 for r in results for ns in r.samples_ns)
     assert results[0].stats == []
+
+
+# ---------------------------------------------------------------- buffer forms and --waitall
+
+FORM_SIZES = [8, 64 * KIB, 3 * MIB]  # eager, and above the eager limit of 2 MiB (rendezvous)
+FORM_ITERATIONS = 3
+FORM_WINDOW = 4
+FORM_KINDS = ["latency", "bw"]
+
+
+def pattern(size: int, rank: int) -> bytes:
+    """What rank ``rank`` sends: bytes that differ between the ranks and along the message."""
+    return np.random.default_rng(rank).bytes(size)
+
+
+class Recording:
+    """A communicator that keeps every buffer argument of its point-to-point calls, alive,
+    so that two lists built by two calls cannot share an id."""
+
+    def __init__(self, comm: Any) -> None:
+        self.comm, self.rank = comm, comm.rank
+        self.buffers: list[Any] = []
+
+    def Send(self, buf: Any, dest: int, tag: int) -> None:
+        self.buffers.append(buf)
+        self.comm.Send(buf, dest, tag)
+
+    def Recv(self, buf: Any, source: int, tag: int) -> None:
+        self.buffers.append(buf)
+        self.comm.Recv(buf, source, tag)
+
+    def Isend(self, buf: Any, dest: int, tag: int) -> Any:
+        self.buffers.append(buf)
+        return self.comm.Isend(buf, dest, tag)
+
+    def Irecv(self, buf: Any, source: int, tag: int) -> Any:
+        self.buffers.append(buf)
+        return self.comm.Irecv(buf, source, tag)
+
+
+def run_form(comm: Any, flavor: str, kind: str, form: str, size: int,
+             waitall: str = "each") -> bench._Buffers:
+    """One rank of ``kind`` passing ``form`` buffers, sending ``pattern(size, rank)``; checks
+    what every payload call was given and returns the buffers."""
+    recording = Recording(comm)
+    ep = bench.Endpoint(recording, flavor, waitall)
+    bufs = bench.make_buffers(size, form)
+    memoryview(bufs.send)[:] = pattern(size, ep.rank)
+    bench.kernel_for(kind, form)(ep, bufs, FORM_ITERATIONS, False, FORM_WINDOW)
+    payload = [buf for buf in recording.buffers if buf is not bufs.ack]
+    assert len(payload) == FORM_ITERATIONS * (2 if kind == "latency" else FORM_WINDOW)
+    if form.startswith("spec"):
+        assert all(type(spec) is list and spec[1:] == [size, ep.byte] for spec in payload)
+        assert len({id(spec) for spec in payload}) == len(payload), "a spec list was reused"
+        payload = [spec[0] for spec in payload]
+    assert all(buf is bufs.send or buf is bufs.recv for buf in payload)
+    assert type(bufs.send) is type(bufs.recv) is (
+        bytearray if form.endswith("bytearray") else np.ndarray)
+    return bufs
+
+
+def expected(kind: str, rank: int, size: int) -> bytes:
+    """What rank ``rank`` holds in its receive buffer after ``run_form``: the other rank's
+    bytes, or (rank 0 of bw, which receives only the ack) the zeros it started with."""
+    return bytes(size) if kind == "bw" and rank == 0 else pattern(size, 1 - rank)
+
+
+def run_form_rank1(comm: cma.Comm, kind: str, form: str) -> list[bytes]:
+    return [bytes(run_form(comm, "cma", kind, form, size).recv) for size in FORM_SIZES]
+
+
+@pytest.mark.timeout(60)  # a healthy run takes well under a second
+@pytest.mark.parametrize("form", list(bench.BUFFER_FORMS))
+@pytest.mark.parametrize("kind", FORM_KINDS)
+def test_buffer_forms_deliver_the_senders_bytes(peer: Peer, kind: str, form: str) -> None:
+    """Every --buffer form through every transport: each call gets the form (a spec list
+    built anew by each call), and each receiver ends with the other rank's bytes."""
+    peer.start(run_form_rank1, kind, form)
+    mine = [bytes(run_form(peer.comm, "cma", kind, form, size).recv) for size in FORM_SIZES]
+    theirs = peer.result()
+    for size, got0, got1 in zip(FORM_SIZES, mine, theirs, strict=True):
+        assert got0 == expected(kind, 0, size), f"rank 0, {size} bytes"
+        assert got1 == expected(kind, 1, size), f"rank 1, {size} bytes"
+
+
+def fake_mpi(monkeypatch: pytest.MonkeyPatch) -> types.SimpleNamespace:
+    """An ``mpi4py.MPI`` with only what Endpoint takes from it (the real one would start MPI)."""
+    mpi = types.SimpleNamespace(BYTE=object(), Request=types.SimpleNamespace(Waitall=print))
+    monkeypatch.setitem(sys.modules, "mpi4py", types.SimpleNamespace(MPI=mpi))
+    return mpi
+
+
+def test_waitall_mpi_is_mpis_waitall_for_cma_mpi(monkeypatch: pytest.MonkeyPatch) -> None:
+    mpi = fake_mpi(monkeypatch)
+    rank0 = types.SimpleNamespace(rank=0)
+    assert bench.Endpoint(rank0, "cma.mpi").waitall is bench._wait_each
+    assert bench.Endpoint(rank0, "cma.mpi", "mpi").waitall is mpi.Request.Waitall
+    assert bench.Endpoint(rank0, "mpi", "each").waitall is mpi.Request.Waitall
+    assert bench.Endpoint(rank0, "cma.mpi").byte is mpi.BYTE
+    cma_ep = bench.Endpoint(rank0, "cma", "mpi")  # no MPI there: --waitall mpi is ignored
+    assert (cma_ep.waitall, cma_ep.byte) == (cma.Request.Waitall, "B")
+    plan = bench.build_plan("bw", [8], window=4, cold=False, quick=True, iterations=1, warmup=0)
+    runner = bench.WorldRunner(replace(plan, waitall="mpi"), lambda: rank0, "cma.mpi")
+    runner.open(plan.sizes)
+    assert runner.ep.waitall is mpi.Request.Waitall
+
+
+def test_each_series_runs_with_its_buffer_form_and_the_waitall_asked(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    plans: dict[str, bench.Plan] = {}
+
+    class PlanRunner(bench.Runner):
+        def __init__(self, plan: bench.Plan, name: str) -> None:
+            super().__init__(plan)
+            plans[name] = plan
+
+        def run_size(self, sp: bench.SizePlan) -> SizeResult:
+            return fake_result(sp.size, 1.0)
+
+    def spec(name: str, form: str | None) -> bench.SeriesSpec:
+        return bench.SeriesSpec(name, "transport", "world", lambda plan: PlanRunner(plan, name),
+                                buffer=form)
+
+    specs = [spec("mp-pipe", None), spec("cma.mpi[numpy]", "numpy"),
+             spec("cma.mpi[spec-bytearray]", "spec-bytearray")]
+    monkeypatch.setattr(bench, "select_series", lambda *args: (specs, []))
+    argv = ["bw", "--max-size", "8", "--no-bind", "--waitall", "mpi", "--json", os.devnull]
+    assert bench.main(argv) == 0
+    assert {name: (plan.buffer, plan.waitall) for name, plan in plans.items()} == {
+        "mp-pipe": ("numpy", "mpi"), "cma.mpi[numpy]": ("numpy", "mpi"),
+        "cma.mpi[spec-bytearray]": ("spec-bytearray", "mpi")}
+    assert bench.WAITALL_NOTE in capsys.readouterr().out
+
+
+def test_waitall_mpi_needs_an_mpi_series(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["bw", "--transport", "shm", "--baseline", "memcpy", "--waitall", "mpi", "--no-bind"]
+    assert bench.main(argv) == 2
+    assert "--waitall mpi changes only how the MPI series" in capsys.readouterr().err
+    assert bench.WAITALL_NOTE not in bench.report("bw", fake_series(), "table")
+    assert bench.WAITALL_NOTE in bench.report("bw", fake_series(), "table", "mpi")
 
 
 def test_memcpy_baseline() -> None:
@@ -641,3 +846,90 @@ def test_cli_rounds(tmp_path: Path, interleave: list[str]) -> None:
     shm_stats = [r["stats"] for r in doc["series"][1]["results"]]
     assert all(len(stats) == 4 for stats in shm_stats)  # both sides, both rounds
     assert "median over 2 rounds" in stdout
+
+
+@pytest.mark.parametrize(("kind", "forms", "cold"), [
+    ("latency", "numpy,spec-bytearray", []), ("bw", "bytearray", []), ("bw", "spec", ["--cold"])])
+def test_cli_buffer_forms(tmp_path: Path, kind: str, forms: str, cold: list[str]) -> None:
+    stdout, doc = run_cli([kind, "--transport", "shm", "--baseline", "mp-pipe", "--buffer", forms,
+                           "--max-size", "1K", "--iterations", "5", "--warmup", "1", *cold],
+                          tmp_path)
+    wanted = forms.split(",")
+    assert (doc["parameters"]["buffer"], doc["parameters"]["waitall"]) == (wanted, "each")
+    assert [(s["name"], s["buffer"]) for s in doc["series"]] == [
+        ("mp-pipe", None), *((f"shm[{form}]", form) for form in wanted)]
+    for series in doc["series"]:
+        assert series["status"] == "ok", series["reason"]
+        assert len(series["results"]) == 8  # 8 B .. 1 KiB
+    table = stdout.split("\n\n")[0]
+    assert all(f"shm[{form}]" in table for form in wanted)
+
+
+# ---------------------------------------------------------------- under mpiexec
+
+MPIEXEC = find_mpiexec()
+needs_mpiexec = pytest.mark.skipif(
+    MPIEXEC is None or importlib.util.find_spec("mpi4py") is None,
+    reason="needs mpi4py and mpiexec (pip install 'cma-ipc[mpi]')")
+MPI_TIMEOUT = 90  # the backstop; a healthy job takes a few seconds
+
+
+def mpi_job(args: list[str]) -> str:
+    """Output of ``mpiexec -n 2 python -m mpi4py ARGS`` (an exception in a rank aborts the job),
+    which must succeed; the job is ended whole and its MPI segments removed whatever happens."""
+    assert MPIEXEC is not None
+    command = [MPIEXEC, *launcher_flags(MPIEXEC), "-n", "2", sys.executable, "-m", "mpi4py", *args]
+    with segments_removed():
+        job = start(command, job_env(), stdout=subprocess.PIPE)
+        try:
+            out, _ = job.communicate(timeout=MPI_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            kill(job)
+            out, _ = job.communicate()
+            pytest.fail(f"mpiexec -n 2 {' '.join(args)} hung:\n{out}")
+        finally:
+            kill(job)
+    assert job.returncode == 0, out
+    return out
+
+
+def mpi_forms_job() -> None:
+    """Both ranks of every buffer form, kind and --waitall through mpi4py and cma.mpi,
+    every received message checked (run by test_buffer_forms_under_mpiexec)."""
+    from mpi4py import MPI
+
+    from cma import mpi as cma_mpi
+
+    world = MPI.COMM_WORLD
+    rank = world.Get_rank()
+    for flavor, comm in (("mpi", world), ("cma.mpi", cma_mpi.Comm(world))):
+        for waitall in bench.WAITALL_MODES:
+            for kind in FORM_KINDS:
+                for form in bench.BUFFER_FORMS:
+                    for size in FORM_SIZES:
+                        got = bytes(run_form(comm, flavor, kind, form, size, waitall).recv)
+                        assert got == expected(kind, rank, size), (flavor, waitall, kind, form, size)
+                        world.Barrier()
+    print(f"OK {rank}", flush=True)
+
+
+@needs_mpiexec
+def test_buffer_forms_under_mpiexec() -> None:
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+            "import test_bench; test_bench.mpi_forms_job()")
+    out = mpi_job(["-c", code])
+    assert "OK 0" in out and "OK 1" in out, out
+
+
+@needs_mpiexec
+def test_cli_mpi_series_with_buffer_forms_and_waitall(tmp_path: Path) -> None:
+    out = tmp_path / "out.json"
+    stdout = mpi_job(["-m", "cma.bench", "bw", "--transport", "cma.mpi", "--baseline", "mpi4py",
+                      "--buffer", "numpy,spec", "--waitall", "mpi", "--max-size", "64",
+                      "--iterations", "3", "--warmup", "1", "--window", "4", "--json", str(out)])
+    doc = json.loads(out.read_text())
+    assert (doc["parameters"]["buffer"], doc["parameters"]["waitall"]) == (["numpy", "spec"], "mpi")
+    assert [(s["name"], s["status"]) for s in doc["series"]] == [
+        ("mpi4py[numpy]", "ok"), ("mpi4py[spec]", "ok"), ("cma.mpi[numpy]", "ok"),
+        ("cma.mpi[spec]", "ok")]
+    assert bench.WAITALL_NOTE in stdout and "bw/mpi4py[numpy]" in stdout

@@ -61,7 +61,7 @@ def config(tmp_path_factory: pytest.TempPathFactory) -> run_matrix.Config:
 
 @pytest.fixture(scope="module")
 def not_applicable() -> dict[str, str]:
-    return run_matrix.read_not_applicable()
+    return run_matrix.read_not_applicable(open_mpi=bool(launcher_flags(MPIEXEC)))
 
 
 @pytest.mark.parametrize("module", run_matrix.MODULES)

@@ -12,14 +12,20 @@ anything that takes an mpi4py communicator, C-level mpi4py functions included.
 Routing is fixed per pair of ranks: a peer on this node always goes through one cma
 world (one memfd segment shared by the node's ranks), a peer on another node always
 through MPI. MPI's non-overtaking rule is per pair, so it holds in each channel.
+
+Every request handed out is an ``MPI.Request`` (``requests``): MPI's own where the
+operation completed at once or is off-node, else an MPI generalized request that cma
+completes, so mpi4py's functions (``MPI.Request.Waitall`` & co.) take them. A rank
+waiting inside MPI runs cma through a progress hook into the MPI library (``libmpi``).
 Two things need care when a rank has peers of both kinds ("mixed"):
 
 * progress: MPI progresses only inside MPI calls and cma only inside cma calls, and
   either may need this rank's help to finish a transfer (MPI rendezvous, cma's shm
-  pipeline). Mixed ranks therefore never block inside one engine: they poll both
-  (``Comm._progress_until``), spinning briefly and then sleeping with a growing pause.
+  pipeline). The hook runs cma inside MPI's waits; waiting for cma, mixed ranks poll
+  both (``Comm._progress_until``), spinning briefly and then sleeping with a growing
+  pause.
 * ANY_SOURCE: a wildcard receive is matched lazily, by probing both channels and
-  posting a receive for exactly the message found. To keep MPI's order of posted
+  receiving exactly the message found (``mixed``). To keep MPI's order of posted
   receives, a receive posted after an unmatched wildcard receive that could take the
   same messages waits behind it (``Comm._deferred``), and probes do not report messages
   such a waiting receive owns.
@@ -30,9 +36,11 @@ node's lowest rank creates the world and hands its fds to the others over an abs
 Unix socket (SO_PEERCRED checked), the socket's name travelling in an MPI bcast.
 ``CMA_MPI_DISABLE=1`` sends everything through MPI. docs/mpi.md is the user's guide.
 
-The modules: ``comm`` (the communicator: dispatch), ``node`` (the node's cma
-communicator), ``requests``, ``specs`` (buffer specs), ``bootstrap``, ``mixed``
-(wildcards across both channels), ``errors`` and ``mpiapi`` (what is taken from mpi4py).
+The modules: ``comm`` (the communicator: dispatch; its ``Message``), ``node`` (the
+node's cma communicator), ``requests`` (and the hook's use), ``persistent``
+(``Prequest``), ``libmpi`` (the MPI library's progress hook, through ctypes), ``specs``
+(buffer specs), ``bootstrap``, ``mixed`` (wildcards across both channels), ``errors``
+and ``mpiapi`` (what is taken from mpi4py).
 """
 
 from __future__ import annotations

@@ -57,6 +57,7 @@ import mpijobs  # noqa: E402
 
 DRIVER = HERE / "driver.py"
 NOT_APPLICABLE = HERE / "not_applicable.txt"
+OPEN_MPI_ONLY = "[Open MPI] "
 ENV_CACHE = "CMA_IPC_CACHE"  # also where bench/external_clients.py keeps the sdist
 MODULES = ["test_p2p_buf", "test_p2p_obj", "test_p2p_buf_matched", "test_p2p_obj_matched", "test_request",
            "test_status", "test_msgspec", "test_msgzero", "test_util_pkl5"]
@@ -138,12 +139,17 @@ def unpack_tests(sdist: Path, version: str, testdir: Path) -> None:
         shutil.rmtree(partial, ignore_errors=True)
 
 
-def read_not_applicable(path: Path = NOT_APPLICABLE) -> dict[str, str]:
-    """{test id: why it cannot apply to the plugin}, from lines ``test_id  reason``."""
+def read_not_applicable(path: Path = NOT_APPLICABLE, open_mpi: bool = False) -> dict[str, str]:
+    """{test id: why it cannot apply to the plugin}, from lines ``test_id  reason``; a
+    line ``[Open MPI] test_id  reason`` applies under Open MPI only."""
     entries = {}
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip() or line.lstrip().startswith("#"):
             continue
+        if line.startswith(OPEN_MPI_ONLY):
+            if not open_mpi:
+                continue
+            line = line[len(OPEN_MPI_ONLY):]
         fields = line.split(maxsplit=1)
         if len(fields) < 2:
             raise ValueError(f"{path}:{number}: expected 'test_id  reason', got {line!r}")
@@ -573,7 +579,8 @@ def main(argv: list[str] | None = None) -> int:
         workdir.mkdir(parents=True, exist_ok=True)
         config = Config(args.mpiexec, testdir, workdir, mpijobs.launcher_flags(args.mpiexec),
                         args.stall_timeout, args.job_timeout, args.max_hangs)
-        matrix = run_matrix(args.modules, args.np, config, read_not_applicable(args.not_applicable),
+        not_applicable = read_not_applicable(args.not_applicable, open_mpi=bool(config.flags))
+        matrix = run_matrix(args.modules, args.np, config, not_applicable,
                             mpi4py.__version__, say=lambda line: print(line, file=sys.stderr, flush=True))
     print(report(matrix))
     if args.json:

@@ -283,7 +283,7 @@ class Request:
 
     @classmethod
     def Testall(cls, requests: Sequence[Request], statuses: list[Status] | None = None) -> bool:
-        if not all(req._op is None or req._op.done or req.Test() for req in requests):
+        if not all(req._done() or req.Test() for req in requests):
             return False
         return cls.Waitall(requests, statuses)
 
@@ -303,7 +303,7 @@ class Request:
 
         def any_done() -> bool:
             for i, req in enumerate(requests):
-                if req._op is None or req._op.done:
+                if req._done():
                     box.append(i)
                     return True
             return False
@@ -742,6 +742,7 @@ class Comm:
         return self._isend(mv, dest, tag)
 
     def Irecv(self, buf: Any, source: int = ANY_SOURCE, tag: int = ANY_TAG) -> Request:
+        # (Recv's view lookup, written out again as Isend writes out Send's)
         if buf is self._recv_obj and buf.flags.writeable:
             mv = self._recv_view
         elif buf.__class__ is list and buf and buf[0] is self._recv_base and buf == self._recv_spec \

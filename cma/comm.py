@@ -597,7 +597,7 @@ class Comm:
         elif buf.__class__ is list and buf and buf[0] is self._recv_base and buf == self._recv_spec \
                 and (self._recv_cut is not None or self._recv_base.flags.writeable):
             mv = self._recv_spec_view if self._recv_cut is None else _export(self._recv_base, self._recv_cut)
-        elif buf.__class__ is bytearray:
+        elif buf.__class__ is bytearray and self._attached:  # (the matcher exists once attached)
             mv = memoryview(buf)
         else:
             mv = self._cached_view(buf, recv_view)
@@ -748,7 +748,7 @@ class Comm:
         elif buf.__class__ is list and buf and buf[0] is self._recv_base and buf == self._recv_spec \
                 and (self._recv_cut is not None or self._recv_base.flags.writeable):
             mv = self._recv_spec_view if self._recv_cut is None else _export(self._recv_base, self._recv_cut)
-        elif buf.__class__ is bytearray:
+        elif buf.__class__ is bytearray and self._attached:  # (the matcher exists once attached)
             mv = memoryview(buf)
         else:
             mv = self._cached_view(buf, recv_view)

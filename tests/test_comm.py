@@ -1323,6 +1323,40 @@ def test_none_buffer_on_first_use(call):
         a.close()
 
 
+def bytearray_first_use_child(comm, call):
+    comm.Send(b"12345678", dest=0, tag=6)
+    comm.recv(source=0, tag=1)
+
+
+@pytest.mark.parametrize("call", ["Recv", "Irecv", "Send", "Isend"])
+def test_bytearray_on_first_use(call):
+    """A bytearray as the buffer of the very first call (its fast path skips the view
+    cache, which is where a communicator attaches): the call attaches and works."""
+    a, b = cma.Pipe(transport="shm")
+    p = mp.get_context("fork").Process(target=bytearray_first_use_child, args=(b, call))
+    try:
+        p.start()
+        b.close()
+        if call in ("Recv", "Irecv"):
+            buf = bytearray(8)
+            if call == "Recv":
+                a.Recv(buf, source=1, tag=6)
+            else:
+                a.Irecv(buf, source=1, tag=6).Wait()
+            assert bytes(buf) == b"12345678"
+        else:
+            request = getattr(a, call)(bytearray(b"abc"), 1, 7)
+            if request is not None:
+                request.Wait()
+            a.Recv(bytearray(8), source=1, tag=6)
+        a.send("bye", dest=1, tag=1)
+        p.join(JOIN_TIMEOUT)
+        assert p.exitcode == 0
+    finally:
+        stop_process(p, 2.0)
+        a.close()
+
+
 # ------------------------------------------------------------------ other channel configurations
 
 

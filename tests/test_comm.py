@@ -1558,11 +1558,11 @@ def test_irecv_leaves_in_the_ring_what_no_posted_receive_takes(monkeypatch):
     arrivals = mp.get_context("fork").Value("i", 0)
     arrival = cma.protocol.Arrival
 
-    def counted_arrival(source, tag, is_object, nbytes, eager, rts):
+    def counted_arrival(source, tag, is_object, nbytes, eager, rts, *rest):
         if eager is not None:  # a payload copied out of the ring to wait for its receive
             with arrivals.get_lock():
                 arrivals.value += 1
-        return arrival(source, tag, is_object, nbytes, eager, rts)
+        return arrival(source, tag, is_object, nbytes, eager, rts, *rest)
 
     monkeypatch.setattr(cma.protocol, "Arrival", counted_arrival)  # inherited by the forks
     first_posted, sent = (mp.get_context("fork").Event() for _ in range(2))

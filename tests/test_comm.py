@@ -7,6 +7,7 @@ to die or a fresh communicator start their own short-lived child.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import mmap
 import multiprocessing as mp
@@ -1292,20 +1293,34 @@ def test_idle_blocked_receiver_uses_little_cpu(peer):
 # ------------------------------------------------------------------ first use, odd buffers
 
 
-def first_use_child(comm, call):
-    if call == "Recv":
-        comm.Send(b"", dest=0, tag=5)
+def first_use_child(comm, kind, call):
+    """The peer of a first-use test: sends what rank 0's first receive waits for."""
+    if call in ("Recv", "Irecv"):
+        comm.Send(b"" if kind == "None" else b"12345678", dest=0, tag=5)
     comm.recv(source=0, tag=1)
+
+
+@contextlib.contextmanager
+def first_use_pair(kind, call):
+    """Rank 0 of a fresh pair, untouched, with rank 1 in a child running first_use_child."""
+    a, b = cma.Pipe(transport="shm")
+    p = mp.get_context("fork").Process(target=first_use_child, args=(b, kind, call))
+    try:
+        p.start()
+        b.close()
+        yield a
+        a.send("bye", dest=1, tag=1)
+        p.join(JOIN_TIMEOUT)
+        assert p.exitcode == 0
+    finally:
+        stop_process(p, 2.0)
+        a.close()
 
 
 @pytest.mark.parametrize("call", ["Send", "Recv"])
 def test_none_buffer_on_first_use(call):
     """``None`` as the buffer of the very first call: an empty message or BufferError."""
-    a, b = cma.Pipe(transport="shm")
-    p = mp.get_context("fork").Process(target=first_use_child, args=(b, call))
-    try:
-        p.start()
-        b.close()
+    with first_use_pair("None", call) as a:
         try:
             if call == "Send":
                 a.Send(None, dest=1, tag=0)
@@ -1315,46 +1330,24 @@ def test_none_buffer_on_first_use(call):
             pass
         except AttributeError as exc:
             pytest.fail(f"{call}(None) as the first call raised AttributeError: {exc}")
-        a.send("bye", dest=1, tag=1)
-        p.join(JOIN_TIMEOUT)
-        assert p.exitcode == 0
-    finally:
-        stop_process(p, 2.0)
-        a.close()
-
-
-def bytearray_first_use_child(comm, call):
-    comm.Send(b"12345678", dest=0, tag=6)
-    comm.recv(source=0, tag=1)
 
 
 @pytest.mark.parametrize("call", ["Recv", "Irecv", "Send", "Isend"])
 def test_bytearray_on_first_use(call):
     """A bytearray as the buffer of the very first call (its fast path skips the view
     cache, which is where a communicator attaches): the call attaches and works."""
-    a, b = cma.Pipe(transport="shm")
-    p = mp.get_context("fork").Process(target=bytearray_first_use_child, args=(b, call))
-    try:
-        p.start()
-        b.close()
+    with first_use_pair("bytearray", call) as a:
         if call in ("Recv", "Irecv"):
             buf = bytearray(8)
             if call == "Recv":
-                a.Recv(buf, source=1, tag=6)
+                a.Recv(buf, source=1, tag=5)
             else:
-                a.Irecv(buf, source=1, tag=6).Wait()
+                a.Irecv(buf, source=1, tag=5).Wait()
             assert bytes(buf) == b"12345678"
         else:
             request = getattr(a, call)(bytearray(b"abc"), 1, 7)
             if request is not None:
                 request.Wait()
-            a.Recv(bytearray(8), source=1, tag=6)
-        a.send("bye", dest=1, tag=1)
-        p.join(JOIN_TIMEOUT)
-        assert p.exitcode == 0
-    finally:
-        stop_process(p, 2.0)
-        a.close()
 
 
 # ------------------------------------------------------------------ other channel configurations

@@ -8,8 +8,8 @@ waits for that one, and cma drives it: whoever starts the request (``Start`` her
 MPI's ``Startall``, noticed by the progress hook as the private receive turning active)
 starts the cma operation, and when that is over a zero-byte message to ourselves
 completes the private receive. Then every MPI function that takes requests takes these
-too; statuses are cma's in this class's own ``Wait``/``Test`` and in ``cma.mpi.Request``'s
-class methods, MPI's (empty ones) in ``MPI.Request``'s. docs/mpi.md has the figures.
+too. A receive's status is cma's in this class's own ``Wait``/``Test``; MPI's wait
+functions report the private message's. docs/mpi.md has the figures.
 """
 
 from __future__ import annotations

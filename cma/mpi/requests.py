@@ -224,25 +224,31 @@ class Request(MPI.Grequest):
         return [r for r in requests if isinstance(r, Request) and r]
 
     @classmethod
-    def _settle_all(cls, requests: Sequence[MPI.Request]) -> None:
-        """Before MPI waits for all of them: our requests settled inside cma, when nothing
-        but cma can be waited for (else MPI waits, its progress running cma's)."""
+    def _one_node(cls, requests: Sequence[MPI.Request]) -> list[Request] | None:
+        """Our active requests, if they are all the active ones and of one communicator
+        (then cma alone can wait for them); else None, after making sure MPI's wait can
+        (each posted, the hook armed)."""
         ours = cls._ours(requests)
-        if len(ours) == sum(1 for r in requests if r) and ours:
-            for req in ours:
-                req._node.settle(req)
-        else:
-            for req in ours:
-                req._node.post_waiting(req)
+        if ours and len(ours) == sum(1 for r in requests if r) \
+                and all(req._node is ours[0]._node for req in ours):
+            return ours
+        for req in ours:
+            req._node.post_waiting(req)
+        return None
+
+    @classmethod
+    def _settle_all(cls, requests: Sequence[MPI.Request]) -> None:
+        """Before MPI waits for all of them: settled inside cma where only cma is waited
+        for (else MPI waits, its progress running cma's)."""
+        ours = cls._one_node(requests)
+        for req in ours or ():
+            req._node.settle(req)
 
     @classmethod
     def _settle_any(cls, requests: Sequence[MPI.Request]) -> None:
-        ours = cls._ours(requests)
-        if len(ours) == sum(1 for r in requests if r) and ours:
+        ours = cls._one_node(requests)
+        if ours:
             ours[0]._node.settle_any(ours)
-        else:
-            for req in ours:
-                req._node.post_waiting(req)
 
     @classmethod
     def Waitall(cls, requests: Sequence[MPI.Request],

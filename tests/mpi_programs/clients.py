@@ -89,6 +89,18 @@ while len(seen) < 4:
         seen.extend(values)
 assert sorted(seen) == [0, 1, 2, 3], seen
 
+# -- cma.mpi.Request's class methods over requests of two communicators
+other = comm.Dup()
+first = comm.Irecv(np.empty(1), left, 45)
+second = other.Irecv(np.empty(1), left, 45)
+send = other.Isend(np.ones(1), right, 45)  # only on the Dup, until the token below
+assert cma.mpi.Request.Waitany([first, second], st) == 1 and st.source == left
+send.Wait()
+comm.Sendrecv([None, "B"], left, 46, [None, "B"], right, 46)
+comm.Send(np.ones(1), right, 45) if size > 1 else comm.Isend(np.ones(1), right, 45).Wait()
+cma.mpi.Request.Waitall([first, second])
+other.Free()
+
 # -- a posted receive nothing matched is cancelled; the message goes to the next one
 req = comm.Irecv(np.empty(4), left, 50)
 req.Cancel()

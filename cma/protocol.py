@@ -31,6 +31,7 @@ from array import array
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from .errors import TruncationError
 from .transports.base import Region
@@ -170,11 +171,24 @@ class SendOp:
     done: bool = False
 
 
+class Scattered(Protocol):
+    """A receive buffer in several places (cma.mpi's MPI datatypes with gaps): eager
+    payloads are copied in with ``buffer[:n] = payload``, a rendezvous lands in the
+    views ``segments(n)`` returns."""
+
+    nbytes: int
+    readonly: bool
+
+    def __setitem__(self, cut: slice, payload: Any) -> None: ...
+
+    def segments(self, nbytes: int) -> list[memoryview]: ...
+
+
 @dataclass(eq=False)
 class RecvOp:
     source: int
     tag: int
-    buffer: memoryview | None  # None: an object receive, buffers allocated on match
+    buffer: memoryview | Scattered | None  # None: an object receive, buffers allocated on match
     recvid: int = 0
     # filled on match
     matched_source: int = ANY_SOURCE
@@ -591,10 +605,13 @@ class Engine:
             op.done = True
             return [Transmit(arrival.source, FIN, 0, rts.msgid, b""), Complete(op)]
         actions: list[Action] = []
-        if op.buffer is None:
+        buffer = op.buffer
+        if buffer is None:
             op.segments = [self.allocate(n) for n in rts.sizes]
+        elif isinstance(buffer, memoryview):
+            op.segments = [buffer[: arrival.nbytes]]
         else:
-            op.segments = [op.buffer[: arrival.nbytes]]
+            op.segments = buffer.segments(arrival.nbytes)
         mode, transport = self.policy.choose(arrival.source, arrival.nbytes, rts.offers,
                                              ring_full=arrival.nbytes <= self.eager_limit)
         op.mechanism = transport

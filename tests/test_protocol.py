@@ -803,6 +803,52 @@ def test_split_with_many_segments(sizes):
     assert [type(a) for a in net.kinds(1, Pull)] == [Pull] and len(net.kinds(0, Push)) == 1
 
 
+class Blocks:
+    """A receive buffer in several places (protocol.Scattered), as cma.mpi's datatypes
+    with gaps give: every other 8 bytes of one bytearray."""
+
+    readonly = False
+
+    def __init__(self, mem: FakeMemory, nbytes: int) -> None:
+        self.whole = mem.buffer(2 * nbytes)
+        self.views = [self.whole[i : i + 8] for i in range(0, 2 * nbytes, 16)]
+        self.nbytes = nbytes
+        self.asked: list[int] = []
+
+    def __setitem__(self, cut: slice, payload: bytes) -> None:
+        scatter(bytes(payload), slice_views(self.views, 0, len(payload)))
+
+    def segments(self, nbytes: int) -> list[memoryview]:
+        self.asked.append(nbytes)
+        return slice_views(self.views, 0, nbytes)
+
+    def data(self, nbytes: int) -> bytes:
+        return concat(slice_views(self.views, 0, nbytes))
+
+
+@pytest.mark.parametrize("mode", ["eager", "rget", "rput", "pipeline", "split"])
+def test_a_scattered_receive_buffer_gets_every_protocol(mode):
+    """A receive whose buffer is in blocks: eager payloads go in through ``buf[:n] = ``,
+    a rendezvous copies into the views ``segments(n)`` gives, whatever the mode."""
+    policies = {"eager": None, "rget": [pull_policy(1), pull_policy(0)],
+                "rput": [pull_policy(1), pull_policy(0, push=True)],
+                "pipeline": None, "split": None}[mode]
+    net = split_net() if mode == "split" else Net(policies=policies)
+    size = 48 if mode == "eager" else 3000
+    blocks = Blocks(net.mem, 4000)
+    op, actions = net.engines[1].recv(0, 7, blocks)
+    net.act(1, actions)
+    data = payload(size, 11)
+    sop = net.send(0, 1, 7, data)
+    net.pump()
+    assert sop.done and op.done and op.nbytes == size
+    assert blocks.data(size) == data
+    assert bytes(blocks.whole[8:16]) == bytes(8), "a gap was written"
+    assert blocks.asked == ([] if mode == "eager" else [size])
+    if mode != "eager":
+        assert op.mechanism != "eager"
+
+
 def test_split_needs_both_directions_and_size():
     both = Policy(order=["cma", "shm"], pullable={1: {"cma"}}, pushable={1: {"cma"}}, split=True)
     assert both.choose(1, 8192, ALL) == (SPLIT, "cma")

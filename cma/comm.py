@@ -1076,6 +1076,8 @@ class Comm:
         from resizing or closing it.
         """
         base = spec[0]
+        if mv.__class__ is not memoryview or mv.obj is not base:
+            return  # not a view of the spec's buffer (cma.mpi: a datatype's packed copy)
         kind = base.__class__
         view = memoryview(b"")
         cut: tuple[int, int] | None = None

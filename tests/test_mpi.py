@@ -147,6 +147,22 @@ def test_library_code(n: int, env: dict[str, str]) -> None:
     expect_ok(n, "library.py", env=env)
 
 
+@pytest.mark.parametrize(("n", "env", "transport"), [
+    (1, {}, "auto"), (2, {}, "cma"), (2, {}, "shm"), (2, {}, "vmfd"), (3, {}, "auto"),
+    (3, {"CMA_MPI_NODES": "0,0,1"}, "auto"), (2, {"CMA_MPI_DISABLE": "1"}, "auto"),
+])
+def test_datatypes_with_gaps(n: int, env: dict[str, str], transport: str) -> None:
+    """Vector, indexed, struct, subarray, resized and pair types, eager and rendezvous,
+    through every call form, delivered as MPI delivers them (datatypes.py)."""
+    expect_ok(n, "datatypes.py", transport, env=env)
+
+
+def test_datatype_layouts() -> None:
+    """Random nested datatypes packed and scattered as MPI packs and unpacks them
+    (layouts.py, hypothesis)."""
+    expect_ok(1, "layouts.py", "300")
+
+
 def test_bad_pretend_nodes() -> None:
     code, out, _ = mpirun(3, "p2p.py", env={"CMA_MPI_NODES": "0,1"})
     assert code != 0 and "CMA_MPI_NODES='0,1' must list a node number" in out, out

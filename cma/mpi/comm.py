@@ -10,7 +10,7 @@ from typing import Any, Literal, NoReturn
 from mpi4py import MPI
 
 from .. import _linux
-from ..comm import AUTO, send_view
+from ..comm import AUTO
 from ..comm import Comm as CmaComm
 from ..comm import Message as CmaMessage
 from ..comm import Status as CmaStatus
@@ -52,7 +52,7 @@ from .mpiapi import (
 )
 from .node import NodeComm
 from .requests import PROGRESS, Request, start_request
-from .specs import SPECS, convert
+from .specs import snapshot
 
 # Mixed ranks poll both engines: spin this long, then sleep pauses doubling up to the max.
 SPIN_SECONDS = float(os.environ.get("CMA_SPIN_US", "100")) * 1e-6
@@ -224,8 +224,7 @@ class Comm(MPI.Intracomm):
         if self._cma is None:
             MPI.Intracomm.Sendrecv_replace(self, buf, dest, sendtag, source, recvtag, status)
             return
-        outgoing = b"" if buf is None else bytes(send_view(convert(buf) if buf.__class__ in SPECS
-                                                           else buf))
+        outgoing = snapshot(buf)
         self.Sendrecv(outgoing, dest, sendtag, buf, source, recvtag, status)
 
     # Ready mode may be implemented as standard mode (MPI-4.1, section 3.4).
@@ -263,8 +262,7 @@ class Comm(MPI.Intracomm):
                           recvtag: int = ANY_TAG) -> MPI.Request:
         if self._cma is None:
             return mpi_isendrecv_replace(self, buf, dest, sendtag, source, recvtag)
-        outgoing = b"" if buf is None else bytes(send_view(convert(buf) if buf.__class__ in SPECS
-                                                           else buf))
+        outgoing = snapshot(buf)
         return self.Isendrecv(outgoing, dest, sendtag, buf, source, recvtag)
 
     def Recv_init(self, buf: Any, source: int = ANY_SOURCE, tag: int = ANY_TAG) -> MPI.Prequest:

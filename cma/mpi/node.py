@@ -6,7 +6,7 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from mpi4py import MPI
 
@@ -19,6 +19,7 @@ from ..errors import CmaError, PeerGone
 from ..protocol import ANY_SOURCE as CMA_ANY_SOURCE
 from ..protocol import RecvOp, SendOp
 from . import specs
+from .datatypes import Typed
 from .mpiapi import fill
 from .persistent import Prequest, persistent_request
 from .requests import PROGRESS, Request, node_request
@@ -62,6 +63,10 @@ class NodeComm(CmaComm):
         self._next_peer_check = 0.0
         self._deferred_since = 0.0  # (mixed ranks) when the hook first saw a waiting wildcard
         self._warned = False
+        # the last spec list sent with a datatype with gaps, and its Typed: packed anew
+        # each call, converted once (its receive twin is kept in cma.Comm's spec cache)
+        self._typed_spec: list[Any] = []
+        self._typed: Typed | None = None
 
     def comm_rank(self, rank: int) -> int:
         return self._ranks[rank]
@@ -69,15 +74,52 @@ class NodeComm(CmaComm):
     # -- buffer specs, statuses and errors as mpi4py's
 
     def _cached_view(self, buf: Any, convert: Callable[[Any], memoryview]) -> memoryview:
+        typed = self._typed
+        if typed is not None and buf.__class__ is list and buf and buf[0] is typed.owner \
+                and buf == self._typed_spec and convert is send_view:
+            return self._outgoing(typed)
         if buf.__class__ is tuple:  # (lists are cma's to convert and remember, as specs)
             buf = self._spec_view(buf, convert)
+            if buf.__class__ is Typed:  # stands in for the view (protocol.Scattered)
+                if not self._attached:
+                    self._attach()
+                return cast(memoryview, buf)
         elif buf is None:  # mpi4py's message of nothing (towards PROC_NULL, say)
             buf = NO_BYTES
         return super()._cached_view(buf, convert)
 
-    def _spec_view(self, spec: Sequence[Any], convert: Callable[[Any], memoryview]) -> memoryview:
-        """mpi4py's buffer specs: [buf, count, MPI.BYTE], [buf, (count, displ), dt] & co."""
-        return convert(specs.convert(spec))
+    def _spec_view(self, spec: Sequence[Any], convert: Callable[[Any], memoryview]) -> Any:
+        """mpi4py's buffer specs: [buf, count, MPI.BYTE], [buf, (count, displ), dt] & co.
+
+        A datatype with gaps gives a ``Typed`` buffer in place of a view: a receive
+        scatters into it; a send packs it, or above the eager limit offers its blocks as
+        one iovec when they are few and large (datatypes.py says why).
+        """
+        found = specs.convert(spec)
+        if found.__class__ is not Typed:
+            return convert(found)
+        if convert is recv_view:
+            if found.readonly:
+                raise BufferError("receive buffer is read-only: pass a bytearray or a writable array")
+            return found
+        if spec.__class__ is list and found.kept:
+            self._typed_spec, self._typed = list(spec), found
+        return self._outgoing(found)
+
+    def _outgoing(self, typed: Typed) -> Any:
+        """What a send of ``typed`` moves: its blocks as one iovec when it is a rendezvous
+        of few, large blocks; otherwise a packed copy."""
+        if typed.nbytes > self._eager_limit and typed.plan.few_large_blocks():
+            return typed
+        return typed.pack()
+
+    def _remember_spec(self, spec: list[Any], mv: memoryview, sending: bool) -> None:
+        if mv.__class__ is Typed:  # a receive's: kept as a view would be (sends: _typed)
+            if not sending and mv.kept:
+                self._recv_base, self._recv_spec = spec[0], list(spec)
+                self._recv_spec_view, self._recv_cut = mv, None
+            return
+        super()._remember_spec(spec, mv, sending)
 
     def _unpickle(self, op: RecvOp) -> Any:
         """An object receive that matched a buffer message loads it as mpi4py does: zero
@@ -103,6 +145,18 @@ class NodeComm(CmaComm):
         if mpi_status is not None:
             fill(mpi_status, scratch.source, scratch.tag, scratch.count)
 
+    def _start_send(self, segments: list[memoryview], dest: int, tag: int, is_object: bool,
+                    eager: bool = True, sync: bool = False) -> SendOp:
+        if segments and segments[0].__class__ is Typed:  # a datatype's blocks, as one iovec
+            segments = segments[0].views()
+        return super()._start_send(segments, dest, tag, is_object, eager, sync)
+
+    def _start_buffered(self, segments: list[memoryview], dest: int, tag: int, is_object: bool
+                        ) -> None:
+        if segments and segments[0].__class__ is Typed:
+            segments = [segments[0].pack()]
+        super()._start_buffered(segments, dest, tag, is_object)
+
     def _isend(self, mv: memoryview, dest: Any, tag: Any) -> CmaRequest:
         try:
             return super()._isend(mv, dest, tag)
@@ -119,6 +173,8 @@ class NodeComm(CmaComm):
 
     def _completed(self, op: SendOp | RecvOp) -> None:
         super()._completed(op)
+        if op.__class__ is RecvOp and op.buffer.__class__ is Typed:
+            op.buffer.finish()
         if self._pending:
             req = self._pending.pop(op, None)
             if req is not None:
@@ -237,16 +293,21 @@ class NodeComm(CmaComm):
 
     def send_init(self, buf: Any, dest: int, tag: int, mode: str) -> Prequest:
         """A persistent send (mode: "standard", "sync" or "buffered") of a bound buffer."""
-        mv = self._cached_view(buf, send_view)
+        bound = self._cached_view(buf, send_view)
         dest = self._check_dest(dest)
         tag = self._check_tag(tag)
+        repack = specs.has_gaps(buf)  # packed at each start: the buffer changes in between
+
+        def view() -> memoryview:
+            return self._cached_view(buf, send_view) if repack else bound
+
         if mode == "buffered":
             def begin() -> SendOp | RecvOp | None:
-                self._start_buffered([mv], dest, tag, False)
+                self._start_buffered([view()], dest, tag, False)
                 return None
         else:
             def begin() -> SendOp | RecvOp | None:
-                return self._start_send([mv], dest, tag, False, sync=mode == "sync")
+                return self._start_send([view()], dest, tag, False, sync=mode == "sync")
         return persistent_request(self, begin)
 
     def recv_init(self, buf: Any, source: int, tag: int) -> Prequest:

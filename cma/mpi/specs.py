@@ -8,6 +8,7 @@ from typing import Any
 from mpi4py import MPI
 
 from ..comm import send_view
+from .datatypes import Layout, Typed, layout, typed
 
 _fromcode = getattr(MPI.Datatype, "fromcode", None) or MPI._typedict.__getitem__  # mpi4py 4 / 3
 SPECS = frozenset((list, tuple))  # what an mpi4py buffer spec (not a plain buffer) is
@@ -33,8 +34,9 @@ _SIZES: dict[int, int] = {
 }
 
 
-def _itemsize(datatype: Any, buf: Any) -> int:
-    """Bytes per element of a spec's datatype (an MPI.Datatype, a typechar, or None)."""
+def _itemsize(datatype: Any, buf: Any) -> int | Layout:
+    """Bytes per element of a spec's datatype (an MPI.Datatype, a typechar, or None), or
+    the datatype's decoded Layout when it has gaps."""
     size = _SIZES.get(id(datatype))
     if size is not None:
         return size
@@ -42,16 +44,23 @@ def _itemsize(datatype: Any, buf: Any) -> int:
         return memoryview(buf).itemsize
     if isinstance(datatype, str):
         datatype = _fromcode(datatype)
-    size = _contiguous_size(datatype)
-    if size is None:
-        raise NotImplementedError(
-            "cma.mpi.Comm moves contiguous bytes to on-node peers; this datatype has gaps "
-            "(pack it with datatype.Pack, or set CMA_MPI_DISABLE=1)")
-    return size
+    found = layout(datatype)  # (decoded once per datatype object)
+    return found.size if found.contiguous else found
+
+
+def has_gaps(spec: Any) -> bool:
+    """Whether ``spec`` is a buffer spec whose datatype has gaps (converts to ``Typed``)."""
+    if spec.__class__ not in SPECS or len(spec) < 2:
+        return False
+    datatype = spec[-1]
+    if id(datatype) in _SIZES or datatype is None or isinstance(datatype, (int, tuple, list)):
+        return False
+    return not isinstance(_itemsize(datatype, None), int)
 
 
 def convert(spec: Sequence[Any]) -> Any:
-    """An mpi4py buffer spec as something cma takes: the buffer itself or a byte view.
+    """An mpi4py buffer spec as something cma takes: the buffer itself, a byte view, or
+    (a datatype with gaps) a ``Typed`` buffer.
 
     Accepts mpi4py's point-to-point forms: [buf, datatype], [buf, count],
     [buf, count, datatype], [buf, (count, displ), datatype] and
@@ -78,8 +87,10 @@ def convert(spec: Sequence[Any]) -> Any:
         if count:
             raise ValueError("message: a None buffer needs a count of 0")
         return NO_BYTES
-    view = send_view(buf)
     itemsize = _itemsize(datatype, buf)
+    if not isinstance(itemsize, int):
+        return typed(buf, count, displ, itemsize, send_view)
+    view = send_view(buf)
     if count is None:
         if view.nbytes % itemsize:
             raise ValueError(f"message: buffer length {view.nbytes} is not a multiple of "
@@ -92,3 +103,11 @@ def convert(spec: Sequence[Any]) -> Any:
     if stop > view.nbytes or count < 0 or displ < 0:
         raise ValueError(f"message: {count} elements at {displ} exceed a {view.nbytes}-byte buffer")
     return view[start:stop]
+
+
+def snapshot(buf: Any) -> bytes:
+    """A copy of the bytes a buffer or spec names (what Sendrecv_replace sends)."""
+    if buf is None:
+        return b""
+    found = convert(buf) if buf.__class__ in SPECS else buf
+    return bytes(found) if found.__class__ is Typed else bytes(send_view(found))

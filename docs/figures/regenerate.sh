@@ -16,7 +16,7 @@
 #                 `mpiexec -n 2` with mpi4py 4.1), the latency steps run under
 #                 `mpiexec -n 2`, which adds the plain `mpi4py` baseline and the
 #                 `cma.mpi` series. Without mpiexec, cma-bench spawns its own
-#                 two processes, those two series are absent and 1c-1h are skipped.
+#                 two processes, those two series are absent and 1c-1i are skipped.
 #   1b. latency-large - the same from 64 MiB to 256 MiB, into latency-large.txt.
 #   1c. latency-mpi - cma.mpi.Comm against plain mpi4py alone, 1 B .. 64 MiB, nine
 #                 rounds interleaved (at each size both series take all their turns
@@ -43,6 +43,10 @@
 #                 cma.mpi.Comm, six rounds alternating which goes first, into
 #                 external-clients.txt (bench/external_clients.py; no --guard: it reports
 #                 the hand-off probe and CPU share of every round instead). ~5 minutes.
+#   1i. datatypes - ping-pong of derived-datatype messages (a column, the faces of a
+#                 3-D block, records, MINLOC pairs, 28.8 MB of rows), plain mpi4py and
+#                 cma.mpi.Comm in alternating order, six rounds, into datatypes.txt
+#                 (bench/datatypes.py). ~1 minute.
 #   2. bw       - window of 64 Isends + ack, 4 KiB .. 4 MiB, --quick.
 #                 Writes bw.txt, bw.json, bw.png.
 #   3. latency --cold - a never-touched receive buffer each iteration,
@@ -95,6 +99,7 @@ if [ ${#launch[@]} -gt 0 ]; then
         --min-size 8 --max-size 4M --rounds 5 --interleave "${guard[@]}" \
         > docs/figures/bw-mpi.txt
     "${launch[@]}" python bench/external_clients.py > docs/figures/external-clients.txt
+    "${launch[@]}" python bench/datatypes.py > docs/figures/datatypes.txt
 fi
 
 python -m cma.bench bw --transport all --min-size 4K --max-size 4M --quick "${guard[@]}" \

@@ -11,8 +11,8 @@ from typing import Any
 from . import errors
 from .channel import ChannelConfig
 from .comm import AUTO, Comm, Pipe, Request, Status
-from .protocol import ANY_SOURCE, ANY_TAG, PROC_NULL
 from .transports import REGISTRY
+from .wire import ANY_SOURCE, ANY_TAG, PROC_NULL
 
 __version__ = "0.1.0"
 
@@ -29,7 +29,7 @@ def transport_names() -> list[str]:
 
 def __getattr__(name: str) -> Any:
     if name == "COMM_WORLD":
-        from .world import world_comm
+        from .comm import world_comm
 
         return world_comm()
     raise AttributeError(f"module 'cma' has no attribute {name!r}")

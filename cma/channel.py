@@ -41,7 +41,7 @@ import struct
 from dataclasses import dataclass
 
 from ._linux import PAGE_SIZE
-from .protocol import ANY_TAG, EAGER, KIND_MASK
+from .wire import ANY_TAG, EAGER, KIND_MASK
 
 HEADER_BYTES = 32
 PAD = 0x7F  # packet kind: skip to the start of the ring

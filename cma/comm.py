@@ -32,13 +32,7 @@ from ._pool import ProcessPool
 from .channel import MORE, ChannelConfig, Inbox, Outbox
 from .errors import BufferError, CmaError, InvalidRank, InvalidTag, PeerGone, TransportUnavailable
 from .protocol import (
-    ANY_SOURCE,
-    ANY_TAG,
-    BARRIER_TAG,
-    EAGER,
-    KIND_MASK,
     PIPELINE,
-    PROC_NULL,
     PROTOCOL_NAMES,
     PULL,
     PUSH,
@@ -60,7 +54,8 @@ from .protocol import (
     slice_views,
 )
 from .transports import REGISTRY, Region, Transport, TransportStats
-from .world import PeerLink, World, WorldFds
+from .wire import ANY_SOURCE, ANY_TAG, BARRIER_TAG, EAGER, KIND_MASK, PROC_NULL
+from .world import ENV_TRANSPORT, ENV_WORLD, PeerLink, World, WorldFds
 
 AUTO = "auto"
 # Preference for large messages under "auto": fewest copies first.
@@ -1534,3 +1529,19 @@ def _shared_fds(fds: WorldFds) -> WorldFds:
     """Own duplicates, so each end closes its fds without pulling them from under the other."""
     return WorldFds(fds.world_id, fds.size, os.dup(fds.memfd),
                     [os.dup(b) for b in fds.doorbells], fds.config)
+
+
+_world_comm: Comm | None = None
+
+
+def world_comm() -> Comm:
+    """The ``COMM_WORLD`` of this process: from ``cma-run``'s environment, else a world of one."""
+    global _world_comm
+    if _world_comm is None:
+        text = os.environ.get(ENV_WORLD)
+        if text:
+            fds, rank = WorldFds.from_env(text)
+        else:
+            fds, rank = WorldFds.create(1), 0
+        _world_comm = Comm(fds, rank, os.environ.get(ENV_TRANSPORT, AUTO))
+    return _world_comm

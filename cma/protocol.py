@@ -34,25 +34,18 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from .errors import TruncationError
-from .transports.base import Region
-
-ANY_SOURCE = -2
-ANY_TAG = -1
-PROC_NULL = -1
-
-# Tags below zero are cma's own (barrier, ...): ANY_TAG never matches them.
-BARRIER_TAG = -10
-
-# packet kinds (word 0 of a control packet)
-EAGER = 1
-RTS = 2
-CTS = 3
-FIN = 4
-OBJECT = 0x100  # flag on EAGER/RTS: the payload is a pickle stream (+ out-of-band buffers)
-# flag on EAGER: a synchronous send (Ssend), complete only once matched; aux holds its
-# msgid, which the receiver's FIN names when a receive takes the message
-SYNC = 0x400
-KIND_MASK = 0xFF
+from .wire import (
+    ANY_SOURCE,
+    ANY_TAG,
+    CTS,
+    EAGER,
+    FIN,
+    KIND_MASK,
+    OBJECT,
+    RTS,
+    SYNC,
+    Region,
+)
 
 # transfer modes, offered by the sender in RTS and chosen by the receiver in CTS/pull
 PULL = 1

@@ -24,7 +24,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from . import _linux
 from .channel import (
@@ -41,6 +40,7 @@ from .channel import (
 from .errors import CmaError, PeerGone
 
 ENV_WORLD = "CMA_WORLD"
+ENV_TRANSPORT = "CMA_TRANSPORT"
 CONNECT_TIMEOUT = float(os.environ.get("CMA_CONNECT_TIMEOUT", "60"))
 # A rank's PHASE word moves up through these; peers wait until every rank reaches one.
 PHASE_PUBLISHED = 1  # pid and server are up
@@ -319,21 +319,3 @@ class World:
         except BufferError:
             pass  # a user still holds a view into the segment; the mapping dies with it
 
-
-_world_comm: Any = None
-ENV_TRANSPORT = "CMA_TRANSPORT"
-
-
-def world_comm() -> Any:
-    """The ``COMM_WORLD`` of this process: from ``cma-run``'s environment, else a world of one."""
-    global _world_comm
-    if _world_comm is None:
-        from .comm import AUTO, Comm
-
-        text = os.environ.get(ENV_WORLD)
-        if text:
-            fds, rank = WorldFds.from_env(text)
-        else:
-            fds, rank = WorldFds.create(1), 0
-        _world_comm = Comm(fds, rank, os.environ.get(ENV_TRANSPORT, AUTO))
-    return _world_comm

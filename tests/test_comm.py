@@ -36,8 +36,8 @@ from hypothesis import strategies as st
 import cma
 from cma.errors import BufferError as CmaBufferError
 from cma.errors import CmaError, InvalidRank, InvalidTag, PeerGone, TruncationError
-from cma.protocol import BARRIER_TAG
 from cma.transports import REGISTRY
+from cma.wire import BARRIER_TAG
 
 EAGER = cma.ChannelConfig().eager_limit  # the default configuration of cma.Pipe
 FRAG = cma.ChannelConfig().frag_size

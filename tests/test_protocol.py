@@ -22,7 +22,6 @@ from cma.errors import TruncationError
 from cma.protocol import (
     ANY_SOURCE,
     ANY_TAG,
-    BARRIER_TAG,
     CTS,
     EAGER,
     FIN,
@@ -59,6 +58,7 @@ from cma.protocol import (
     tag_matches,
 )
 from cma.transports.base import Region
+from cma.wire import BARRIER_TAG
 
 ALL = PULL | PUSH | PIPELINE
 LIMIT = 64  # eager limit used by most tests: small, so rendezvous sizes are cheap

@@ -16,8 +16,8 @@ from ..comm import Message as CmaMessage
 from ..comm import Status as CmaStatus
 from ..errors import CmaError, InvalidRank, InvalidTag, PeerGone, TruncationError
 from ..protocol import ANY_SOURCE as CMA_ANY_SOURCE
-from ..protocol import PROC_NULL as CMA_PROC_NULL
 from ..protocol import SendOp
+from ..wire import PROC_NULL as CMA_PROC_NULL
 from .bootstrap import BARRIER_CMA, BARRIER_MPI, BARRIER_NONBLOCKING, ENV_DISABLE, bootstrap, env_flag
 from .errors import PeerGoneError, TruncateError
 from .mixed import overlap, owner

@@ -14,7 +14,7 @@ from mpi4py import MPI
 
 from ..protocol import ANY_SOURCE as CMA_ANY_SOURCE
 from ..protocol import ANY_TAG as CMA_ANY_TAG
-from ..protocol import PROC_NULL as CMA_PROC_NULL
+from ..wire import PROC_NULL as CMA_PROC_NULL
 
 ANY_SOURCE: int = MPI.ANY_SOURCE
 ANY_TAG: int = MPI.ANY_TAG

@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any, Literal
 from mpi4py import MPI
 
 from ..errors import CmaError, TruncationError
-from ..protocol import PROC_NULL as CMA_PROC_NULL
 from ..protocol import RecvOp, SendOp
+from ..wire import PROC_NULL as CMA_PROC_NULL
 from .libmpi import ProgressHook, make_hook
 from .mpiapi import EMPTY, fill, mpi_irecv, mpi_isend
 

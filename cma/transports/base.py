@@ -20,16 +20,10 @@ import errno
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar, NamedTuple, Protocol
+from typing import ClassVar, Protocol
 
 from ..errors import BufferError, TransportFault, TransportUnavailable
-
-
-class Region(NamedTuple):
-    """``nbytes`` bytes starting at virtual address ``addr`` in the owner's address space."""
-
-    addr: int
-    nbytes: int
+from ..wire import Region as Region  # (re-exported: transports name it from here)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,33 @@
+"""What the layers above agree on and nothing below needs: rank and tag wildcards, the
+kinds of control packet, and ``Region``. The bottom of the package (docs/architecture.md,
+"Import floors"): it imports nothing of cma, so the sans-IO protocol and the ring can
+share these without the protocol loading a transport or ctypes."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+ANY_SOURCE = -2
+ANY_TAG = -1
+PROC_NULL = -1
+
+# Tags below zero are cma's own (barrier, ...): ANY_TAG never matches them.
+BARRIER_TAG = -10
+
+# packet kinds (word 0 of a control packet)
+EAGER = 1
+RTS = 2
+CTS = 3
+FIN = 4
+OBJECT = 0x100  # flag on EAGER/RTS: the payload is a pickle stream (+ out-of-band buffers)
+# flag on EAGER: a synchronous send (Ssend), complete only once matched; aux holds its
+# msgid, which the receiver's FIN names when a receive takes the message
+SYNC = 0x400
+KIND_MASK = 0xFF
+
+
+class Region(NamedTuple):
+    """``nbytes`` bytes starting at virtual address ``addr`` in the owner's address space."""
+
+    addr: int
+    nbytes: int

@@ -27,7 +27,7 @@ Two things need care when a rank has peers of both kinds ("mixed"):
 * ANY_SOURCE: a wildcard receive is matched lazily, by probing both channels and
   receiving exactly the message found (``mixed``). To keep MPI's order of posted
   receives, a receive posted after an unmatched wildcard receive that could take the
-  same messages waits behind it (``Comm._deferred``), and probes do not report messages
+  same messages waits behind it (``mixed.Wildcards``), and probes do not report messages
   such a waiting receive owns.
 
 Node membership comes from ``Split_type(COMM_TYPE_SHARED)``, narrowed by

@@ -20,7 +20,7 @@ from ..protocol import SendOp
 from ..wire import PROC_NULL as CMA_PROC_NULL
 from .bootstrap import BARRIER_CMA, BARRIER_MPI, BARRIER_NONBLOCKING, ENV_DISABLE, bootstrap, env_flag
 from .errors import PeerGoneError, TruncateError
-from .mixed import overlap, owner
+from .mixed import Found, Wildcards
 from .mpiapi import (
     ANY_SOURCE,
     ANY_TAG,
@@ -73,7 +73,7 @@ class Comm(MPI.Intracomm):
     # __dict__: when every rank is on this node, an instance's HANDED_OUT methods are its
     # cma communicator's own bound methods (see NodeComm), found before the class's.
     __slots__ = ("_cma", "_cma_send", "_cma_recv", "_fast", "_local", "_ranks", "_mixed",
-                 "_deferred", "_advancing", "_cstatus", "_cma_first", "_yield", "_barrier",
+                 "_wildcards", "_advancing", "_cstatus", "_yield", "_barrier",
                  "_transport", "_options", "__dict__")
     _cma: NodeComm | None
     _cma_send: Callable[..., None]  # bound methods of _cma: one lookup less per message
@@ -84,10 +84,9 @@ class Comm(MPI.Intracomm):
     _local: dict[int, int]  # rank of the wrapped comm -> cma rank, for this node's ranks
     _ranks: list[int]  # cma rank -> rank of the wrapped comm
     _mixed: bool  # this rank has peers on this node and on others
-    _deferred: list[Request]  # receives waiting behind a wildcard receive (mixed ranks)
+    _wildcards: Wildcards[Request]  # receives waiting behind a wildcard receive (mixed ranks)
     _advancing: bool  # inside _advance
     _cstatus: CmaStatus  # reused: one thread uses a communicator at a time
-    _cma_first: bool
     _yield: bool  # more ranks than cores on this machine: yield while spinning
     _barrier: int
     _transport: str
@@ -103,10 +102,9 @@ class Comm(MPI.Intracomm):
         self._local = {}
         self._ranks = []
         self._mixed = False
-        self._deferred = []
+        self._wildcards = Wildcards(lambda source: source in self._local)
         self._advancing = False
         self._cstatus = CmaStatus()
-        self._cma_first = True
         self._yield = False
         self._barrier = BARRIER_MPI
         self._transport = transport
@@ -478,12 +476,11 @@ class Comm(MPI.Intracomm):
 
     def _irecv(self, buf: Any, source: int, tag: int, is_object: bool) -> MPI.Request:
         peer = self._fast.get(source)
-        if peer is None and self._mixed and (
-                source == ANY_SOURCE or any(overlap(w, source, tag) for w in self._deferred)):
+        if peer is None and self._mixed and self._wildcards.must_wait(source, tag):
             cma = self._cma
             assert cma is not None
             req = start_request(cma, None, is_object, (buf, source, tag))
-            self._deferred.append(req)
+            self._wildcards.add(req, source, tag)
             self._advance()
             return req
         if peer is None:
@@ -504,74 +501,59 @@ class Comm(MPI.Intracomm):
     def _waits_in_cma(self, source: int, tag: int) -> bool:
         """Whether a receive on a mixed rank goes through cma's matching or the deferred
         wildcards (else it is MPI's alone, and MPI's wait keeps cma moving)."""
-        return self._mixed and (source in self._local or source == ANY_SOURCE
-                                or any(overlap(w, source, tag) for w in self._deferred))
+        return self._mixed and (source in self._local or self._wildcards.must_wait(source, tag))
 
     def _advance(self, probe_mpi: bool = True) -> None:
-        """Match the receives waiting behind a wildcard, in the order they were posted.
-
-        A waiting receive takes the first message it matches unless an earlier waiting
-        receive matches that message too (then the earlier one gets it on a later pass).
+        """Match the receives waiting behind a wildcard, in the order they were posted
+        (``Wildcards.matches`` decides which takes what; here the probes and receives).
         ``probe_mpi=False``: cma's messages only (from the progress hook, inside MPI).
         """
         if self._advancing:
             return  # (MPI's probe below runs the hook, which would match the same receives)
         self._advancing = True
         try:
-            waiting: list[Request] = []
-            for req in self._deferred:
-                if not self._match(req, waiting, probe_mpi):
-                    waiting.append(req)
-            self._deferred = waiting
+            for req, on_cma, source, tag in self._wildcards.matches(self._probe, probe_mpi):
+                self._take(req, on_cma, source, tag)
         finally:
             self._advancing = False
 
-    def _match(self, req: Request, earlier: list[Request], probe_mpi: bool = True) -> bool:
-        """Take for ``req`` exactly the first message it matches, if no earlier one owns it."""
+    def _probe(self, on_cma: bool, source: int, tag: int) -> Found:
+        """(source, tag) of the first message for (source, tag) on one channel, or None."""
+        if on_cma:
+            peer = self._local.get(source)
+            if not self._iprobe_cma(CMA_ANY_SOURCE if peer is None else peer, tag, None):
+                return None
+            return self._ranks[self._cstatus.source], self._cstatus.tag
+        st = MPI.Status()
+        if not mpi_iprobe(self, source, tag, st):
+            return None
+        return st.Get_source(), st.Get_tag()
+
+    def _take(self, req: Request, on_cma: bool, source: int, tag: int) -> None:
+        """Receive for ``req`` the message a probe found (from ``source`` with ``tag``)."""
+        if on_cma:
+            cma = self._cma
+            assert cma is not None
+            cma.bind(req, self._local[source], tag)
+            return
         assert req._spec is not None
-        buf, source, tag = req._spec
-        cma = self._cma
-        assert cma is not None
-        peer = self._local.get(source)
-        self._cma_first = not self._cma_first  # alternate: neither channel starves the other
-        for on_cma in (self._cma_first, not self._cma_first):
-            if on_cma and (peer is not None or source == ANY_SOURCE):
-                if not self._iprobe_cma(CMA_ANY_SOURCE if peer is None else peer, tag, None):
-                    continue
-                found_source, found_tag = self._ranks[self._cstatus.source], self._cstatus.tag
-                if owner(earlier, found_source, found_tag):
-                    return False
-                cma.bind(req, self._local[found_source], found_tag)
-                return True
-            if not on_cma and peer is None and probe_mpi:
-                st = MPI.Status()
-                if not mpi_iprobe(self, source, tag, st):
-                    continue
-                found_source, found_tag = st.Get_source(), st.Get_tag()
-                if owner(earlier, found_source, found_tag):
-                    return False
-                message = (mpi_improbe_obj if req._object else mpi_improbe)(
-                    self, found_source, found_tag)
-                assert message is not None  # probed just now, and only this thread receives
-                req._spec = None
-                # (MPI's receive, blocking: the message is here or on its way, and the
-                # hook keeps cma moving meanwhile)
-                value = None
-                if req._object:
-                    value = message.recv(st)
-                else:
-                    message.Recv(buf, st)
-                req._finish_elsewhere((st.Get_source(), st.Get_tag(), st.Get_elements(BYTE)),
-                                      value)
-                return True
-        return False
+        buf = req._spec[0]
+        message = (mpi_improbe_obj if req._object else mpi_improbe)(self, source, tag)
+        assert message is not None  # probed just now, and only this thread receives
+        req._spec = None
+        # (MPI's receive, blocking: the message is here or on its way, and the hook keeps
+        # cma moving meanwhile)
+        st = MPI.Status()
+        value = None
+        if req._object:
+            value = message.recv(st)
+        else:
+            message.Recv(buf, st)
+        req._finish_elsewhere((st.Get_source(), st.Get_tag(), st.Get_elements(BYTE)), value)
 
     def _withdraw(self, req: Request) -> bool:
         """Cancel a wildcard receive still waiting to be matched."""
-        if req in self._deferred:
-            self._deferred.remove(req)
-            return True
-        return False
+        return self._wildcards.remove(req)
 
     def _settle(self, req: Request, posted_only: bool = False) -> None:
         """Drive both engines until ``req`` is over (``posted_only``: until it is posted)."""
@@ -589,11 +571,11 @@ class Comm(MPI.Intracomm):
         if cma is not None:
             cma.progress()
         mpi_iprobe(self, ANY_SOURCE, ANY_TAG)  # MPI progresses inside its calls
-        if self._deferred:
+        if self._wildcards:
             self._advance()
 
     def _iprobe_mixed(self, source: int, tag: int, status: MPI.Status | None) -> bool:
-        if self._deferred:
+        if self._wildcards:
             self._advance()
         peer = self._local.get(source)
         st = MPI.Status()
@@ -603,7 +585,7 @@ class Comm(MPI.Intracomm):
             found = self._iprobe_cma(CMA_ANY_SOURCE, tag, st) or mpi_iprobe(self, source, tag, st)
         else:
             found = mpi_iprobe(self, source, tag, st)
-        if not found or owner(self._deferred, st.Get_source(), st.Get_tag()):
+        if not found or self._wildcards.owner(st.Get_source(), st.Get_tag()) is not None:
             return False  # a receive posted earlier takes that message
         if status is not None:
             fill(status, st.Get_source(), st.Get_tag(), st.Get_elements(BYTE))

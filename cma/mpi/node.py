@@ -251,7 +251,7 @@ class NodeComm(CmaComm):
             return False
         self._progress()
         if self._mixed:
-            if self._mpi._deferred:
+            if self._mpi._wildcards:
                 self._mpi._advance(probe_mpi=False)
                 self._warn_deferred()
             else:

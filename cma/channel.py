@@ -45,7 +45,6 @@ from .wire import ANY_TAG, EAGER, KIND_MASK
 
 HEADER_BYTES = 32
 PAD = 0x7F  # packet kind: skip to the start of the ring
-MORE = 0x200  # flag: the packet's payload continues in the next packet (a split control packet)
 ALIGN = 64
 # A packet of n payload bytes takes (PACKET_ROUND + n) & PACKET_MASK bytes of ring. The hot
 # paths use these two constants, and one struct call for the three words an EAGER header

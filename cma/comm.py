@@ -29,7 +29,7 @@ import numpy as np
 from . import _linux
 from ._exporters import cai_array, dlpack_array
 from ._pool import ProcessPool
-from .channel import MORE, ChannelConfig, Inbox, Outbox
+from .channel import ChannelConfig, Inbox, Outbox
 from .errors import BufferError, CmaError, InvalidRank, InvalidTag, PeerGone, TransportUnavailable
 from .protocol import (
     PIPELINE,
@@ -41,20 +41,23 @@ from .protocol import (
     Complete,
     Deliver,
     Engine,
+    Joiner,
     Pipeline,
     Policy,
     Pull,
     Push,
     RecvOp,
     SendOp,
+    Stream,
     StreamIn,
     StreamOut,
     Transmit,
     completed_recv,
     slice_views,
+    split_packet,
 )
 from .transports import REGISTRY, Region, Transport, TransportStats
-from .wire import ANY_SOURCE, ANY_TAG, BARRIER_TAG, EAGER, KIND_MASK, PROC_NULL
+from .wire import ANY_SOURCE, ANY_TAG, BARRIER_TAG, EAGER, KIND_MASK, MORE, PROC_NULL
 from .world import ENV_TRANSPORT, ENV_WORLD, PeerLink, World, WorldFds
 
 AUTO = "auto"
@@ -463,10 +466,10 @@ class Comm:
         self._txq: list[deque[tuple[int, int, int, bytes]]] = [deque() for _ in range(self.size)]
         self._txq_pending = 0
         self._loopback: deque[tuple[int, int, int, bytes]] = deque()
-        self._out_streams: dict[int, deque[tuple[SendOp, Pipeline | None]]] = {}
-        self._in_streams: dict[int, deque[tuple[RecvOp, Pipeline | None]]] = {}
+        self._out_streams: dict[int, Stream] = {}  # PIPELINE sends, per peer
+        self._in_streams: dict[int, Stream] = {}  # PIPELINE receives, per peer
         self._dead: set[int] = set()
-        self._partial: dict[int, bytearray] = {}  # pieces of a split control packet, per peer
+        self._joiner = Joiner()  # pieces of split control packets
         self._oversubscribed = self.size > (os.cpu_count() or 1)
         self._matcher = self._engine.matcher
         self._only_peer = 1 - self.rank if self.size == 2 else ANY_SOURCE
@@ -1135,13 +1138,9 @@ class Comm:
             self._rlanes = {}
             return
         limit = self._fds.config.max_packet
-        if len(payload) > limit:
-            # A control packet larger than the ring (an RTS listing thousands of buffers)
-            # goes in pieces; the receiver joins them (see _progress).
-            pieces = range(0, len(payload), limit)
-            for start in pieces:
-                more = MORE if start + limit < len(payload) else 0
-                self._transmit(dest, kind | more, tag, aux, payload[start : start + limit])
+        if len(payload) > limit:  # (a control packet larger than the ring: see _drain)
+            for piece_kind, piece in split_packet(kind, payload, limit):
+                self._transmit(dest, piece_kind, tag, aux, piece)
             return
         queue = self._txq[dest]
         packet = (kind, tag, aux, payload)
@@ -1211,9 +1210,9 @@ class Comm:
             elif isinstance(action, Push):
                 self._push(action)
             elif isinstance(action, StreamOut):
-                self._out_streams.setdefault(action.op.dest, deque()).append((action.op, None))
+                self._stream_of(self._out_streams, action.op.dest, True).add(action.op)
             elif isinstance(action, StreamIn):
-                self._in_streams.setdefault(action.op.matched_source, deque()).append((action.op, None))
+                self._stream_of(self._in_streams, action.op.matched_source, False).add(action.op)
             elif isinstance(action, Complete):
                 self._completed(action.op)
 
@@ -1337,14 +1336,11 @@ class Comm:
         while box.ready() and (not only_expected or matcher.expects(peer, box.head_tag())):
             kind, tag, n, aux, payload = box.take()
             moved = True
-            if kind & MORE or peer in self._partial:
-                joined = self._partial.setdefault(peer, bytearray())
-                joined += payload
+            if kind & MORE or peer in self._joiner:
+                joined = self._joiner.join(peer, kind, payload)
                 box.release()
-                if kind & MORE:
-                    continue
-                del self._partial[peer]
-                self._run(engine.packet(peer, kind, tag, aux, bytes(joined)))
+                if joined is not None:
+                    self._run(engine.packet(peer, kind, tag, aux, joined))
                 continue
             self._run(engine.packet(peer, kind, tag, aux, payload))
             box.release()
@@ -1352,75 +1348,66 @@ class Comm:
             self._ring(peer)
         return moved
 
+    def _stream_of(self, streams: dict[int, Stream], peer: int, sending: bool) -> Stream:
+        stream = streams.get(peer)
+        if stream is None:
+            config = self._fds.config
+            slot_bytes, slots = config.frag_size, config.stage_slots
+            stream = streams[peer] = Stream(
+                sending, lambda nbytes, first: Pipeline.for_message(nbytes, slot_bytes, slots, first))
+        return stream
+
     def _stream(self) -> bool:
         """Advance PIPELINE transfers: fill free staging slots, drain filled ones."""
         moved = False
-        config = self._fds.config
-        slot_bytes = config.frag_size
-        for peer, queue in list(self._out_streams.items()):
+        for peer, stream in list(self._out_streams.items()):
             box = self._outboxes[peer]
             assert box is not None
-            filled_any = False
-            while queue:
-                op, pipe = queue[0]
-                if pipe is None:
-                    pipe = Pipeline.for_message(op.nbytes, slot_bytes, config.stage_slots, box.filled)
-                    queue[0] = (op, pipe)
-                transport = self._transports.get(op.mechanism) or self._transports["shm"]
-                drained = box.drained()
-                step = pipe.fill(drained)
-                while step is not None:
-                    slot, start, stop = step
-                    target = box.staging[slot * slot_bytes : slot * slot_bytes + (stop - start)]
-                    at = 0
-                    for piece in slice_views(op.segments, start, stop):
-                        transport.stage(target[at : at + piece.nbytes], piece)
-                        at += piece.nbytes
-                    box.publish_filled(pipe.advance())
-                    filled_any = True
-                    step = pipe.fill(drained)
-                if filled_any and self._peer_sleeping(peer):
-                    self._ring(peer)
-                if not pipe.finished:
-                    break
-                queue.popleft()
-                self._run(self._engine.streamed_out(op))
-            if not queue:
+            moved = self._pump(peer, stream, box.staging, box.drained(), box.filled,
+                               box.publish_filled) or moved
+            if not stream:
                 del self._out_streams[peer]
-            moved = moved or filled_any
-        for peer, rqueue in list(self._in_streams.items()):
+        for peer, stream in list(self._in_streams.items()):
             inbox = self._inboxes[peer]
             assert inbox is not None
-            drained_any = False
-            while rqueue:
-                rop, pipe = rqueue[0]
-                if pipe is None:
-                    pipe = Pipeline.for_message(rop.nbytes, slot_bytes, config.stage_slots,
-                                                inbox.drained_count)
-                    rqueue[0] = (rop, pipe)
-                transport = self._transports.get(rop.mechanism) or self._transports["shm"]
-                filled = inbox.filled()
-                step = pipe.drain(filled)
-                while step is not None:
-                    slot, start, stop = step
-                    source = inbox.staging[slot * slot_bytes : slot * slot_bytes + (stop - start)]
-                    at = 0
-                    for piece in slice_views(rop.segments, start, stop):
-                        transport.drain(source[at : at + piece.nbytes], piece)
-                        at += piece.nbytes
-                    inbox.publish_drained(pipe.advance())
-                    drained_any = True
-                    step = pipe.drain(filled)
-                if drained_any and self._peer_sleeping(peer):
-                    self._ring(peer)
-                if not pipe.finished:
-                    break
-                rqueue.popleft()
-                self._run(self._engine.streamed_in(rop))
-            if not rqueue:
+            moved = self._pump(peer, stream, inbox.staging, inbox.filled(), inbox.drained_count,
+                               inbox.publish_drained) or moved
+            if not stream:
                 del self._in_streams[peer]
-            moved = moved or drained_any
         return moved
+
+    def _pump(self, peer: int, stream: Stream, staging: memoryview, peer_count: int,
+              own_count: int, publish: Callable[[int], None]) -> bool:
+        """Copy every fragment of ``stream`` that may move now, through ``staging``; True
+        if any did. ``own_count``: the running count this side last published. The
+        protocol's Stream says what goes where; the copies are here."""
+        slot_bytes = self._fds.config.frag_size
+        copied = False
+        while True:
+            step = stream.next(peer_count, own_count)
+            if step is None:
+                op = stream.through()
+                if op is None:
+                    break
+                if stream.sending:
+                    self._run(self._engine.streamed_out(op))  # type: ignore[arg-type]
+                else:
+                    self._run(self._engine.streamed_in(op))  # type: ignore[arg-type]
+                continue
+            op, slot, start, stop = step
+            transport = self._transports.get(op.mechanism) or self._transports["shm"]
+            copy = transport.stage if stream.sending else transport.drain
+            window = staging[slot * slot_bytes : slot * slot_bytes + (stop - start)]
+            at = 0
+            for piece in slice_views(op.segments, start, stop):
+                copy(window[at : at + piece.nbytes], piece)
+                at += piece.nbytes
+            own_count = stream.copied()
+            publish(own_count)
+            copied = True
+        if copied and self._peer_sleeping(peer):
+            self._ring(peer)
+        return copied
 
     def _wait(self, op: SendOp | RecvOp) -> None:
         if op.done:

@@ -41,6 +41,7 @@ from .wire import (
     EAGER,
     FIN,
     KIND_MASK,
+    MORE,
     OBJECT,
     RTS,
     SYNC,
@@ -395,6 +396,80 @@ class Pipeline:
         """Mark the current fragment done; returns the new running count to publish."""
         self.next += 1
         return self.first + self.next
+
+
+class Stream:
+    """The PIPELINE messages going one way through one pair's staging slots, in order, as
+    one side moves them: the sender fills slots, the receiver drains them.
+
+    Sans-IO: ``next`` says which bytes of which message go through which slot now,
+    ``copied`` marks them done and gives the running count to publish, ``through`` hands
+    back a message whose bytes are all through (for the engine's streamed_out/_in). The
+    caller copies, publishes the counts and wakes the peer.
+    """
+
+    def __init__(self, sending: bool, pipeline: Callable[[int, int], Pipeline]) -> None:
+        self.sending = sending
+        self.pipeline = pipeline  # (nbytes, first fragment's running count) -> Pipeline
+        self.ops: deque[SendOp | RecvOp] = deque()
+        self.pipe: Pipeline | None = None  # the first message's, once it has started
+
+    def __bool__(self) -> bool:
+        return bool(self.ops)
+
+    def add(self, op: SendOp | RecvOp) -> None:
+        self.ops.append(op)
+
+    def next(self, peer_count: int, own_count: int) -> tuple[SendOp | RecvOp, int, int, int] | None:
+        """(op, slot, start, stop) to copy now, or None. ``peer_count``: the fragments the
+        peer has published (drained, for a sender; filled, for a receiver);
+        ``own_count``: ours, where the next message's fragments start."""
+        if not self.ops:
+            return None
+        pipe = self.pipe
+        if pipe is None:
+            pipe = self.pipe = self.pipeline(self.ops[0].nbytes, own_count)
+        step = pipe.fill(peer_count) if self.sending else pipe.drain(peer_count)
+        return None if step is None else (self.ops[0], *step)
+
+    def copied(self) -> int:
+        """The fragment ``next`` gave is copied: the running count to publish."""
+        assert self.pipe is not None
+        return self.pipe.advance()
+
+    def through(self) -> SendOp | RecvOp | None:
+        """The first message, taken out, if all its fragments are through."""
+        if self.pipe is not None and self.pipe.finished:
+            self.pipe = None
+            return self.ops.popleft()
+        return None
+
+
+def split_packet(kind: int, payload: bytes, limit: int) -> list[tuple[int, bytes]]:
+    """A control packet whose payload exceeds ``limit`` (an RTS listing thousands of
+    buffers) as pieces of at most ``limit`` bytes, each but the last flagged MORE."""
+    starts = range(0, len(payload), limit)
+    return [(kind | (MORE if start + limit < len(payload) else 0), payload[start : start + limit])
+            for start in starts]
+
+
+class Joiner:
+    """Joins the pieces of split control packets, per peer (split_packet's other end)."""
+
+    def __init__(self) -> None:
+        self.partial: dict[int, bytearray] = {}
+
+    def __contains__(self, peer: int) -> bool:
+        return peer in self.partial
+
+    def join(self, peer: int, kind: int, payload: bytes | memoryview) -> bytes | None:
+        """The whole payload once its last piece is in (MORE clear), else None."""
+        joined = self.partial.setdefault(peer, bytearray())
+        joined += payload
+        if kind & MORE:
+            return None
+        del self.partial[peer]
+        return bytes(joined)
 
 
 # ------------------------------------------------------------------ transport choice

@@ -23,6 +23,7 @@ OBJECT = 0x100  # flag on EAGER/RTS: the payload is a pickle stream (+ out-of-ba
 # flag on EAGER: a synchronous send (Ssend), complete only once matched; aux holds its
 # msgid, which the receiver's FIN names when a receive takes the message
 SYNC = 0x400
+MORE = 0x200  # flag: the packet's payload continues in the next packet (a split control packet)
 KIND_MASK = 0xFF
 
 

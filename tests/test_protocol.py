@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 from collections import deque
-from dataclasses import dataclass, field, fields
+from dataclasses import fields
 
 import numpy as np
 import pytest
@@ -36,6 +36,7 @@ from cma.protocol import (
     Complete,
     Deliver,
     Engine,
+    Joiner,
     Matcher,
     Pipeline,
     Policy,
@@ -43,6 +44,7 @@ from cma.protocol import (
     Push,
     RecvOp,
     SendOp,
+    Stream,
     StreamIn,
     StreamOut,
     Transmit,
@@ -54,11 +56,12 @@ from cma.protocol import (
     slice_regions,
     slice_views,
     source_matches,
+    split_packet,
     split_point,
     tag_matches,
 )
 from cma.transports.base import Region
-from cma.wire import BARRIER_TAG
+from cma.wire import BARRIER_TAG, MORE
 
 ALL = PULL | PUSH | PIPELINE
 LIMIT = 64  # eager limit used by most tests: small, so rendezvous sizes are cheap
@@ -116,15 +119,16 @@ def scatter(data: bytes, views: list[memoryview]) -> None:
     assert at == len(data)
 
 
-@dataclass
 class PairStream:
-    """Staging area and running counts of one ordered pair, as in the shared segment."""
+    """Staging area and running counts of one ordered pair, as in the shared segment, and
+    each side's protocol Stream over them."""
 
-    staging: bytearray
-    filled: int = 0
-    drained: int = 0
-    out: deque = field(default_factory=deque)  # (SendOp, Pipeline | None)
-    into: deque = field(default_factory=deque)  # (RecvOp, Pipeline | None)
+    def __init__(self, staging: bytearray, frag: int, slots: int) -> None:
+        self.staging = staging
+        self.filled = 0
+        self.drained = 0
+        self.out = Stream(True, lambda nbytes, first: Pipeline(nbytes, frag, slots, first))
+        self.into = Stream(False, lambda nbytes, first: Pipeline(nbytes, frag, slots, first))
 
 
 class Net:
@@ -141,7 +145,7 @@ class Net:
         self.wire: dict[tuple[int, int], deque[Transmit]] = {
             (s, d): deque() for s in range(n) for d in range(n) if s != d}
         self.frag, self.slots = frag, slots
-        self.streams = {pair: PairStream(bytearray(frag * slots)) for pair in self.wire}
+        self.streams = {pair: PairStream(bytearray(frag * slots), frag, slots) for pair in self.wire}
         self.actions: list[list[object]] = [[] for _ in range(n)]
         self.completed: list[list[SendOp | RecvOp]] = [[] for _ in range(n)]
         self.arrivals: list[list[tuple[int, int]]] = [[] for _ in range(n)]  # (source, tag)
@@ -189,9 +193,9 @@ class Net:
                 scatter(data, [self.mem.resolve(r) for r in action.remote])
                 self.act(rank, engine.pushed(action.op, action.recvid))
             elif isinstance(action, StreamOut):
-                self.streams[(rank, action.op.dest)].out.append([action.op, None])
+                self.streams[(rank, action.op.dest)].out.add(action.op)
             elif isinstance(action, StreamIn):
-                self.streams[(action.op.matched_source, rank)].into.append([action.op, None])
+                self.streams[(action.op.matched_source, rank)].into.add(action.op)
             elif isinstance(action, Complete):
                 assert action.op.done
                 self.completed[rank].append(action.op)
@@ -209,49 +213,35 @@ class Net:
         return True
 
     def step_stream(self, src: int, dst: int) -> bool:
+        """Move what the protocol's Streams of the pair say may move: the sender's fills,
+        then the receiver's drains (plain copies through the fake staging area)."""
         ps = self.streams[(src, dst)]
+        frag = self.frag
         moved = False
-        frag, slots = self.frag, self.slots
-        while ps.out:
-            entry = ps.out[0]
-            op, pipe = entry
-            if pipe is None:
-                pipe = entry[1] = Pipeline(op.nbytes, frag, slots, ps.filled)
-            data = concat(op.segments)
-            step = pipe.fill(ps.drained)
-            while step is not None:
-                slot, start, stop = step
-                ps.staging[slot * frag : slot * frag + stop - start] = data[start:stop]
-                ps.filled = pipe.advance()
-                moved = True
-                step = pipe.fill(ps.drained)
-            if not pipe.finished:
-                break
-            ps.out.popleft()
-            self.act(src, self.engines[src].streamed_out(op))
+        while True:
+            step = ps.out.next(ps.drained, ps.filled)
+            if step is None:
+                op = ps.out.through()
+                if op is None:
+                    break
+                self.act(src, self.engines[src].streamed_out(op))
+            else:
+                op, slot, start, stop = step
+                ps.staging[slot * frag : slot * frag + stop - start] = concat(op.segments)[start:stop]
+                ps.filled = ps.out.copied()
             moved = True
-        while ps.into:
-            entry = ps.into[0]
-            rop, pipe = entry
-            if pipe is None:
-                pipe = entry[1] = Pipeline(rop.nbytes, frag, slots, ps.drained)
-            step = pipe.drain(ps.filled)
-            while step is not None:
-                slot, start, stop = step
-                chunk = bytes(ps.staging[slot * frag : slot * frag + stop - start])
-                at = 0
-                for seg in rop.segments:  # write chunk at [start, stop) of the concatenation
-                    lo, hi = max(start, at), min(stop, at + seg.nbytes)
-                    if lo < hi:
-                        seg[lo - at : hi - at] = chunk[lo - start : hi - start]
-                    at += seg.nbytes
-                ps.drained = pipe.advance()
-                moved = True
-                step = pipe.drain(ps.filled)
-            if not pipe.finished:
-                break
-            ps.into.popleft()
-            self.act(dst, self.engines[dst].streamed_in(rop))
+        while True:
+            step = ps.into.next(ps.filled, ps.drained)
+            if step is None:
+                rop = ps.into.through()
+                if rop is None:
+                    break
+                self.act(dst, self.engines[dst].streamed_in(rop))
+            else:
+                rop, slot, start, stop = step
+                scatter(bytes(ps.staging[slot * frag : slot * frag + stop - start]),
+                        slice_views(rop.segments, start, stop))
+                ps.drained = ps.into.copied()
             moved = True
         return moved
 
@@ -1022,6 +1012,79 @@ def test_cts_round_trip(msgid, recvid, mode, transport, spans):
 
 
 # ------------------------------------------------------------------ Pipeline schedule
+
+
+@settings(max_examples=200, deadline=None)
+@given(sizes=st.lists(st.integers(0, 200), min_size=1, max_size=6), slots=st.integers(1, 4),
+       frag=st.sampled_from([8, 16, 64]), turns=st.lists(st.booleans(), max_size=400))
+def test_streams_move_messages_through_the_slots_in_order(sizes, slots, frag, turns):
+    """A sender's and a receiver's Stream over one staging area, turns taken in any order:
+    every message arrives whole and in order, zero-byte ones included, and the sender
+    never fills a slot the receiver has not drained."""
+    staging = bytearray(frag * slots)
+    counts = {"filled": 0, "drained": 0}
+    make = lambda nbytes, first: Pipeline(nbytes, frag, slots, first)  # noqa: E731
+    out, into = Stream(True, make), Stream(False, make)
+    sent = [SendOp(1, 0, [memoryview(payload(n, i))], n, False) for i, n in enumerate(sizes)]
+    got = [RecvOp(0, 0, None) for _ in sizes]
+    for sop, rop in zip(sent, got, strict=True):
+        rop.nbytes, rop.segments = sop.nbytes, [memoryview(bytearray(sop.nbytes))]
+        out.add(sop)
+        into.add(rop)
+    through_out, through_in = [], []
+
+    def turn(sending: bool) -> None:
+        stream = out if sending else into
+        peer = counts["drained"] if sending else counts["filled"]
+        own = counts["filled"] if sending else counts["drained"]
+        step = stream.next(peer, own)
+        if step is None:
+            op = stream.through()
+            if op is not None:
+                (through_out if sending else through_in).append(op)
+            return
+        op, slot, start, stop = step
+        window = memoryview(staging)[slot * frag : slot * frag + stop - start]
+        if sending:
+            assert own - counts["drained"] < slots  # the slot is free
+            window[:] = concat(op.segments)[start:stop]
+            counts["filled"] = stream.copied()
+        else:
+            scatter(bytes(window), slice_views(op.segments, start, stop))
+            counts["drained"] = stream.copied()
+
+    for sending in turns:
+        turn(sending)
+    for _ in range(10 * (sum(sizes) // frag + len(sizes) + 2)):  # then alternate to the end
+        turn(True)
+        turn(False)
+    assert through_out == sent and through_in == got and not out and not into
+    assert [bytes(r.segments[0]) for r in got] == [payload(n, i) for i, n in enumerate(sizes)]
+
+
+@given(parts=st.lists(st.tuples(st.integers(0, 1), st.binary(max_size=50)), max_size=12),
+       limit=st.integers(1, 16))
+def test_split_control_packets_join_per_peer(parts, limit):
+    """split_packet's pieces, from two peers interleaved piece by piece, join back into
+    each peer's packets in order (MORE set on all but the last piece of each)."""
+    queues: dict[int, deque] = {0: deque(), 1: deque()}
+    for peer, data in parts:
+        pieces = split_packet(RTS, data, limit) if data else [(RTS, data)]
+        assert all(k & MORE for k, _ in pieces[:-1]) and not pieces[-1][0] & MORE
+        assert all(len(p) <= limit for _, p in pieces)
+        queues[peer].append(pieces)
+    joiner, joined = Joiner(), {0: [], 1: []}
+    while any(queues.values()):
+        for peer in (0, 1):
+            if queues[peer]:
+                kind, piece = queues[peer][0].pop(0)
+                if not queues[peer][0]:
+                    queues[peer].popleft()
+                whole = joiner.join(peer, kind, piece)
+                if whole is not None:
+                    joined[peer].append(whole)
+    assert joined == {p: [d for q, d in parts if q == p] for p in (0, 1)}
+    assert 0 not in joiner and 1 not in joiner
 
 
 def test_pipeline_zero_bytes():

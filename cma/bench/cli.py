@@ -24,7 +24,7 @@ from .report import (
     plot,
 )
 from .results import Series, compared_series, crossovers, machine_info, merge_series, series_json
-from .runners import _cpus, bind_cpus, mpi_world
+from .runners import bind_cpus, bound_cpus, mpi_world
 from .schedule import BASELINES, run_schedule, schedule, select_series
 from .sizes import KINDS, MIB, format_size, parse_size, size_range
 
@@ -220,7 +220,7 @@ def write_json(path: str, args: argparse.Namespace, plans: dict[str, Plan],
             "quick": args.quick, "iterations": args.iterations, "warmup": args.warmup,
             "rounds": args.rounds, "interleave": args.interleave, "guard": args.guard,
             "settle": args.settle, "buffer": args.buffer, "waitall": args.waitall,
-            "transport": args.transport, "baseline": args.baseline, "cpus": dict(_cpus),
+            "transport": args.transport, "baseline": args.baseline, "cpus": dict(bound_cpus),
             "samples_ns": "nanoseconds per timed sample: a round trip (latency), a window "
                           "(bw, bibw) or one copy (memcpy); time per message = sample / "
                           "messages_per_sample",
@@ -239,9 +239,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     world = mpi_world()
     rank = world.Get_rank() if world is not None else 0
-    _cpus.clear()
+    bound_cpus.clear()
     if args.bind:
-        _cpus.update(bind_cpus(rank))
+        bound_cpus.update(bind_cpus(rank))
     try:
         specs, not_run = select_series(args.kind, args.transport, args.baseline, world,
                                        args.buffer)
@@ -258,7 +258,8 @@ def main(argv: Sequence[str] | None = None) -> int:
              "memcpy": build_plan("memcpy", args.sizes, **knobs)}
     if args.guard > 0:
         # the in-process memcpy has no second CPU to wait for
-        cpus = (_cpus["self"], _cpus["peer"]) if _cpus else tuple(sorted(os.sched_getaffinity(0)))
+        cpus = ((bound_cpus["self"], bound_cpus["peer"]) if bound_cpus
+                else tuple(sorted(os.sched_getaffinity(0))))
         if len(cpus) < 2 or (world is not None and world.Get_size() > 2):
             print("cma-bench: --guard needs two CPUs and, under mpiexec, exactly 2 ranks",
                   file=sys.stderr)

@@ -71,7 +71,7 @@ def handoff_ratio(cpus: Sequence[int]) -> float:
     return _handoff_us(a, b) / _handoff_us(b, b)
 
 
-def _probe_together(ep: Endpoint, plan: Plan, stop_after: float | None) -> tuple[float, bool]:
+def probe_together(ep: Endpoint, plan: Plan, stop_after: float | None) -> tuple[float, bool]:
     """Rank 0 probes while rank 1 sleeps; both get the ratio and rank 0's verdict.
 
     The verdict (stop waiting) is rank 0's alone, so both ranks take the same turn
@@ -89,7 +89,7 @@ def _probe_together(ep: Endpoint, plan: Plan, stop_after: float | None) -> tuple
     return ratio, stop
 
 
-def _await_quiet(ep: Endpoint, plan: Plan, record: SizeResult) -> None:
+def await_quiet(ep: Endpoint, plan: Plan, record: SizeResult) -> None:
     """Probe until the machine is quiet or ``plan.guard`` seconds have passed.
 
     ``record.waited_s`` grows by the time from the first slow probe to the quiet one:
@@ -98,7 +98,7 @@ def _await_quiet(ep: Endpoint, plan: Plan, record: SizeResult) -> None:
     start = time.monotonic()
     slow_since = None
     while True:
-        ratio, stop = _probe_together(ep, plan, start + plan.guard)
+        ratio, stop = probe_together(ep, plan, start + plan.guard)
         record.probes.append(ratio)
         if stop:
             break

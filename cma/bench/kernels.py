@@ -57,7 +57,7 @@ def build_plan(kind: str, sizes: Sequence[int], *, window: int, cold: bool, quic
     return Plan(kind, tuple(plans), window, cold)
 
 
-def _touched(size: int, value: int) -> Bytes:
+def touched(size: int, value: int) -> Bytes:
     """A buffer whose every page has been written, so no page fault lands in the timing."""
     return np.full(size, value, dtype=np.uint8)
 
@@ -81,11 +81,11 @@ class _Buffers:
 
 def make_buffers(size: int, form: str) -> _Buffers:
     """The send and receive buffers of one size in a --buffer form, every page written."""
-    send: Buffer = _touched(size, 0x5A)
-    recv: Buffer = _touched(size, 0)
+    send: Buffer = touched(size, 0x5A)
+    recv: Buffer = touched(size, 0)
     if form.endswith("bytearray"):
         send, recv = bytearray(send), bytearray(recv)
-    return _Buffers(send, recv, _touched(1, 1))
+    return _Buffers(send, recv, touched(1, 1))
 
 
 # Fresh receive buffers are mapped this many bytes at a time, between untimed barriers,
@@ -234,7 +234,7 @@ def kernel_for(kind: str, form: str) -> Kernel:
 def memcpy_size(plan: Plan, sp: SizePlan) -> SizeResult:
     """The ceiling: ``np.copyto`` of the same size inside one process."""
     clock = time.perf_counter_ns
-    src, dst = _touched(sp.size, 0x5A), _touched(sp.size, 0)
+    src, dst = touched(sp.size, 0x5A), touched(sp.size, 0)
     samples = []
     for i in range(sp.warmup + sp.iterations):
         if plan.cold:

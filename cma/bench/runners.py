@@ -13,8 +13,8 @@ from dataclasses import replace
 from typing import Any
 
 from .endpoints import TAG_CTRL, TAG_DATA, TAG_STATS, Endpoint
-from .guard import GUARD_REDO, QUIET_RATIO, _await_quiet, _probe_together
-from .kernels import Plan, SizePlan, _touched, kernel_for, make_buffers, memcpy_size
+from .guard import GUARD_REDO, QUIET_RATIO, await_quiet, probe_together
+from .kernels import Plan, SizePlan, kernel_for, make_buffers, memcpy_size, touched
 from .results import SizeResult
 from .sizes import messages_per_sample
 
@@ -42,7 +42,7 @@ def _run_size(ep: Endpoint, plan: Plan, sp: SizePlan) -> SizeResult | None:
         bufs = make_buffers(sp.size, plan.buffer)
     while True:
         if guarded:
-            _await_quiet(ep, plan, result)
+            await_quiet(ep, plan, result)
         if active:
             kernel(ep, bufs, sp.warmup, plan.cold, plan.window)
         # After this barrier no message of the warm-up is left to process, so resetting
@@ -56,7 +56,7 @@ def _run_size(ep: Endpoint, plan: Plan, sp: SizePlan) -> SizeResult | None:
         own = ep.stats()
         if not guarded:
             break
-        ratio, _ = _probe_together(ep, plan, None)
+        ratio, _ = probe_together(ep, plan, None)
         result.probes.append(ratio)
         if ratio <= QUIET_RATIO or redos == GUARD_REDO:
             break
@@ -86,8 +86,8 @@ def run_plan(ep: Endpoint, plan: Plan) -> list[SizeResult]:
 # ---------------------------------------------------------------- peer processes
 
 
-# CPUs for this process and for the peer child when --bind is on (set by main).
-_cpus: dict[str, int] = {}
+# CPUs for this process and for the peer child when --bind is on (set by cli.main).
+bound_cpus: dict[str, int] = {}
 
 
 def bind_cpus(rank: int) -> dict[str, int]:
@@ -165,7 +165,7 @@ class PeerRunner(EndpointRunner):
         self.ep = Endpoint(local, self.flavor)
         self.proc = multiprocessing.get_context("spawn").Process(
             target=_peer_main, name="cma-bench-peer", daemon=True,
-            args=(remote, self.flavor, replace(self.plan, sizes=tuple(sizes)), _cpus.get("peer")))
+            args=(remote, self.flavor, replace(self.plan, sizes=tuple(sizes)), bound_cpus.get("peer")))
         self.proc.start()
         if self.flavor == "pipe":
             # The child holds its own copy now; dropping ours turns the child's death
@@ -215,7 +215,7 @@ def serve_echo(comm: Any, flavor: str = "cma") -> None:
     try:
         while (command := comm.recv(source=0, tag=TAG_CTRL)) is not None:
             size, count = command
-            buf = _touched(size, 0)
+            buf = touched(size, 0)
             if ep.has_stats:
                 comm.reset_stats()
             for _ in range(count):

@@ -60,8 +60,10 @@ import mpi4py.bench
 from mpi4py import MPI
 
 import cma.mpi
-from cma import _benchutil as util
-from cma.bench import QUIET_RATIO, handoff_ratio
+from cma.bench.guard import QUIET_RATIO, handoff_ratio
+from cma.bench.report import format_number, render_table
+from cma.bench.results import machine_info
+from cma.bench.sizes import format_size, parse_size
 
 SERIES = ("plain", "plugin")
 DEMOS = ("osu_latency", "osu_bw", "osu_bibw")
@@ -445,9 +447,9 @@ class Run:
 def stat(values: Sequence[float]) -> str:
     if not values:
         return "-"
-    spread = f" [{util.format_number(min(values))}-{util.format_number(max(values))}]" \
+    spread = f" [{format_number(min(values))}-{format_number(max(values))}]" \
         if len(values) > 1 else ""
-    return util.format_number(statistics.median(values)) + spread
+    return format_number(statistics.median(values)) + spread
 
 
 def bandwidth_ratio(metric: str, plain: float, plugin: float) -> float:
@@ -473,12 +475,12 @@ def order_table(case: Case, records: Sequence[Record], first: str, each_round: b
         column = {s: [v[size] for v in ok[s].values() if size in v] for s in SERIES}
         pairs = [(ok["plain"][rnd].get(size), ok["plugin"][rnd].get(size)) for rnd in paired]
         ratios = [bandwidth_ratio(case.metric, a, b) for a, b in pairs if a and b]
-        row = [util.format_size(size), stat(column["plain"]), stat(column["plugin"]), stat(ratios)]
+        row = [format_size(size), stat(column["plain"]), stat(column["plugin"]), stat(ratios)]
         if each_round:
-            row += [f"{util.format_number(a or float('nan'))}/{util.format_number(b or float('nan'))}"
+            row += [f"{format_number(a or float('nan'))}/{format_number(b or float('nan'))}"
                     for a, b in pairs]
         rows.append(row)
-    return [*lines, *("  " + line for line in util.render_table(headers, rows).splitlines()),
+    return [*lines, *("  " + line for line in render_table(headers, rows).splitlines()),
             *usage_lines(mine), *round_lines(mine)]
 
 
@@ -557,8 +559,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="rounds; even ones run plain first, odd ones the plugin (default 6)")
     parser.add_argument("--arrays", default=",".join(ARRAYS),
                         help="pingpong buffer kinds, comma-separated: numpy, none (default both)")
-    parser.add_argument("--min-size", type=util.parse_size, default=1, help="pingpong (default 1)")
-    parser.add_argument("--max-size", type=util.parse_size, default=64 << 20,
+    parser.add_argument("--min-size", type=parse_size, default=1, help="pingpong (default 1)")
+    parser.add_argument("--max-size", type=parse_size, default=64 << 20,
                         help="pingpong (default 64M)")
     parser.add_argument("--pingpong-args", default=PINGPONG_ARGS,
                         help=f"further options of mpi4py.bench pingpong (default: {PINGPONG_ARGS!r})")
@@ -612,7 +614,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     signal.signal(signal.SIGALRM, _on_alarm)
     ctl = world.Dup()  # agreement and barriers, apart from anything a series sends
-    meta = {"args": vars(args), "machine": util.machine_info(), "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    meta = {"args": vars(args), "machine": machine_info(), "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     run = Run(ctl, args, meta)
     run.cases = make_cases(run)
     for rnd in range(args.rounds):

@@ -6,20 +6,19 @@ from typing import Any
 
 import pytest
 
-from cma import _benchutil as util
+from cma.bench.sizes import KIB, MIB, format_size
 
-KIB, MIB = util.KIB, util.MIB
 # rounds per size: enough for a stable mean, few enough that 16 MiB stays short
 ROUNDS = {8: 2000, 64 * KIB: 500, MIB: 100, 16 * MIB: 20}
 
 
-@pytest.mark.parametrize("size", list(ROUNDS), ids=util.format_size)
+@pytest.mark.parametrize("size", list(ROUNDS), ids=format_size)
 def test_round_trip(benchmark: Any, echo_peer: Any, size: int) -> None:
     rounds = ROUNDS[size]
     warmup = max(1, rounds // 10)
     # pytest-benchmark may add a call for --benchmark-cprofile: announce one more
     echo_peer.begin(size, rounds + warmup + 1)
-    benchmark.group = f"round trip {util.format_size(size)}"
+    benchmark.group = f"round trip {format_size(size)}"
     benchmark.pedantic(echo_peer.round_trip, rounds=rounds, warmup_rounds=warmup,
                        iterations=1)
     copies = echo_peer.end()

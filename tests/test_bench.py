@@ -22,12 +22,56 @@ from conftest import Peer
 from mpijobs import find_mpiexec, job_env, kill, launcher_flags, segments_removed, start
 
 import cma
-from cma import _benchutil as util
-from cma import bench
-from cma._benchutil import Series, SizeResult
-
-KIB, MIB, GIB = util.KIB, util.MIB, util.GIB
-
+import cma.bench.cli
+import cma.bench.guard
+from cma.bench.cli import WAITALL_NOTE, main, parse_args, report
+from cma.bench.endpoints import WAITALL_MODES, Endpoint, _wait_each, mp_pipe_pair
+from cma.bench.guard import GUARD_REDO, handoff_ratio
+from cma.bench.kernels import (
+    BUFFER_FORMS,
+    Plan,
+    SizePlan,
+    _Buffers,
+    build_plan,
+    kernel_for,
+    make_buffers,
+    memcpy_size,
+)
+from cma.bench.report import (
+    format_copies,
+    format_crossovers,
+    format_guard,
+    format_mpi4py,
+    format_results,
+    mpi4py_row,
+    reference_baseline,
+)
+from cma.bench.results import (
+    Series,
+    SizeResult,
+    compared_series,
+    copy_summary,
+    crossovers,
+    machine_info,
+    merge_rounds,
+    merge_series,
+    result_copies,
+    series_json,
+)
+from cma.bench.runners import PeerRunner, Runner, WorldRunner, run_plan
+from cma.bench.schedule import SeriesSpec, _transport_names, round_order, schedule, select_series
+from cma.bench.sizes import (
+    GIB,
+    KIB,
+    KINDS,
+    MIB,
+    POLICIES,
+    counts_for,
+    format_size,
+    messages_per_sample,
+    parse_size,
+    size_range,
+)
 
 # ---------------------------------------------------------------- sizes
 
@@ -37,57 +81,57 @@ KIB, MIB, GIB = util.KIB, util.MIB, util.GIB
     ("64MiB", 64 * MIB), ("2G", 2 * GIB), (" 16 kib ", 16 * KIB),
 ])
 def test_parse_size(text: str, expected: int) -> None:
-    assert util.parse_size(text) == expected
+    assert parse_size(text) == expected
 
 
 @pytest.mark.parametrize("text", ["", "K", "4KB", "1MB", "1.5M", "-8", "4X", "0x10"])
 def test_parse_size_refuses(text: str) -> None:
     with pytest.raises(ValueError, match="bad size"):
-        util.parse_size(text)
+        parse_size(text)
 
 
 @pytest.mark.parametrize(("nbytes", "text"), [
     (8, "8 B"), (4096, "4 KiB"), (64 * MIB, "64 MiB"), (GIB, "1 GiB"), (1536, "1536 B"),
 ])
 def test_format_size(nbytes: int, text: str) -> None:
-    assert util.format_size(nbytes) == text
+    assert format_size(nbytes) == text
 
 
 def test_size_range() -> None:
-    assert util.size_range(8, 64 * KIB) == [1 << i for i in range(3, 17)]
-    assert util.size_range(5, 20) == [8, 16]
-    assert util.size_range(1, 1) == [1]
+    assert size_range(8, 64 * KIB) == [1 << i for i in range(3, 17)]
+    assert size_range(5, 20) == [8, 16]
+    assert size_range(1, 1) == [1]
     with pytest.raises(ValueError):
-        util.size_range(0, 8)
+        size_range(0, 8)
     with pytest.raises(ValueError):
-        util.size_range(64, 8)
+        size_range(64, 8)
     with pytest.raises(ValueError, match="no power of two"):
-        util.size_range(9, 15)
+        size_range(9, 15)
 
 
 # ---------------------------------------------------------------- counts
 
 
 def test_counts_follow_osu_size_classes() -> None:
-    assert util.counts_for("latency", 8, window=64, quick=False) == (10_000, 1_000)
-    assert util.counts_for("latency", 64 * KIB, window=64, quick=False) == (1_000, 100)
-    assert util.counts_for("bw", 8, window=64, quick=False) == (100, 10)
-    quick = util.counts_for("latency", 8, window=64, quick=True)
+    assert counts_for("latency", 8, window=64, quick=False) == (10_000, 1_000)
+    assert counts_for("latency", 64 * KIB, window=64, quick=False) == (1_000, 100)
+    assert counts_for("bw", 8, window=64, quick=False) == (100, 10)
+    quick = counts_for("latency", 8, window=64, quick=True)
     assert quick[0] < 10_000 and quick[1] < 1_000
 
 
 def test_counts_cap_the_bytes_of_large_sizes() -> None:
-    iters, warm = util.counts_for("latency", 64 * MIB, window=64, quick=False)
-    assert iters * 2 * 64 * MIB <= util.POLICIES[("latency", False)].byte_budget
-    assert iters >= util.POLICIES[("latency", False)].min_iterations
+    iters, warm = counts_for("latency", 64 * MIB, window=64, quick=False)
+    assert iters * 2 * 64 * MIB <= POLICIES[("latency", False)].byte_budget
+    assert iters >= POLICIES[("latency", False)].min_iterations
     assert 1 <= warm <= iters
     # a window moves 64x the bytes of a message: fewer windows, never below the minimum
-    iters_bw, _ = util.counts_for("bw", 64 * MIB, window=64, quick=True)
-    assert iters_bw == util.POLICIES[("window", True)].min_iterations
+    iters_bw, _ = counts_for("bw", 64 * MIB, window=64, quick=True)
+    assert iters_bw == POLICIES[("window", True)].min_iterations
 
 
 def test_counts_overrides_win() -> None:
-    assert util.counts_for("latency", 64 * MIB, window=64, quick=True,
+    assert counts_for("latency", 64 * MIB, window=64, quick=True,
                            iterations=7, warmup=0) == (7, 0)
 
 
@@ -117,7 +161,7 @@ def test_copy_summary_adds_both_sides() -> None:
     size, messages = 4096, 10
     sender = {"shm": counters(size * messages, user=1.0, syscalls=5)}
     receiver = {"shm": counters(size * messages, user=1.0, syscalls=15)}
-    c = util.copy_summary([sender, receiver], messages, size)
+    c = copy_summary([sender, receiver], messages, size)
     assert c is not None
     assert (c.user, c.kernel, c.syscalls) == (2.0, 0.0, 2.0)
     assert c.copied_bytes == 2 * size
@@ -128,7 +172,7 @@ def test_copy_summary_single_copy_counted_on_one_side() -> None:
     size, messages = MIB, 4
     sender = {"cma": counters(size * messages), "eager": counters(64, user=2.0)}
     receiver = {"cma": counters(size * messages, kernel=1.0, syscalls=4)}
-    c = util.copy_summary([sender, receiver], messages, size)
+    c = copy_summary([sender, receiver], messages, size)
     assert c is not None
     assert c.kernel == 1.0
     assert c.user == pytest.approx(128 / (size * messages))
@@ -137,7 +181,7 @@ def test_copy_summary_single_copy_counted_on_one_side() -> None:
 
 
 def test_copy_summary_without_stats() -> None:
-    assert util.copy_summary([], 10, 8) is None
+    assert copy_summary([], 10, 8) is None
 
 
 # ---------------------------------------------------------------- crossovers
@@ -146,46 +190,46 @@ def test_copy_summary_without_stats() -> None:
 def test_crossover_found_once() -> None:
     times = {"shm": {8: 1.0, 4096: 2.0, 65536: 30.0, MIB: 400.0},
              "cma": {8: 1.5, 4096: 3.0, 65536: 20.0, MIB: 200.0}}
-    (c,) = util.crossovers(times)
+    (c,) = crossovers(times)
     assert (c.leader, c.since, c.overtaker, c.at, c.changes) == ("shm", 8, "cma", 65536, 1)
-    assert util.format_crossovers([c]) == (
+    assert format_crossovers([c]) == (
         "shm vs cma: shm faster from 8 B, cma overtakes at 64 KiB")
 
 
 def test_crossover_never() -> None:
-    (c,) = util.crossovers({"a": {8: 1.0, 16: 1.0}, "b": {8: 2.0, 16: 3.0}})
+    (c,) = crossovers({"a": {8: 1.0, 16: 1.0}, "b": {8: 2.0, 16: 3.0}})
     assert c.overtaker is None and c.at is None
-    assert util.format_crossovers([c]) == "a vs b: a faster from 8 B, b never overtakes"
+    assert format_crossovers([c]) == "a vs b: a faster from 8 B, b never overtakes"
 
 
 def test_crossover_back_and_forth_and_ties() -> None:
     times = {"a": {1: 1.0, 2: 5.0, 4: 5.0, 8: 1.0, 16: 9.0},
              "b": {1: 2.0, 2: 5.0, 4: 1.0, 8: 2.0, 16: 1.0}}
-    (c,) = util.crossovers(times)
+    (c,) = crossovers(times)
     # the tie at 2 is no change; b leads at 4, a at 8, b at 16
     assert (c.leader, c.overtaker, c.at, c.changes) == ("a", "b", 4, 3)
-    assert "the lead changes 3 times" in util.format_crossovers([c])
+    assert "the lead changes 3 times" in format_crossovers([c])
 
 
 def test_crossover_ignores_differences_within_noise() -> None:
     times = {"a": {8: 1.0, 16: 1.25, 32: 1.0, 64: 9.0},
              "b": {8: 1.2, 16: 1.0, 32: 1.2, 64: 3.0}}
     errors = {"a": {8: 0.1, 16: 0.1, 32: 0.1, 64: 0.1}, "b": {8: 0.1, 16: 0.1, 32: 0.1, 64: 0.1}}
-    assert util.crossovers(times)[0].changes == 3  # taken at face value: noise flips the lead
-    (c,) = util.crossovers(times, errors)  # 0.2-0.25 apart is within 2 x 0.14: ties
+    assert crossovers(times)[0].changes == 3  # taken at face value: noise flips the lead
+    (c,) = crossovers(times, errors)  # 0.2-0.25 apart is within 2 x 0.14: ties
     assert (c.leader, c.since, c.overtaker, c.at) == ("b", 64, None, None)
     same = {"a": {8: 1.0}, "b": {8: 1.1}}
-    assert util.crossovers(same, {"a": {8: 0.1}, "b": {8: 0.1}}) == []
+    assert crossovers(same, {"a": {8: 0.1}, "b": {8: 0.1}}) == []
 
 
 def test_crossovers_every_pair_and_only_common_sizes() -> None:
     times = {"a": {8: 1.0}, "b": {8: 2.0}, "c": {16: 1.0}}
-    found = util.crossovers(times)
+    found = crossovers(times)
     assert [(c.first, c.second) for c in found] == [("a", "b")]
 
 
 def test_compared_series_leaves_out_memcpy_and_failures() -> None:
-    means, errors = util.compared_series(fake_series())
+    means, errors = compared_series(fake_series())
     assert list(means) == ["mp-pipe", "shm"] == list(errors)
     assert means["shm"][MIB] == pytest.approx(250.0)
     assert errors["shm"][MIB] == 0.0  # identical fake samples
@@ -195,7 +239,7 @@ def test_rounds_report_the_median_of_their_means() -> None:
     # one size measured in three rounds; the second ran in a slow spell
     rounds = [fake_result(MIB, 100.0), fake_result(MIB, 400.0, iterations=2),
               fake_result(MIB, 110.0)]
-    merged = util.merge_rounds(rounds)
+    merged = merge_rounds(rounds)
     assert merged.samples_per_round == [4, 2, 4]
     assert merged.iterations == 10
     assert merged.round_means_us() == pytest.approx([100.0, 400.0, 110.0])
@@ -210,14 +254,14 @@ def test_rounds_report_the_median_of_their_means() -> None:
     assert single.time_us == single.mean_us and single.time_sem_us == single.sem_us
     assert "time_us_round_means" not in single.summary()
     with pytest.raises(ValueError):
-        util.merge_rounds([fake_result(MIB, 1.0), fake_result(2 * MIB, 1.0)])
+        merge_rounds([fake_result(MIB, 1.0), fake_result(2 * MIB, 1.0)])
 
 
 def test_rounds_add_up_copy_counts() -> None:
     side = {"shm": counters(8 * MIB, user=1.0, syscalls=8)}
-    merged = util.merge_rounds([fake_result(MIB, 1.0, stats=[side, side]),
+    merged = merge_rounds([fake_result(MIB, 1.0, stats=[side, side]),
                                 fake_result(MIB, 1.0, stats=[side, side])])
-    copies = util.result_copies(merged)
+    copies = result_copies(merged)
     assert copies is not None  # 16 messages of 1 MiB, 2 user copies each, as in one round
     assert (copies.user, copies.syscalls) == (2.0, 2.0)
 
@@ -225,15 +269,15 @@ def test_rounds_add_up_copy_counts() -> None:
 def test_merge_series_keeps_order_of_sizes_and_refuses_partial_runs() -> None:
     runs = [Series("shm", "transport", results=[fake_result(8, t), fake_result(MIB, 10 * t)],
                    seconds=1.0) for t in (1.0, 3.0, 2.0)]
-    merged = util.merge_series(runs)
+    merged = merge_series(runs)
     assert [r.size for r in merged.results] == [8, MIB]
     assert [r.time_us for r in merged.results] == pytest.approx([2.0, 20.0])
     assert merged.seconds == 3.0
     runs[2] = Series("shm", "transport", "failed", "PeerGone: gone")
-    broken = util.merge_series(runs)
+    broken = merge_series(runs)
     assert (broken.status, broken.reason, broken.results) == (
         "failed", "round 3: PeerGone: gone", [])
-    assert util.merge_series([runs[2]]).reason == "PeerGone: gone"
+    assert merge_series([runs[2]]).reason == "PeerGone: gone"
 
 
 # ---------------------------------------------------------------- tables
@@ -251,7 +295,7 @@ def fake_series() -> list[Series]:
 
 
 def test_results_table_ratios() -> None:
-    text = util.format_results("latency", fake_series())
+    text = format_results("latency", fake_series())
     lines = text.splitlines()
     header = next(line for line in lines if line.startswith("size"))
     assert header.split() == ["size", "series", "time", "us", "MB/s", "bw/memcpy",
@@ -264,90 +308,90 @@ def test_results_table_ratios() -> None:
 
 
 def test_results_table_with_rounds() -> None:
-    shm = util.merge_series([Series("shm", "transport", results=[fake_result(MIB, t)])
+    shm = merge_series([Series("shm", "transport", results=[fake_result(MIB, t)])
                              for t in (250.0, 900.0, 240.0)])
-    memcpy = util.merge_series([Series("memcpy", "baseline", results=[fake_result(MIB, t)])
+    memcpy = merge_series([Series("memcpy", "baseline", results=[fake_result(MIB, t)])
                                 for t in (100.0, 100.0, 100.0)])
-    text = util.format_results("latency", [memcpy, shm])
+    text = format_results("latency", [memcpy, shm])
     assert "median over 3 rounds" in text
     row = next(line for line in text.splitlines() if line.split()[:1] == ["shm"]).split()
     # the median round (250 us) decides time and ratio; every round's mean is shown
     assert row[1:4] == ["250.0", "4194", "0.40"]
     assert row[-3:] == ["250.0", "900.0", "240.0"]
-    assert "round means" not in util.format_results("latency", fake_series())
+    assert "round means" not in format_results("latency", fake_series())
 
 
 def test_reference_baseline_prefers_mpi4py() -> None:
     series = fake_series()
-    assert util.reference_baseline(series) is series[1]
+    assert reference_baseline(series) is series[1]
     mpi = Series("mpi4py", "baseline", results=[fake_result(8, 3.0)])
-    assert util.reference_baseline([*series, mpi]) is mpi
-    assert "bw/mpi4py" in util.format_results("latency", [*series, mpi])
+    assert reference_baseline([*series, mpi]) is mpi
+    assert "bw/mpi4py" in format_results("latency", [*series, mpi])
 
 
 def test_reference_baseline_of_several_buffer_forms_is_the_first_listed() -> None:
     forms = [Series(f"mpi4py[{form}]", "baseline", results=[fake_result(8, t)], buffer=form)
              for form, t in (("spec", 4.0), ("numpy", 3.0))]
     cma_mpi = Series("cma.mpi[spec]", "transport", results=[fake_result(8, 2.0)], buffer="spec")
-    assert util.reference_baseline([*fake_series(), *forms, cma_mpi]) is forms[0]
-    text = util.format_results("latency", [*forms, cma_mpi])
+    assert reference_baseline([*fake_series(), *forms, cma_mpi]) is forms[0]
+    text = format_results("latency", [*forms, cma_mpi])
     row = next(line for line in text.splitlines() if "cma.mpi[spec]" in line).split()
     assert "bw/mpi4py[spec]" in text and row[-3] == "2.00"  # 4 us against 2 us
 
 
 def test_copies_table() -> None:
-    text = util.format_copies(fake_series())
+    text = format_copies(fake_series())
     row = text.splitlines()[-1].split()
     # 1 MiB x 4 round trips = 8 messages: 2 user copies each, 16 syscalls / 8 = 2 per message
     assert row == ["shm", "1", "MiB", "shm", "2.00", "0.00", "2.00", "2.00", str(2 * MIB)]
-    assert util.format_copies([Series("mp-pipe", "baseline")]) == ""
+    assert format_copies([Series("mp-pipe", "baseline")]) == ""
 
 
 def test_mpi4py_row_format() -> None:
-    assert util.mpi4py_row(8, 2.5e-6, 1e-7, 1000) == (
+    assert mpi4py_row(8, 2.5e-6, 1e-7, 1000) == (
         "         8              3.20 | 2.5000000e-06 \u00b1 1.0000e-07     1000")
-    assert util.mpi4py_row(1 << 30, 0.25, 0.0, 10) == (
+    assert mpi4py_row(1 << 30, 0.25, 0.0, 10) == (
         "1073741824           4294.97 | 2.5000000e-01 \u00b1 0.0000e+00       10")
 
 
 def test_mpi4py_blocks() -> None:
-    text = util.format_mpi4py(fake_series())
+    text = format_mpi4py(fake_series())
     lines = text.splitlines()
     assert lines[:3] == ["# cma-bench series: memcpy", "# MPI PingPong Test",
                          "# Size [B]  Bandwidth [MB/s] | Time Mean [s] \u00b1 StdDev [s]  Samples"]
     assert lines.count("# MPI PingPong Test") == 3  # the unavailable series has no block
-    assert lines[3] == util.mpi4py_row(8, 0.5e-6, 0.0, 4)
+    assert lines[3] == mpi4py_row(8, 0.5e-6, 0.0, 4)
 
 
 def test_series_json_keeps_every_sample() -> None:
-    doc = util.series_json(fake_series()[2])
+    doc = series_json(fake_series()[2])
     assert doc["buffer"] is None
-    assert util.series_json(Series("shm[spec]", "transport", buffer="spec"))["buffer"] == "spec"
+    assert series_json(Series("shm[spec]", "transport", buffer="spec"))["buffer"] == "spec"
     big: Any = doc["results"][1]  # type: ignore[index]
     assert big["samples_ns"] == [500_000] * 4
     assert big["samples_per_round"] == [4]
     assert big["copies"]["user"] == 2.0
-    json.dumps(util.machine_info())
+    json.dumps(machine_info())
 
 
 # ---------------------------------------------------------------- command line
 
 
 def test_default_is_quick_latency() -> None:
-    ns = bench.parse_args([])
+    ns = parse_args([])
     assert (ns.kind, ns.quick, ns.transport) == ("latency", True, "all")
     assert ns.sizes[0] == 8 and ns.sizes[-1] == 64 * MIB
-    ns = bench.parse_args(["--json", "x.json"])
+    ns = parse_args(["--json", "x.json"])
     assert (ns.kind, ns.quick, ns.json) == ("latency", True, "x.json")
-    ns = bench.parse_args(["bw", "--min-size", "4K", "--max-size", "1MiB"])
+    ns = parse_args(["bw", "--min-size", "4K", "--max-size", "1MiB"])
     assert (ns.kind, ns.quick, ns.sizes[0], ns.sizes[-1]) == ("bw", False, 4096, MIB)
 
 
 def test_all_leaves_out_the_teaching_transport_until_named() -> None:
-    assert bench._transport_names("all", None) == ["shm", "cma", "vmfd", "auto"]
-    assert bench._transport_names("cma,ptrace", None) == ["cma", "ptrace"]
+    assert _transport_names("all", None) == ["shm", "cma", "vmfd", "auto"]
+    assert _transport_names("cma,ptrace", None) == ["cma", "ptrace"]
     with pytest.raises(ValueError, match="cma.mpi"):
-        bench._transport_names("cma.mpi", None)
+        _transport_names("cma.mpi", None)
 
 
 @pytest.mark.parametrize("argv", [
@@ -358,25 +402,25 @@ def test_all_leaves_out_the_teaching_transport_until_named() -> None:
 ])
 def test_bad_arguments(argv: list[str]) -> None:
     with pytest.raises(SystemExit) as exc:
-        bench.parse_args(argv)
+        parse_args(argv)
     assert exc.value.code == 2
 
 
 def bad_arguments(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     """What argparse says when it refuses ``argv`` (exit code 2)."""
     with pytest.raises(SystemExit) as exc:
-        bench.parse_args(argv)
+        parse_args(argv)
     assert exc.value.code == 2
     return capsys.readouterr().err
 
 
 def test_buffer_and_waitall_options(capsys: pytest.CaptureFixture[str]) -> None:
-    for kind in util.KINDS:  # the defaults: today's behaviour, whatever the kind
-        ns = bench.parse_args([kind])
+    for kind in KINDS:  # the defaults: today's behaviour, whatever the kind
+        ns = parse_args([kind])
         assert (ns.buffer, ns.waitall) == (["numpy"], "each")
-    ns = bench.parse_args(["latency", "--buffer", "spec, numpy,spec,spec-bytearray"])
+    ns = parse_args(["latency", "--buffer", "spec, numpy,spec,spec-bytearray"])
     assert ns.buffer == ["spec", "numpy", "spec-bytearray"]  # in order, each once
-    assert bench.parse_args(["bw", "--waitall", "mpi", "--buffer", "bytearray"]).waitall == "mpi"
+    assert parse_args(["bw", "--waitall", "mpi", "--buffer", "bytearray"]).waitall == "mpi"
     assert "unknown buffer form 'arrays': choose one or more, comma-separated, of numpy, " \
         "bytearray, spec, spec-bytearray" in bad_arguments(["latency", "--buffer", "numpy,arrays"],
                                                            capsys)
@@ -390,31 +434,31 @@ def test_buffer_and_waitall_options(capsys: pytest.CaptureFixture[str]) -> None:
         ["latency", "--waitall", "mpi"], capsys)
     assert "a bytearray is written when it is made" in bad_arguments(
         ["latency", "--cold", "--buffer", "numpy,spec-bytearray"], capsys)
-    assert bench.parse_args(["latency", "--cold", "--buffer", "spec"]).cold
+    assert parse_args(["latency", "--cold", "--buffer", "spec"]).cold
 
 
 def test_buffer_forms_make_one_series_each() -> None:
-    plain, _ = bench.select_series("latency", "shm", "memcpy,mp-pipe", None)
+    plain, _ = select_series("latency", "shm", "memcpy,mp-pipe", None)
     assert [(s.name, s.buffer) for s in plain] == [
         ("memcpy", None), ("mp-pipe", None), ("shm", "numpy")]
-    specs, not_run = bench.select_series("bw", "shm,cma", "memcpy,mp-pipe,mpi4py", None,
+    specs, not_run = select_series("bw", "shm,cma", "memcpy,mp-pipe,mpi4py", None,
                                          ["numpy", "spec"])
     assert [(s.name, s.buffer) for s in specs] == [
         ("memcpy", None), ("mp-pipe", None), ("shm[numpy]", "numpy"), ("shm[spec]", "spec"),
         ("cma[numpy]", "numpy"), ("cma[spec]", "spec")]
     assert [(s.name, s.buffer, s.status) for s in not_run] == [
         ("mpi4py[numpy]", "numpy", "skipped"), ("mpi4py[spec]", "spec", "skipped")]
-    (one,), _ = bench.select_series("latency", "shm", "none", None, ["bytearray"])
+    (one,), _ = select_series("latency", "shm", "none", None, ["bytearray"])
     assert (one.name, one.buffer) == ("shm[bytearray]", "bytearray")
 
 
 def test_unknown_baseline() -> None:
     with pytest.raises(ValueError, match="unknown baseline"):
-        bench.select_series("latency", "none", "memcpy,nccl", None)
+        select_series("latency", "none", "memcpy,nccl", None)
 
 
 def test_mpi4py_baseline_needs_mpiexec() -> None:
-    specs, not_run = bench.select_series("bibw", "none", "memcpy,mp-pipe,mpi4py", None)
+    specs, not_run = select_series("bibw", "none", "memcpy,mp-pipe,mpi4py", None)
     assert [s.name for s in specs] == ["memcpy", "mp-pipe"]
     assert specs[1].skip  # no non-blocking send on a multiprocessing.Pipe
     assert [(s.name, s.status) for s in not_run] == [("mpi4py", "skipped")]
@@ -423,12 +467,12 @@ def test_mpi4py_baseline_needs_mpiexec() -> None:
 # ---------------------------------------------------------------- kernels over an in-process pipe
 
 
-def run_over_threads(plan: bench.Plan) -> list[SizeResult]:
+def run_over_threads(plan: Plan) -> list[SizeResult]:
     """Both ranks of ``plan`` as two threads on a multiprocessing.Pipe; rank 0's results."""
-    a, b = bench.mp_pipe_pair()
-    peer = threading.Thread(target=bench.run_plan, args=(bench.Endpoint(b, "pipe"), plan))
+    a, b = mp_pipe_pair()
+    peer = threading.Thread(target=run_plan, args=(Endpoint(b, "pipe"), plan))
     peer.start()
-    results = bench.run_plan(bench.Endpoint(a, "pipe"), plan)
+    results = run_plan(Endpoint(a, "pipe"), plan)
     peer.join(timeout=30)
     a.close()
     b.close()
@@ -436,15 +480,15 @@ def run_over_threads(plan: bench.Plan) -> list[SizeResult]:
     return results
 
 
-@pytest.mark.parametrize("kind", util.KINDS)
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("cold", [False, True])
 def test_kernels_over_threads(kind: str, cold: bool) -> None:
     """Both ranks of every kernel, as two threads on a multiprocessing.Pipe."""
-    plan = bench.build_plan(kind, [8, 64], window=4, cold=cold, quick=True,
+    plan = build_plan(kind, [8, 64], window=4, cold=cold, quick=True,
                             iterations=5, warmup=2)
     results = run_over_threads(plan)
     assert [(r.size, r.iterations, len(r.samples_ns)) for r in results] == [(8, 5, 5), (64, 5, 5)]
-    assert results[0].messages_per_sample == util.messages_per_sample(kind, 4)
+    assert results[0].messages_per_sample == messages_per_sample(kind, 4)
     assert all(ns > 0 for r in results for ns in r.samples_ns)
     assert results[0].stats == []
 
@@ -488,14 +532,14 @@ class Recording:
 
 
 def run_form(comm: Any, flavor: str, kind: str, form: str, size: int,
-             waitall: str = "each") -> bench._Buffers:
+             waitall: str = "each") -> _Buffers:
     """One rank of ``kind`` passing ``form`` buffers, sending ``pattern(size, rank)``; checks
     what every payload call was given and returns the buffers."""
     recording = Recording(comm)
-    ep = bench.Endpoint(recording, flavor, waitall)
-    bufs = bench.make_buffers(size, form)
+    ep = Endpoint(recording, flavor, waitall)
+    bufs = make_buffers(size, form)
     memoryview(bufs.send)[:] = pattern(size, ep.rank)
-    bench.kernel_for(kind, form)(ep, bufs, FORM_ITERATIONS, False, FORM_WINDOW)
+    kernel_for(kind, form)(ep, bufs, FORM_ITERATIONS, False, FORM_WINDOW)
     payload = [buf for buf in recording.buffers if buf is not bufs.ack]
     assert len(payload) == FORM_ITERATIONS * (2 if kind == "latency" else FORM_WINDOW)
     if form.startswith("spec"):
@@ -519,7 +563,7 @@ def run_form_rank1(comm: cma.Comm, kind: str, form: str) -> list[bytes]:
 
 
 @pytest.mark.timeout(60)  # a healthy run takes well under a second
-@pytest.mark.parametrize("form", list(bench.BUFFER_FORMS))
+@pytest.mark.parametrize("form", list(BUFFER_FORMS))
 @pytest.mark.parametrize("kind", FORM_KINDS)
 def test_buffer_forms_deliver_the_senders_bytes(peer: Peer, kind: str, form: str) -> None:
     """Every --buffer form through every transport: each call gets the form (a spec list
@@ -542,57 +586,57 @@ def fake_mpi(monkeypatch: pytest.MonkeyPatch) -> types.SimpleNamespace:
 def test_waitall_mpi_is_mpis_waitall_for_cma_mpi(monkeypatch: pytest.MonkeyPatch) -> None:
     mpi = fake_mpi(monkeypatch)
     rank0 = types.SimpleNamespace(rank=0)
-    assert bench.Endpoint(rank0, "cma.mpi").waitall is bench._wait_each
-    assert bench.Endpoint(rank0, "cma.mpi", "mpi").waitall is mpi.Request.Waitall
-    assert bench.Endpoint(rank0, "mpi", "each").waitall is mpi.Request.Waitall
-    assert bench.Endpoint(rank0, "cma.mpi").byte is mpi.BYTE
-    cma_ep = bench.Endpoint(rank0, "cma", "mpi")  # no MPI there: --waitall mpi is ignored
+    assert Endpoint(rank0, "cma.mpi").waitall is _wait_each
+    assert Endpoint(rank0, "cma.mpi", "mpi").waitall is mpi.Request.Waitall
+    assert Endpoint(rank0, "mpi", "each").waitall is mpi.Request.Waitall
+    assert Endpoint(rank0, "cma.mpi").byte is mpi.BYTE
+    cma_ep = Endpoint(rank0, "cma", "mpi")  # no MPI there: --waitall mpi is ignored
     assert (cma_ep.waitall, cma_ep.byte) == (cma.Request.Waitall, "B")
-    plan = bench.build_plan("bw", [8], window=4, cold=False, quick=True, iterations=1, warmup=0)
-    runner = bench.WorldRunner(replace(plan, waitall="mpi"), lambda: rank0, "cma.mpi")
+    plan = build_plan("bw", [8], window=4, cold=False, quick=True, iterations=1, warmup=0)
+    runner = WorldRunner(replace(plan, waitall="mpi"), lambda: rank0, "cma.mpi")
     runner.open(plan.sizes)
     assert runner.ep.waitall is mpi.Request.Waitall
 
 
 def test_each_series_runs_with_its_buffer_form_and_the_waitall_asked(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    plans: dict[str, bench.Plan] = {}
+    plans: dict[str, Plan] = {}
 
-    class PlanRunner(bench.Runner):
-        def __init__(self, plan: bench.Plan, name: str) -> None:
+    class PlanRunner(Runner):
+        def __init__(self, plan: Plan, name: str) -> None:
             super().__init__(plan)
             plans[name] = plan
 
-        def run_size(self, sp: bench.SizePlan) -> SizeResult:
+        def run_size(self, sp: SizePlan) -> SizeResult:
             return fake_result(sp.size, 1.0)
 
-    def spec(name: str, form: str | None) -> bench.SeriesSpec:
-        return bench.SeriesSpec(name, "transport", "world", lambda plan: PlanRunner(plan, name),
+    def spec(name: str, form: str | None) -> SeriesSpec:
+        return SeriesSpec(name, "transport", "world", lambda plan: PlanRunner(plan, name),
                                 buffer=form)
 
     specs = [spec("mp-pipe", None), spec("cma.mpi[numpy]", "numpy"),
              spec("cma.mpi[spec-bytearray]", "spec-bytearray")]
-    monkeypatch.setattr(bench, "select_series", lambda *args: (specs, []))
+    monkeypatch.setattr(cma.bench.cli, "select_series", lambda *args: (specs, []))
     argv = ["bw", "--max-size", "8", "--no-bind", "--waitall", "mpi", "--json", os.devnull]
-    assert bench.main(argv) == 0
+    assert main(argv) == 0
     assert {name: (plan.buffer, plan.waitall) for name, plan in plans.items()} == {
         "mp-pipe": ("numpy", "mpi"), "cma.mpi[numpy]": ("numpy", "mpi"),
         "cma.mpi[spec-bytearray]": ("spec-bytearray", "mpi")}
-    assert bench.WAITALL_NOTE in capsys.readouterr().out
+    assert WAITALL_NOTE in capsys.readouterr().out
 
 
 def test_waitall_mpi_needs_an_mpi_series(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["bw", "--transport", "shm", "--baseline", "memcpy", "--waitall", "mpi", "--no-bind"]
-    assert bench.main(argv) == 2
+    assert main(argv) == 2
     assert "--waitall mpi changes only how the MPI series" in capsys.readouterr().err
-    assert bench.WAITALL_NOTE not in bench.report("bw", fake_series(), "table")
-    assert bench.WAITALL_NOTE in bench.report("bw", fake_series(), "table", "mpi")
+    assert WAITALL_NOTE not in report("bw", fake_series(), "table")
+    assert WAITALL_NOTE in report("bw", fake_series(), "table", "mpi")
 
 
 def test_memcpy_baseline() -> None:
-    plan = bench.build_plan("memcpy", [8, MIB], window=64, cold=True, quick=True,
+    plan = build_plan("memcpy", [8, MIB], window=64, cold=True, quick=True,
                             iterations=3, warmup=1)
-    results = [bench.memcpy_size(plan, sp) for sp in plan.sizes]
+    results = [memcpy_size(plan, sp) for sp in plan.sizes]
     assert [(r.size, len(r.samples_ns), r.messages_per_sample) for r in results] == [
         (8, 3, 1), (MIB, 3, 1)]
 
@@ -600,10 +644,10 @@ def test_memcpy_baseline() -> None:
 @pytest.mark.parametrize("completed", [True, False])
 def test_peer_process_is_ended(completed: bool) -> None:
     """A session that ran every size lets the child finish; one cut short kills it."""
-    plan = bench.build_plan("latency", [8, 16], window=64, cold=False, quick=True,
+    plan = build_plan("latency", [8, 16], window=64, cold=False, quick=True,
                             iterations=10, warmup=1)
     before = set(multiprocessing.active_children())
-    runner = bench.PeerRunner(plan, bench.mp_pipe_pair, "pipe")
+    runner = PeerRunner(plan, mp_pipe_pair, "pipe")
     try:
         runner.open(plan.sizes)
         result = runner.run_size(plan.sizes[0])
@@ -616,22 +660,22 @@ def test_peer_process_is_ended(completed: bool) -> None:
     assert runner.proc is not None and runner.proc.exitcode == (0 if completed else -9)
 
 
-class FakeRunner(bench.Runner):
+class FakeRunner(Runner):
     """Every size of series ``name`` takes ``one_way_us``; ``ran`` records each step."""
 
-    def __init__(self, plan: bench.Plan, name: str, one_way_us: float,
+    def __init__(self, plan: Plan, name: str, one_way_us: float,
                  ran: list[tuple[str, int]]) -> None:
         super().__init__(plan)
         self.name, self.one_way_us, self.ran = name, one_way_us, ran
 
-    def run_size(self, sp: bench.SizePlan) -> SizeResult:
+    def run_size(self, sp: SizePlan) -> SizeResult:
         self.ran.append((self.name, sp.size))
         return fake_result(sp.size, self.one_way_us)
 
 
-def fake_specs(ran: list[tuple[str, int]]) -> list[bench.SeriesSpec]:
-    def spec(name: str, one_way_us: float) -> bench.SeriesSpec:
-        return bench.SeriesSpec(name, "transport", "local",
+def fake_specs(ran: list[tuple[str, int]]) -> list[SeriesSpec]:
+    def spec(name: str, one_way_us: float) -> SeriesSpec:
+        return SeriesSpec(name, "transport", "local",
                                 lambda plan: FakeRunner(plan, name, one_way_us, ran))
 
     return [spec("a", 1.0), spec("b", 2.0), spec("c", 3.0), spec("d", 4.0)]
@@ -640,8 +684,8 @@ def fake_specs(ran: list[tuple[str, int]]) -> list[bench.SeriesSpec]:
 def test_rounds_vary_the_order_and_merge_them(monkeypatch: pytest.MonkeyPatch,
                                                 capsys: pytest.CaptureFixture[str]) -> None:
     ran: list[tuple[str, int]] = []
-    monkeypatch.setattr(bench, "select_series", lambda *args: (fake_specs(ran), []))
-    assert bench.main(["latency", "--rounds", "3", "--max-size", "16", "--no-bind"]) == 0
+    monkeypatch.setattr(cma.bench.cli, "select_series", lambda *args: (fake_specs(ran), []))
+    assert main(["latency", "--rounds", "3", "--max-size", "16", "--no-bind"]) == 0
     # each series over every size (8, 16) before the next
     assert [name for name, size in ran if size == 16] == [name for name, _ in ran[::2]]
     assert [name for name, _ in ran[::2]] == [
@@ -655,8 +699,8 @@ def test_rounds_vary_the_order_and_merge_them(monkeypatch: pytest.MonkeyPatch,
 
 
 def test_schedule_holds_every_step_once_in_either_order() -> None:
-    plain = util.schedule(3, 4, 2, interleave=False)
-    mixed = util.schedule(3, 4, 2, interleave=True)
+    plain = schedule(3, 4, 2, interleave=False)
+    mixed = schedule(3, 4, 2, interleave=True)
     steps = [step for session in plain for step in session]
     assert sorted(steps) == sorted(mixed[0]) == sorted(
         (i, r, k) for i in range(3) for r in range(2) for k in range(4))
@@ -667,18 +711,18 @@ def test_schedule_holds_every_step_once_in_either_order() -> None:
     assert len(mixed) == 1
     assert [k for _, _, k in mixed[0]] == sorted(k for _, _, k in mixed[0])
     assert [(i, r) for i, r, k in mixed[0] if k == 0] == [
-        (i, r) for r in range(2) for i in util.round_order(3, r)]
+        (i, r) for r in range(2) for i in round_order(3, r)]
 
 
 def test_interleave_runs_every_series_at_a_size_before_the_next(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     ran: list[tuple[str, int]] = []
     opened: list[list[int]] = []
-    monkeypatch.setattr(bench, "select_series", lambda *args: (fake_specs(ran), []))
+    monkeypatch.setattr(cma.bench.cli, "select_series", lambda *args: (fake_specs(ran), []))
     monkeypatch.setattr(FakeRunner, "open",
                         lambda self, sizes: opened.append([sp.size for sp in sizes]))
     argv = ["latency", "--rounds", "2", "--max-size", "16", "--no-bind", "--interleave"]
-    assert bench.main(argv) == 0
+    assert main(argv) == 0
     assert [size for _, size in ran] == [8] * 8 + [16] * 8
     assert [name for name, _ in ran[:8]] == ["a", "b", "d", "c", "b", "c", "a", "d"]
     assert opened == [[8, 8, 16, 16]] * 4  # one peer per series for the whole run
@@ -691,7 +735,7 @@ def test_a_series_that_fails_midway_is_reported_and_the_others_go_on(
     ran: list[tuple[str, int]] = []
     closed: list[tuple[str, bool]] = []
 
-    def run_size(self: FakeRunner, sp: bench.SizePlan) -> SizeResult:
+    def run_size(self: FakeRunner, sp: SizePlan) -> SizeResult:
         if (self.name, sp.size) == ("b", 16):
             raise RuntimeError("peer lost")
         self.ran.append((self.name, sp.size))
@@ -700,10 +744,10 @@ def test_a_series_that_fails_midway_is_reported_and_the_others_go_on(
     monkeypatch.setattr(FakeRunner, "run_size", run_size)
     monkeypatch.setattr(FakeRunner, "close",
                         lambda self, completed: closed.append((self.name, completed)))
-    monkeypatch.setattr(bench, "select_series", lambda *args: (fake_specs(ran), []))
+    monkeypatch.setattr(cma.bench.cli, "select_series", lambda *args: (fake_specs(ran), []))
     argv = ["latency", "--rounds", "2", "--max-size", "16", "--no-bind", "--interleave",
             "--json", os.devnull]
-    assert bench.main(argv) == 1  # a failed series fails the run
+    assert main(argv) == 1  # a failed series fails the run
     assert [name for name, size in ran if size == 16] == ["a", "d", "c", "c", "a", "d"]
     assert ("b", False) in closed and sorted(closed) == [
         ("a", True), ("b", False), ("c", True), ("d", True)]
@@ -715,12 +759,12 @@ def run_guarded(monkeypatch: pytest.MonkeyPatch, ratios: list[float], guard: flo
                 sizes: list[int]) -> list[SizeResult]:
     """A latency plan under --guard over two threads, the probe replaced by ``ratios``."""
     probe = iter(ratios)
-    monkeypatch.setattr(bench, "handoff_ratio", lambda cpus: next(probe))
-    monkeypatch.setattr(bench, "GUARD_PAUSE", 0.01)
-    monkeypatch.setattr(bench, "PROBE_PEER_SLEEP", 0.0)
-    plan = bench.build_plan("latency", sizes, window=4, cold=False, quick=True,
+    monkeypatch.setattr(cma.bench.guard, "handoff_ratio", lambda cpus: next(probe))
+    monkeypatch.setattr(cma.bench.guard, "GUARD_PAUSE", 0.01)
+    monkeypatch.setattr(cma.bench.guard, "PROBE_PEER_SLEEP", 0.0)
+    plan = build_plan("latency", sizes, window=4, cold=False, quick=True,
                             iterations=5, warmup=1)
-    results = run_over_threads(bench.replace(plan, guard=guard, guard_cpus=(0, 1)))
+    results = run_over_threads(replace(plan, guard=guard, guard_cpus=(0, 1)))
     assert next(probe, None) is None, "fewer probes than scripted"
     return results
 
@@ -732,23 +776,23 @@ def test_guard_waits_for_a_quiet_machine_and_redoes_a_loop_that_ended_slow(
         monkeypatch, [slow, slow, quiet, slow, quiet, quiet, quiet, quiet], 60.0, [8, 64])
     assert first.probes == [slow, slow, quiet, slow, quiet, quiet]
     assert len(first.redone_us) == 1 and first.redone_us[0] > 0
-    assert first.waited_s >= 2 * bench.GUARD_PAUSE
+    assert first.waited_s >= 2 * cma.bench.guard.GUARD_PAUSE
     assert len(first.samples_ns) == 5  # the kept loop only
     assert (second.probes, second.redone_us, second.waited_s) == ([quiet, quiet], [], 0.0)
 
 
 def test_guard_gives_up_waiting_and_redoing(monkeypatch: pytest.MonkeyPatch) -> None:
     """A machine that stays slow: one probe past the time limit, GUARD_REDO redos, no more."""
-    (result,) = run_guarded(monkeypatch, [2.0] * (2 + 2 * bench.GUARD_REDO), 1e-9, [8])
-    assert len(result.redone_us) == bench.GUARD_REDO
-    assert len(result.probes) == 2 + 2 * bench.GUARD_REDO
+    (result,) = run_guarded(monkeypatch, [2.0] * (2 + 2 * GUARD_REDO), 1e-9, [8])
+    assert len(result.redone_us) == GUARD_REDO
+    assert len(result.probes) == 2 + 2 * GUARD_REDO
     assert len(result.samples_ns) == 5
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the probe needs two CPUs")
 def test_handoff_probe_measures_a_ratio() -> None:
     cpus = sorted(os.sched_getaffinity(0))[:2]
-    assert 0.2 < bench.handoff_ratio(cpus) < 20
+    assert 0.2 < handoff_ratio(cpus) < 20
 
 
 def test_guard_report_and_merged_rounds() -> None:
@@ -756,13 +800,13 @@ def test_guard_report_and_merged_rounds() -> None:
     waited.waited_s, waited.probes, waited.redone_us = 3.0, [2.0, 1.0, 1.9, 1.1], [9.5]
     quiet = fake_result(8, 1.0)
     quiet.probes = [1.0, 1.0]
-    merged = util.merge_rounds([waited, quiet])
+    merged = merge_rounds([waited, quiet])
     assert (merged.waited_s, merged.probes, merged.redone_us) == (
         3.0, [2.0, 1.0, 1.9, 1.1, 1.0, 1.0], [9.5])
-    text = util.format_guard([Series("shm", "transport", results=[merged])])
+    text = format_guard([Series("shm", "transport", results=[merged])])
     assert "waited 3 s in all for a quiet machine before 1 of them; slowest probe 2.00x" in text
     assert "shm 8 B: 9.50 -> 1.00 us" in text
-    assert util.format_guard([Series("shm", "transport", results=[fake_result(8, 1.0)])]) == ""
+    assert format_guard([Series("shm", "transport", results=[fake_result(8, 1.0)])]) == ""
 
 
 def predecessors(orders: list[list[int]]) -> dict[int, list[int]]:
@@ -776,7 +820,7 @@ def predecessors(orders: list[list[int]]) -> dict[int, list[int]]:
 
 @pytest.mark.parametrize("count", range(1, 10))
 def test_round_order_varies_what_runs_first_and_what_runs_before(count: int) -> None:
-    rounds = [util.round_order(count, r) for r in range(count)]
+    rounds = [round_order(count, r) for r in range(count)]
     assert all(sorted(order) == list(range(count)) for order in rounds)
     assert len({order[0] for order in rounds}) == count
     repeats = max((max(map(ran.count, ran)) for ran in predecessors(rounds).values()), default=1)
@@ -785,14 +829,14 @@ def test_round_order_varies_what_runs_first_and_what_runs_before(count: int) -> 
 
 def test_round_order_of_the_usual_run_never_repeats_a_predecessor() -> None:
     """cma-bench under mpiexec: 7 series (memcpy, mpi4py, 4 transports, cma.mpi), 3 rounds."""
-    before = predecessors([util.round_order(7, r) for r in range(3)])
+    before = predecessors([round_order(7, r) for r in range(3)])
     assert all(len(set(ran)) == len(ran) for ran in before.values())
 
 
 def test_rounds_must_be_positive() -> None:
-    assert bench.parse_args(["latency"]).rounds == 1
+    assert parse_args(["latency"]).rounds == 1
     with pytest.raises(SystemExit):
-        bench.parse_args(["latency", "--rounds", "0"])
+        parse_args(["latency", "--rounds", "0"])
 
 
 # ---------------------------------------------------------------- end to end
@@ -903,9 +947,9 @@ def mpi_forms_job() -> None:
     world = MPI.COMM_WORLD
     rank = world.Get_rank()
     for flavor, comm in (("mpi", world), ("cma.mpi", cma_mpi.Comm(world))):
-        for waitall in bench.WAITALL_MODES:
+        for waitall in WAITALL_MODES:
             for kind in FORM_KINDS:
-                for form in bench.BUFFER_FORMS:
+                for form in BUFFER_FORMS:
                     for size in FORM_SIZES:
                         got = bytes(run_form(comm, flavor, kind, form, size, waitall).recv)
                         assert got == expected(kind, rank, size), (flavor, waitall, kind, form, size)
@@ -932,4 +976,4 @@ def test_cli_mpi_series_with_buffer_forms_and_waitall(tmp_path: Path) -> None:
     assert [(s["name"], s["status"]) for s in doc["series"]] == [
         ("mpi4py[numpy]", "ok"), ("mpi4py[spec]", "ok"), ("cma.mpi[numpy]", "ok"),
         ("cma.mpi[spec]", "ok")]
-    assert bench.WAITALL_NOTE in stdout and "bw/mpi4py[numpy]" in stdout
+    assert WAITALL_NOTE in stdout and "bw/mpi4py[numpy]" in stdout

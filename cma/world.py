@@ -58,6 +58,11 @@ class WorldFds:
     doorbells: list[int]
     config: ChannelConfig = field(default_factory=ChannelConfig)
 
+    def __post_init__(self) -> None:
+        # Fds that came through pass_fds (cma-run), spawn or SCM_RIGHTS may be inheritable:
+        # a program this process starts must not get the world's memory and doorbells.
+        _linux.close_on_exec(self.inheritable())
+
     @classmethod
     def create(cls, size: int, config: ChannelConfig | None = None) -> WorldFds:
         config = config or ChannelConfig()
@@ -88,6 +93,9 @@ class WorldFds:
             return fds, int(rank)
         except ValueError as exc:
             raise CmaError(f"malformed {ENV_WORLD}={text!r}: start the program with cma-run") from exc
+        except OSError as exc:
+            raise CmaError(f"the fds named by {ENV_WORLD}={text!r} are not open here ({exc.strerror}): "
+                           "start the program with cma-run, which passes them") from exc
 
     def inheritable(self) -> list[int]:
         return [self.memfd, *self.doorbells]
@@ -253,7 +261,7 @@ class World:
             try:
                 sock.connect(self._address(peer))
                 sock.sendall(name.encode())
-                msg, fds, _, _ = socket.recv_fds(sock, 256, 1)
+                msg, fds = _linux.recv_fds(sock, 256, 1)
             except OSError as exc:
                 raise PeerGone(f"rank {peer} did not answer a request for its {name!r} fd: {exc}") from exc
             if not fds:

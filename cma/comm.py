@@ -19,6 +19,7 @@ import os
 import pickle
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -412,6 +413,9 @@ class Comm:
         self._looped = (0, 0)  # eager messages and bytes sent to ourselves
         self._buffered: list[SendOp] = []  # Bsend's rendezvous messages, sent from copies
         self._control_syscalls = 0
+        # An end this process never attaches (the one handed to a child) closes its fds when
+        # it is garbage-collected, as multiprocessing's Connection does; see Pipe().
+        self._release_unused = weakref.finalize(self, fds.close)
 
     # -- mpi4py-style accessors
 
@@ -444,6 +448,7 @@ class Comm:
     def _attach(self) -> None:
         if self._closed:
             raise CmaError("communicator is closed")
+        self._release_unused.detach()  # attached: close() releases everything
         world = World(self._fds, self.rank)
         self._world = world
         names = REGISTRY.practical() if self._transport_name == AUTO else [self._transport_name]
@@ -1521,6 +1526,13 @@ def Pipe(transport: str = AUTO, *, config: ChannelConfig | None = None,
 
     Hand one end to a ``multiprocessing.Process`` (fork or spawn). Each end attaches on
     first use; the first operation waits until the other end is in use too.
+
+    Each end holds 3 fds of its own (the segment and two doorbells). The end a process
+    hands to a child and never uses itself is released when it is garbage-collected, as a
+    ``multiprocessing.Connection`` is, so forgetting to close it leaks nothing. Closing
+    one end does not close the other in the same process: the pattern "start a child
+    with ``a``, close ``a``, then start another with ``b``" must keep working. An end
+    that attached is released by ``close()`` (or a ``with`` block).
     """
     fds = WorldFds.create(2, config)
     a = Comm(fds, 0, transport, thresholds, **options)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import selectors
 import socket
 import threading
 import time
@@ -46,6 +47,9 @@ CONNECT_TIMEOUT = float(os.environ.get("CMA_CONNECT_TIMEOUT", "60"))
 PHASE_PUBLISHED = 1  # pid and server are up
 PHASE_PROBED = 2  # reach masks towards every peer are written
 PHASE_CLOSED = 3  # reads its rings no more
+# The fd server drops a connection that has not sent its request by then: a peer sends
+# it at once, and a silent client must not hold on to a socket for long.
+REQUEST_SECONDS = 2.0
 
 
 @dataclass
@@ -225,35 +229,85 @@ class World:
         self._server_thread.start()
 
     def _serve(self) -> None:
+        """Answer fd requests, never waiting on one client: a silent or slow one is dropped
+        after REQUEST_SECONDS while others are served, and bad ones are refused quietly."""
         server = self._server
         assert server is not None
-        while True:
-            try:
-                conn, _ = server.accept()
-            except OSError:
-                return  # closed
-            with conn:
-                try:
-                    self._answer(conn)
-                except OSError:
-                    pass  # the asker went away; nothing to clean up
+        waiting: dict[socket.socket, float] = {}  # accepted connection -> when it is dropped
+        # poll, not epoll: close()'s shutdown of the listener did not wake an epoll wait
+        # here (every close then waited out its 5 s join); poll wakes at once
+        with selectors.PollSelector() as selector:
+            selector.register(server, selectors.EVENT_READ)
+            while True:
+                now = time.monotonic()
+                for conn in [c for c, drop_at in waiting.items() if drop_at <= now]:
+                    selector.unregister(conn)
+                    del waiting[conn]
+                    conn.close()
+                timeout = min(waiting.values(), default=now + 3600) - now
+                for key, _ in selector.select(max(timeout, 0.0)):
+                    if key.fileobj is server:
+                        try:
+                            conn, _ = server.accept()
+                        except OSError:
+                            for conn in waiting:
+                                conn.close()
+                            return  # closed
+                        if self._admit(conn):
+                            selector.register(conn, selectors.EVENT_READ, conn)
+                            waiting[conn] = time.monotonic() + REQUEST_SECONDS
+                        continue
+                    conn = key.data
+                    selector.unregister(conn)
+                    del waiting[conn]
+                    with conn:
+                        self._answer(conn)
+
+    def _admit(self, conn: socket.socket) -> bool:
+        """Whether ``conn`` comes from a peer of this world owned by our user (SO_PEERCRED);
+        anyone else is refused before the server reads a byte from it."""
+        conn.setblocking(False)
+        try:
+            pid, uid, _ = _linux.peer_credentials(conn)
+        except OSError:
+            conn.close()
+            return False
+        peers = {self.pid_of(r) for r in range(self.size) if r != self.rank}
+        if uid == os.getuid() and pid in peers:
+            return True
+        self._reply(conn, b"refused: not a process of this world owned by the same user")
+        conn.close()
+        return False
 
     def _answer(self, conn: socket.socket) -> None:
-        pid, uid, _ = _linux.peer_credentials(conn)
-        name = conn.recv(256).decode()
-        peers = {self.pid_of(r) for r in range(self.size) if r != self.rank}
-        if uid != os.getuid() or pid not in peers:
-            conn.sendall(b"refused: not a process of this world owned by the same user")
+        try:
+            name = conn.recv(256).decode()
+        except (OSError, UnicodeDecodeError):
+            self._reply(conn, b"refused: malformed request")
             return
         opener = self._exposed.get(name)
         if opener is None:
-            conn.sendall(b"refused: nothing exposed under " + name.encode())
+            self._reply(conn, b"refused: nothing exposed under " + name.encode())
             return
-        fd = opener()
+        try:
+            fd = opener()
+        except (CmaError, OSError) as exc:
+            self._reply(conn, f"refused: {exc}".encode())
+            return
         try:
             socket.send_fds(conn, [b"ok"], [fd])
+        except OSError:
+            pass  # the asker went away
         finally:
             os.close(fd)
+
+    @staticmethod
+    def _reply(conn: socket.socket, text: bytes) -> None:
+        """Send a short refusal; a client that does not take it gets nothing more."""
+        try:
+            conn.send(text)
+        except OSError:
+            pass
 
     def fetch_fd(self, peer: int, name: str) -> int:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:

@@ -29,6 +29,7 @@ from typing import Any
 
 from . import _linux
 from .channel import (
+    LAUNCHED,
     PHASE,
     PID,
     PREAMBLE_WORDS,
@@ -105,6 +106,20 @@ class WorldFds:
         return [self.memfd, *self.doorbells]
 
 
+def announce(fds: WorldFds, rank: int, pid: int) -> None:
+    """Record ``pid`` as the process that is to attach ``rank`` (0: no longer known).
+
+    Whoever starts that process knows its pid before it attaches (``cma-run``; a process
+    that unpickles an end is the one that will use it), so its peers can tell an exit
+    before connecting from a slow start instead of waiting for the connect timeout.
+    """
+    word = PREAMBLE_WORDS + rank * RANK_BLOCK_WORDS + LAUNCHED
+    with _linux.map_shared(fds.memfd, fds.config.header_bytes(fds.size)) as mm:
+        header = memoryview(mm).cast("q")
+        header[word] = pid
+        header.release()
+
+
 class PeerLink:
     """What transports may know about one peer (see ``transports.base.Peer``)."""
 
@@ -140,6 +155,8 @@ class World:
         self.outboxes, self.inboxes = pair_views(self.mm, self.size, rank, fds.config, sleeping)
         self._sleeping_views = sleeping
         self.pidfds: list[int] = [-1] * self.size
+        # while connecting: (pid, pidfd) of the process started to attach a late rank
+        self._launched: dict[int, tuple[int, int]] = {}
         self._exposed: dict[str, Callable[[], int]] = {}
         self._server: socket.socket | None = None
         self._server_thread: threading.Thread | None = None
@@ -174,6 +191,7 @@ class World:
             self.header[self._reach_word(self.rank, peer)] = mask
         self.header[self._word(self.rank, PHASE)] = PHASE_PROBED
         self._await_phase(PHASE_PROBED)
+        self._forget_launched()
 
     def _watch(self, rank: int) -> int:
         """The pidfd of ``rank``'s published pid, opened once (it reports the exit)."""
@@ -185,6 +203,33 @@ class World:
                 raise PeerGone(f"rank {rank} (pid {pid}) exited while connecting") from exc
         return self.pidfds[rank]
 
+    def _launched_pidfd(self, rank: int) -> tuple[int, int]:
+        """(pid, pidfd) of the process announced to attach ``rank``; (0, -1) if none is known."""
+        pid = self.header[self._word(rank, LAUNCHED)]
+        known = self._launched.get(rank)
+        if known is not None and known[0] != pid:
+            _linux.close_fd(known[1])
+            del self._launched[rank]
+            known = None
+        if not pid or pid == os.getpid():
+            return 0, -1
+        if known is None:
+            try:
+                known = (pid, _linux.pidfd_open(pid))
+            except PeerGone as exc:
+                raise self._gone_before_connecting(rank, pid) from exc
+            self._launched[rank] = known
+        return known
+
+    def _gone_before_connecting(self, rank: int, pid: int) -> PeerGone:
+        return PeerGone(f"rank {rank} (pid {pid}) exited before connecting: the process started "
+                        "to use that end of the world never attached it")
+
+    def _forget_launched(self) -> None:
+        for _, pidfd in self._launched.values():
+            _linux.close_fd(pidfd)
+        self._launched.clear()
+
     def _await_phase(self, phase: int) -> None:
         deadline = time.monotonic() + CONNECT_TIMEOUT
         pause = 1e-5
@@ -193,15 +238,33 @@ class World:
             if not late:
                 return
             for r in late:
-                if self.pid_of(r) and not _linux.process_alive(self._watch(r)):
-                    raise PeerGone(f"rank {r} (pid {self.pid_of(r)}) exited while connecting")
+                if self.pid_of(r):
+                    if not _linux.process_alive(self._watch(r)):
+                        raise PeerGone(f"rank {r} (pid {self.pid_of(r)}) exited while connecting")
+                    continue
+                pid, pidfd = self._launched_pidfd(r)
+                if pidfd >= 0 and not _linux.process_alive(pidfd):
+                    raise self._gone_before_connecting(r, pid)
             if time.monotonic() > deadline:
-                raise CmaError(
-                    f"rank {self.rank}: ranks {late} did not connect within {CONNECT_TIMEOUT:.0f} s "
-                    "(every process must use its communicator; CMA_CONNECT_TIMEOUT sets the limit)"
-                )
+                raise CmaError(self._late_message(late))
             time.sleep(pause)
             pause = min(pause * 2, 0.005)
+
+    def _late_message(self, late: list[int]) -> str:
+        never = [r for r in late if not self.pid_of(r)]
+        started = [f"{r} (pid {self.pid_of(r)})" for r in late if self.pid_of(r)]
+        parts = []
+        if never:
+            parts.append(
+                f"rank{'s' if len(never) > 1 else ''} {', '.join(map(str, never))} never connected: "
+                "no process attached that end, and no pid of one was known here, so its exit "
+                "could not be told apart from a slow start"
+            )
+        if started:
+            parts.append(f"rank{'s' if len(started) > 1 else ''} {', '.join(started)} attached but "
+                         "did not finish connecting")
+        return (f"rank {self.rank}: within {CONNECT_TIMEOUT:.0f} s, {'; '.join(parts)} (every "
+                "process must use its communicator; CMA_CONNECT_TIMEOUT sets the limit)")
 
     # -- fd exposure (SCM_RIGHTS over an abstract Unix socket, same user and same world only)
 
@@ -365,6 +428,7 @@ class World:
             self._server = None
             if self._server_thread is not None:
                 self._server_thread.join(timeout=5)
+        self._forget_launched()
         for i, fd in enumerate(self.pidfds):
             if fd >= 0:
                 os.close(fd)

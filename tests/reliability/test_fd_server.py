@@ -35,7 +35,10 @@ def ask(address: str, request: bytes) -> tuple[bytes, list[int]]:
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(10)
         sock.connect(address)
-        sock.sendall(request)
+        try:
+            sock.sendall(request)
+        except BrokenPipeError:
+            pass  # refused at accept: the refusal is already waiting to be read
         return _linux.recv_fds(sock, 256, 1)
 
 

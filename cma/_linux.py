@@ -7,6 +7,7 @@ here, so the layers above never see a bare ``OSError`` from a system call.
 
 from __future__ import annotations
 
+import array
 import ctypes
 import ctypes.util
 import errno
@@ -92,6 +93,28 @@ def pidfd_open(pid: int) -> int:
 
 def process_alive(pidfd: int) -> bool:
     return not wait_readable([pidfd], 0)
+
+
+def recv_fds(sock: socket.socket, bufsize: int, maxfds: int) -> tuple[bytes, list[int]]:
+    """``socket.recv_fds``, but the fds arrive close-on-exec (MSG_CMSG_CLOEXEC).
+
+    ``socket.recv_fds`` leaves them inheritable, so a program the process starts later
+    with ``close_fds=False`` would get them; for a /proc/PID/mem fd that is a whole
+    address space. With the flag no moment exists in which they are inheritable.
+    """
+    fds = array.array("i")
+    msg, ancdata, _, _ = sock.recvmsg(bufsize, socket.CMSG_SPACE(maxfds * fds.itemsize),
+                                      socket.MSG_CMSG_CLOEXEC)
+    for level, kind, data in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+    return msg, list(fds)
+
+
+def close_on_exec(fds: Sequence[int]) -> None:
+    """Mark ``fds`` close-on-exec (fds inherited through ``pass_fds`` or spawn are not)."""
+    for fd in fds:
+        os.set_inheritable(fd, False)
 
 
 def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:

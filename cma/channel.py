@@ -65,6 +65,7 @@ RANK_BLOCK_WORDS = 16
 PID = 0  # words within a rank block
 SLEEPING = 1
 PHASE = 2
+LAUNCHED = 3  # the pid of the process started to attach this rank, when its starter knows it
 
 
 def _round_up(n: int, to: int) -> int:

@@ -19,6 +19,7 @@ import os
 import pickle
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -58,7 +59,7 @@ from .protocol import (
 )
 from .transports import REGISTRY, Region, Transport, TransportStats
 from .wire import ANY_SOURCE, ANY_TAG, BARRIER_TAG, EAGER, KIND_MASK, MORE, PROC_NULL
-from .world import ENV_TRANSPORT, ENV_WORLD, PeerLink, World, WorldFds
+from .world import ENV_TRANSPORT, ENV_WORLD, PeerLink, World, WorldFds, announce
 
 AUTO = "auto"
 # Preference for large messages under "auto": fewest copies first.
@@ -410,6 +411,10 @@ class Comm:
         self._looped = (0, 0)  # eager messages and bytes sent to ourselves
         self._buffered: list[SendOp] = []  # Bsend's rendezvous messages, sent from copies
         self._control_syscalls = 0
+        # An end this process never attaches (the one handed to a child) closes its fds when
+        # it is garbage-collected, as multiprocessing's Connection does; see Pipe().
+        self._release_unused = weakref.finalize(self, fds.close)
+        self._announced = False  # this process is recorded as the one to attach this rank
 
     # -- mpi4py-style accessors
 
@@ -432,6 +437,8 @@ class Comm:
         from multiprocessing.reduction import DupFd
 
         fds = self._fds
+        if self._announced and not self._attached:
+            self._give_up_announcement()  # it goes on to another process
         return (_rebuild_comm, (fds.world_id, fds.size, DupFd(fds.memfd),
                                 [DupFd(b) for b in fds.doorbells], fds.config.encode(),
                                 self.rank, self._transport_name, self._user_thresholds,
@@ -439,9 +446,17 @@ class Comm:
 
     # -- connect time
 
+    def _give_up_announcement(self) -> None:
+        """No longer claim to be the process that will attach this end (0: unknown)."""
+        self._announced = False
+        _announced_ends.discard(self)
+        announce(self._fds, self.rank, 0)
+
     def _attach(self) -> None:
         if self._closed:
             raise CmaError("communicator is closed")
+        self._release_unused.detach()  # attached: close() releases everything
+        _announced_ends.discard(self)
         world = World(self._fds, self.rank)
         self._world = world
         names = REGISTRY.practical() if self._transport_name == AUTO else [self._transport_name]
@@ -1491,12 +1506,32 @@ def _null_recv() -> RecvOp:
     return op
 
 
+# Ends announced by this process (see _rebuild_comm) and not attached yet.
+_announced_ends: weakref.WeakSet[Comm] = weakref.WeakSet()
+
+
 def _rebuild_comm(world_id: str, size: int, memfd: Any, doorbells: list[Any], config: str,
                   rank: int, transport: str, thresholds: dict[str, int],
                   options: dict[str, Any]) -> Comm:
     fds = WorldFds(world_id, size, memfd.detach(), [b.detach() for b in doorbells],
                    ChannelConfig.decode(config))
-    return Comm(fds, rank, transport, thresholds, **options)
+    comm = Comm(fds, rank, transport, thresholds, **options)
+    # The process that unpickles an end (a spawned child) is the one that will use it:
+    # recorded, its peers see it die before connecting instead of waiting for the timeout.
+    announce(fds, rank, os.getpid())
+    comm._announced = True
+    _announced_ends.add(comm)
+    return comm
+
+
+def _after_fork_in_parent() -> None:
+    # Parent or child may attach an end announced here: which one is unknown from now on.
+    for comm in list(_announced_ends):
+        if not comm._closed:
+            comm._give_up_announcement()
+
+
+os.register_at_fork(after_in_parent=_after_fork_in_parent)
 
 
 def Pipe(transport: str = AUTO, *, config: ChannelConfig | None = None,
@@ -1505,6 +1540,19 @@ def Pipe(transport: str = AUTO, *, config: ChannelConfig | None = None,
 
     Hand one end to a ``multiprocessing.Process`` (fork or spawn). Each end attaches on
     first use; the first operation waits until the other end is in use too.
+
+    Each end holds 3 fds of its own (the segment and two doorbells). The end a process
+    hands to a child and never uses itself is released when it is garbage-collected, as a
+    ``multiprocessing.Connection`` is, so forgetting to close it leaks nothing. Closing
+    one end does not close the other in the same process: the pattern "start a child
+    with ``a``, close ``a``, then start another with ``b``" must keep working. An end
+    that attached is released by ``close()`` (or a ``with`` block).
+
+    If a child started with ``spawn`` or ``forkserver`` exits before using its end, the
+    other end's first operation raises ``PeerGone`` naming it (the child records its pid
+    when it unpickles the end). A child started by ``fork`` cannot be told from a slow
+    one: the other end waits up to ``CMA_CONNECT_TIMEOUT`` and then says that rank never
+    connected.
     """
     fds = WorldFds.create(2, config)
     a = Comm(fds, 0, transport, thresholds, **options)

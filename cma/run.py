@@ -17,7 +17,7 @@ import time
 from collections.abc import Sequence
 
 from .channel import ChannelConfig
-from .world import ENV_TRANSPORT, ENV_WORLD, WorldFds
+from .world import ENV_TRANSPORT, ENV_WORLD, WorldFds, announce
 
 GRACE_SECONDS = 3.0
 
@@ -80,6 +80,7 @@ def launch(args: argparse.Namespace) -> int:
         for rank in range(args.n):
             env = dict(os.environ, **{ENV_WORLD: fds.to_env(rank), ENV_TRANSPORT: args.transport})
             procs.append(subprocess.Popen(args.command, env=env, pass_fds=fds.inheritable()))
+            announce(fds, rank, procs[-1].pid)  # its peers then see it exit before connecting
         fds.close()  # the ranks hold their own copies now
         deadline = None if args.timeout is None else time.monotonic() + args.timeout
         while True:

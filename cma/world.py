@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import selectors
 import socket
 import threading
 import time
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 
 from . import _linux
 from .channel import (
+    LAUNCHED,
     PHASE,
     PID,
     PREAMBLE_WORDS,
@@ -46,6 +48,9 @@ CONNECT_TIMEOUT = float(os.environ.get("CMA_CONNECT_TIMEOUT", "60"))
 PHASE_PUBLISHED = 1  # pid and server are up
 PHASE_PROBED = 2  # reach masks towards every peer are written
 PHASE_CLOSED = 3  # reads its rings no more
+# The fd server drops a connection that has not sent its request by then: a peer sends
+# it at once, and a silent client must not hold on to a socket for long.
+REQUEST_SECONDS = 2.0
 
 
 @dataclass
@@ -57,6 +62,11 @@ class WorldFds:
     memfd: int
     doorbells: list[int]
     config: ChannelConfig = field(default_factory=ChannelConfig)
+
+    def __post_init__(self) -> None:
+        # Fds that came through pass_fds (cma-run), spawn or SCM_RIGHTS may be inheritable:
+        # a program this process starts must not get the world's memory and doorbells.
+        _linux.close_on_exec(self.inheritable())
 
     @classmethod
     def create(cls, size: int, config: ChannelConfig | None = None) -> WorldFds:
@@ -88,9 +98,26 @@ class WorldFds:
             return fds, int(rank)
         except ValueError as exc:
             raise CmaError(f"malformed {ENV_WORLD}={text!r}: start the program with cma-run") from exc
+        except OSError as exc:
+            raise CmaError(f"the fds named by {ENV_WORLD}={text!r} are not open here ({exc.strerror}): "
+                           "start the program with cma-run, which passes them") from exc
 
     def inheritable(self) -> list[int]:
         return [self.memfd, *self.doorbells]
+
+
+def announce(fds: WorldFds, rank: int, pid: int) -> None:
+    """Record ``pid`` as the process that is to attach ``rank`` (0: no longer known).
+
+    Whoever starts that process knows its pid before it attaches (``cma-run``; a process
+    that unpickles an end is the one that will use it), so its peers can tell an exit
+    before connecting from a slow start instead of waiting for the connect timeout.
+    """
+    word = PREAMBLE_WORDS + rank * RANK_BLOCK_WORDS + LAUNCHED
+    with _linux.map_shared(fds.memfd, fds.config.header_bytes(fds.size)) as mm:
+        header = memoryview(mm).cast("q")
+        header[word] = pid
+        header.release()
 
 
 class PeerLink:
@@ -128,6 +155,8 @@ class World:
         self.outboxes, self.inboxes = pair_views(self.mm, self.size, rank, fds.config, sleeping)
         self._sleeping_views = sleeping
         self.pidfds: list[int] = [-1] * self.size
+        # while connecting: (pid, pidfd) of the process started to attach a late rank
+        self._launched: dict[int, tuple[int, int]] = {}
         self._exposed: dict[str, Callable[[], int]] = {}
         self._server: socket.socket | None = None
         self._server_thread: threading.Thread | None = None
@@ -162,6 +191,7 @@ class World:
             self.header[self._reach_word(self.rank, peer)] = mask
         self.header[self._word(self.rank, PHASE)] = PHASE_PROBED
         self._await_phase(PHASE_PROBED)
+        self._forget_launched()
 
     def _watch(self, rank: int) -> int:
         """The pidfd of ``rank``'s published pid, opened once (it reports the exit)."""
@@ -173,6 +203,33 @@ class World:
                 raise PeerGone(f"rank {rank} (pid {pid}) exited while connecting") from exc
         return self.pidfds[rank]
 
+    def _launched_pidfd(self, rank: int) -> tuple[int, int]:
+        """(pid, pidfd) of the process announced to attach ``rank``; (0, -1) if none is known."""
+        pid = self.header[self._word(rank, LAUNCHED)]
+        known = self._launched.get(rank)
+        if known is not None and known[0] != pid:
+            _linux.close_fd(known[1])
+            del self._launched[rank]
+            known = None
+        if not pid or pid == os.getpid():
+            return 0, -1
+        if known is None:
+            try:
+                known = (pid, _linux.pidfd_open(pid))
+            except PeerGone as exc:
+                raise self._gone_before_connecting(rank, pid) from exc
+            self._launched[rank] = known
+        return known
+
+    def _gone_before_connecting(self, rank: int, pid: int) -> PeerGone:
+        return PeerGone(f"rank {rank} (pid {pid}) exited before connecting: the process started "
+                        "to use that end of the world never attached it")
+
+    def _forget_launched(self) -> None:
+        for _, pidfd in self._launched.values():
+            _linux.close_fd(pidfd)
+        self._launched.clear()
+
     def _await_phase(self, phase: int) -> None:
         deadline = time.monotonic() + CONNECT_TIMEOUT
         pause = 1e-5
@@ -181,15 +238,33 @@ class World:
             if not late:
                 return
             for r in late:
-                if self.pid_of(r) and not _linux.process_alive(self._watch(r)):
-                    raise PeerGone(f"rank {r} (pid {self.pid_of(r)}) exited while connecting")
+                if self.pid_of(r):
+                    if not _linux.process_alive(self._watch(r)):
+                        raise PeerGone(f"rank {r} (pid {self.pid_of(r)}) exited while connecting")
+                    continue
+                pid, pidfd = self._launched_pidfd(r)
+                if pidfd >= 0 and not _linux.process_alive(pidfd):
+                    raise self._gone_before_connecting(r, pid)
             if time.monotonic() > deadline:
-                raise CmaError(
-                    f"rank {self.rank}: ranks {late} did not connect within {CONNECT_TIMEOUT:.0f} s "
-                    "(every process must use its communicator; CMA_CONNECT_TIMEOUT sets the limit)"
-                )
+                raise CmaError(self._late_message(late))
             time.sleep(pause)
             pause = min(pause * 2, 0.005)
+
+    def _late_message(self, late: list[int]) -> str:
+        never = [r for r in late if not self.pid_of(r)]
+        started = [f"{r} (pid {self.pid_of(r)})" for r in late if self.pid_of(r)]
+        parts = []
+        if never:
+            parts.append(
+                f"rank{'s' if len(never) > 1 else ''} {', '.join(map(str, never))} never connected: "
+                "no process attached that end, and no pid of one was known here, so its exit "
+                "could not be told apart from a slow start"
+            )
+        if started:
+            parts.append(f"rank{'s' if len(started) > 1 else ''} {', '.join(started)} attached but "
+                         "did not finish connecting")
+        return (f"rank {self.rank}: within {CONNECT_TIMEOUT:.0f} s, {'; '.join(parts)} (every "
+                "process must use its communicator; CMA_CONNECT_TIMEOUT sets the limit)")
 
     # -- fd exposure (SCM_RIGHTS over an abstract Unix socket, same user and same world only)
 
@@ -217,35 +292,85 @@ class World:
         self._server_thread.start()
 
     def _serve(self) -> None:
+        """Answer fd requests, never waiting on one client: a silent or slow one is dropped
+        after REQUEST_SECONDS while others are served, and bad ones are refused quietly."""
         server = self._server
         assert server is not None
-        while True:
-            try:
-                conn, _ = server.accept()
-            except OSError:
-                return  # closed
-            with conn:
-                try:
-                    self._answer(conn)
-                except OSError:
-                    pass  # the asker went away; nothing to clean up
+        waiting: dict[socket.socket, float] = {}  # accepted connection -> when it is dropped
+        # poll, not epoll: close()'s shutdown of the listener did not wake an epoll wait
+        # here (every close then waited out its 5 s join); poll wakes at once
+        with selectors.PollSelector() as selector:
+            selector.register(server, selectors.EVENT_READ)
+            while True:
+                now = time.monotonic()
+                for conn in [c for c, drop_at in waiting.items() if drop_at <= now]:
+                    selector.unregister(conn)
+                    del waiting[conn]
+                    conn.close()
+                timeout = min(waiting.values(), default=now + 3600) - now
+                for key, _ in selector.select(max(timeout, 0.0)):
+                    if key.fileobj is server:
+                        try:
+                            conn, _ = server.accept()
+                        except OSError:
+                            for conn in waiting:
+                                conn.close()
+                            return  # closed
+                        if self._admit(conn):
+                            selector.register(conn, selectors.EVENT_READ, conn)
+                            waiting[conn] = time.monotonic() + REQUEST_SECONDS
+                        continue
+                    conn = key.data
+                    selector.unregister(conn)
+                    del waiting[conn]
+                    with conn:
+                        self._answer(conn)
+
+    def _admit(self, conn: socket.socket) -> bool:
+        """Whether ``conn`` comes from a peer of this world owned by our user (SO_PEERCRED);
+        anyone else is refused before the server reads a byte from it."""
+        conn.setblocking(False)
+        try:
+            pid, uid, _ = _linux.peer_credentials(conn)
+        except OSError:
+            conn.close()
+            return False
+        peers = {self.pid_of(r) for r in range(self.size) if r != self.rank}
+        if uid == os.getuid() and pid in peers:
+            return True
+        self._reply(conn, b"refused: not a process of this world owned by the same user")
+        conn.close()
+        return False
 
     def _answer(self, conn: socket.socket) -> None:
-        pid, uid, _ = _linux.peer_credentials(conn)
-        name = conn.recv(256).decode()
-        peers = {self.pid_of(r) for r in range(self.size) if r != self.rank}
-        if uid != os.getuid() or pid not in peers:
-            conn.sendall(b"refused: not a process of this world owned by the same user")
+        try:
+            name = conn.recv(256).decode()
+        except (OSError, UnicodeDecodeError):
+            self._reply(conn, b"refused: malformed request")
             return
         opener = self._exposed.get(name)
         if opener is None:
-            conn.sendall(b"refused: nothing exposed under " + name.encode())
+            self._reply(conn, b"refused: nothing exposed under " + name.encode())
             return
-        fd = opener()
+        try:
+            fd = opener()
+        except (CmaError, OSError) as exc:
+            self._reply(conn, f"refused: {exc}".encode())
+            return
         try:
             socket.send_fds(conn, [b"ok"], [fd])
+        except OSError:
+            pass  # the asker went away
         finally:
             os.close(fd)
+
+    @staticmethod
+    def _reply(conn: socket.socket, text: bytes) -> None:
+        """Send a short refusal; a client that does not take it gets nothing more."""
+        try:
+            conn.send(text)
+        except OSError:
+            pass
 
     def fetch_fd(self, peer: int, name: str) -> int:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
@@ -253,7 +378,7 @@ class World:
             try:
                 sock.connect(self._address(peer))
                 sock.sendall(name.encode())
-                msg, fds, _, _ = socket.recv_fds(sock, 256, 1)
+                msg, fds = _linux.recv_fds(sock, 256, 1)
             except OSError as exc:
                 raise PeerGone(f"rank {peer} did not answer a request for its {name!r} fd: {exc}") from exc
             if not fds:
@@ -303,6 +428,7 @@ class World:
             self._server = None
             if self._server_thread is not None:
                 self._server_thread.join(timeout=5)
+        self._forget_launched()
         for i, fd in enumerate(self.pidfds):
             if fd >= 0:
                 os.close(fd)

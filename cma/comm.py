@@ -30,7 +30,17 @@ from . import _linux
 from ._exporters import cai_array, dlpack_array
 from ._pool import ProcessPool
 from .channel import MORE, ChannelConfig, Inbox, Outbox
-from .errors import BufferError, CmaError, InvalidRank, InvalidTag, PeerGone, TransportUnavailable
+from .errors import (
+    BufferError,
+    CmaError,
+    InvalidCount,
+    InvalidDatatype,
+    InvalidRank,
+    InvalidTag,
+    NotTransferable,
+    PeerGone,
+    TransportUnavailable,
+)
 from .protocol import (
     ANY_SOURCE,
     ANY_TAG,
@@ -102,7 +112,9 @@ _NOTHING = object()  # what the view caches hold before the first call (never a 
 # ------------------------------------------------------------------ buffers
 
 def _as_bytes_view(mv: memoryview) -> memoryview:
-    if mv.format == "B" and mv.ndim == 1:
+    # (a strided byte view too must be refused: a rendezvous copies the contiguous bytes
+    # from its first address, and its receive raised only after it was posted, mid-protocol)
+    if mv.format == "B" and mv.ndim == 1 and mv.c_contiguous:
         return mv
     if "O" in mv.format:
         raise BufferError("an array of Python objects holds pointers into its own process: "
@@ -124,17 +136,32 @@ def _spec_view(spec: Sequence[Any]) -> memoryview:
         buf, count, datatype = spec
     else:
         raise BufferError(f"buffer spec must be [buf, typechar] or [buf, count, typechar], got {spec!r}")
+    itemsize = _spec_itemsize(datatype)
     view = _as_bytes_view(memoryview(buf))
     if count is None:
         return view
-    try:
-        itemsize = np.dtype(datatype).itemsize
-    except TypeError as exc:
-        raise BufferError(f"unknown datatype {datatype!r} in buffer spec") from exc
-    nbytes = int(count) * itemsize
+    elements = _as_int(count)
+    if elements is None or elements < 0:
+        raise InvalidCount(f"count {count!r} in a buffer spec must be a non-negative int "
+                           "(the number of elements of the datatype to send or receive)")
+    nbytes = elements * itemsize
     if nbytes > view.nbytes:
         raise BufferError(f"buffer spec asks for {nbytes} bytes of a {view.nbytes}-byte buffer")
     return view[:nbytes]
+
+
+def _spec_itemsize(datatype: Any) -> int:
+    """Bytes per element of a buffer spec's datatype: a NumPy typechar or dtype of fixed size."""
+    try:
+        # (np.dtype(None) would be float64: a missing datatype must not pass as one)
+        dtype = None if datatype is None else np.dtype(datatype)
+    except (TypeError, ValueError):
+        dtype = None
+    if dtype is None or dtype.hasobject or dtype.itemsize == 0:
+        raise InvalidDatatype(
+            f"unknown datatype {datatype!r} in buffer spec: give a NumPy typechar such as "
+            "'b', 'i', 'f' or 'd', or a NumPy dtype of fixed-size values")
+    return dtype.itemsize
 
 
 def send_view(buf: Any) -> memoryview:
@@ -433,6 +460,14 @@ class Comm:
     def __reduce__(self) -> tuple[Any, ...]:
         from multiprocessing.reduction import DupFd
 
+        if self._closed or self._attached:
+            # Its rank lives in this process (attached) or nowhere (closed): a copy
+            # elsewhere could never attach as that rank.
+            raise NotTransferable(
+                f"rank {self.rank} of this communicator is "
+                + ("closed" if self._closed else f"attached in process {os.getpid()}")
+                + ": only an end not used yet can be handed to another process (pass it "
+                "to multiprocessing.Process before its first call)")
         fds = self._fds
         return (_rebuild_comm, (fds.world_id, fds.size, DupFd(fds.memfd),
                                 [DupFd(b) for b in fds.doorbells], fds.config.encode(),

@@ -22,7 +22,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import numpy as np
 
@@ -32,7 +32,9 @@ from ._pool import ProcessPool
 from .channel import MORE, ChannelConfig, Inbox, Outbox
 from .errors import (
     BufferError,
+    Cancelled,
     CmaError,
+    CommBroken,
     InvalidCount,
     InvalidDatatype,
     InvalidRank,
@@ -268,7 +270,11 @@ class Request:
     def Wait(self, status: Status | None = None) -> Literal[True]:
         for op in (self._op, self._also):
             if op is not None and not op.done:
-                self._comm._wait(op)
+                try:
+                    self._comm._wait(op)
+                except BaseException:
+                    self._comm._withdraw(op)  # the caller gives up on it (a Ctrl-C, say)
+                    raise
         self._finish(status)
         return True
 
@@ -439,6 +445,7 @@ class Comm:
         self._looped = (0, 0)  # eager messages and bytes sent to ourselves
         self._buffered: list[SendOp] = []  # Bsend's rendezvous messages, sent from copies
         self._control_syscalls = 0
+        self._broken = ""  # why the communicator is unusable (see _break), or ""
 
     # -- mpi4py-style accessors
 
@@ -1051,7 +1058,8 @@ class Comm:
         self._send_spec_view = self._recv_spec_view = memoryview(b"")
         try:
             copier_stopped = self._copier.shutdown()
-            if self._attached and self._world is not None and self._world.owned_here():
+            if self._attached and not self._broken and self._world is not None \
+                    and self._world.owned_here():
                 if copier_stopped:
                     self._finish_pulls()  # no pull may outlive the fds it reads through
                 self._overlap = False  # a pull matched from here on copies at once
@@ -1475,6 +1483,19 @@ class Comm:
         ``peer`` is the rank whose exit makes waiting pointless (None: any rank may answer).
         ``yield_cpu``: call sched_yield while spinning (always so when ranks outnumber cores).
         """
+        try:
+            self._wait_loop(done, peer, spin, yield_cpu)
+        except CmaError:
+            raise  # raised on purpose, where the state is whole
+        except BaseException as exc:
+            if not _raised_while_idle(exc):
+                self._break(f"{type(exc).__name__} interrupted rank {self.rank} while it was "
+                            "handling its peers' packets; what it shares with them may be half "
+                            "updated")
+            raise
+
+    def _wait_loop(self, done: Callable[[], bool], peer: int | None, spin: float,
+                   yield_cpu: bool) -> None:
         world = self._world
         assert world is not None
         deadline = 0.0
@@ -1505,6 +1526,33 @@ class Comm:
             if gone:
                 self._peers_gone(gone, done, peer)
 
+    def _withdraw(self, op: SendOp | RecvOp) -> None:
+        """Take a receive whose caller gave up waiting (an exception left its Wait) out of
+        matching, if nothing matched it yet: the next receive gets the message instead.
+
+        A receive already matched is not withdrawn (as MPI_Cancel): its copy may be under
+        way, so it completes into its buffer during later calls. A send cannot be
+        withdrawn either: its peer was told of it and takes it when it receives.
+        """
+        if self._broken or not isinstance(op, RecvOp):
+            return
+        posted = self._matcher.posted
+        if op in posted:
+            posted.remove(op)
+            op.error = Cancelled(
+                f"this receive (source {op.source}, tag {op.tag}) was withdrawn when an exception "
+                "left its Wait; nothing was received into its buffer")
+            op.done = True
+
+    def _break(self, reason: str) -> None:
+        """Make every later operation raise CommBroken(reason); close() still releases all."""
+        self._broken = reason
+        # (the general paths all go through the engine, so each now raises at its first use)
+        self._engine = cast(Engine, _BrokenEngine(reason))
+        self._lanes = {}  # (so the fast paths take the general ones)
+        self._rlanes = {}
+        self._txq_pending = 0  # (a flush would put peers back in _lanes)
+
     def _peers_gone(self, gone: list[int], done: Callable[[], bool], peer: int | None) -> None:
         self._bury(gone)
         if done():
@@ -1524,6 +1572,40 @@ class Comm:
             self._dead.add(r)
             os.close(world.pidfds[r])
             world.pidfds[r] = -1
+
+
+class _BrokenEngine:
+    """Stands in for a broken communicator's engine: any use raises CommBroken."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+    def __getattr__(self, name: str) -> Any:
+        raise CommBroken(f"this communicator is unusable: {self.reason}. Close it; the ranks "
+                         "must start a new world (cma.Pipe, cma-run) to talk again")
+
+
+# Where a wait holds nothing half done: its loop's own steps, its sleep and what these
+# call directly (the done() predicate, a comprehension), but not a pass of progress.
+_IDLE_CODE = frozenset({Comm._wait_until.__code__, Comm._wait_loop.__code__,
+                        World.sleep.__code__, World.set_sleeping.__code__,
+                        _linux.wait_readable.__code__})
+_BUSY_CODE = frozenset({Comm._progress.__code__, Comm._peers_gone.__code__})
+
+
+def _raised_while_idle(exc: BaseException) -> bool:
+    """Whether ``exc`` (e.g. a signal handler's KeyboardInterrupt, which Python raises
+    between any two bytecodes) came from a waiting rank's sleep or loop, not from the
+    middle of its handling of a packet or a copy."""
+    codes = []
+    tb = exc.__traceback__
+    while tb is not None:
+        codes.append(tb.tb_frame.f_code)
+        tb = tb.tb_next
+    innermost = codes[-1]
+    if innermost in _IDLE_CODE:
+        return True
+    return len(codes) > 1 and codes[-2] in _IDLE_CODE and innermost not in _BUSY_CODE
 
 
 def _as_int(value: Any) -> int | None:

@@ -57,5 +57,18 @@ class WindowError(CmaError, PermissionError):
     """An access outside the memory window a peer exposed was refused before any copy."""
 
 
+class Cancelled(CmaError):
+    """The receive was withdrawn from matching before any message matched it.
+
+    An exception (a ``KeyboardInterrupt``, a timeout) left its ``Wait``; nothing was or
+    will be received into its buffer, and the next receive takes the message it would have.
+    """
+
+
+class CommBroken(CmaError, RuntimeError):
+    """The communicator cannot be used any more: an exception interrupted it half way
+    through bookkeeping it shares with its peers. Close it and make a new world."""
+
+
 class NotTransferable(CmaError, TypeError):
     """A communicator that cannot be handed to another process (pickled) in its state."""

@@ -23,7 +23,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import numpy as np
 
@@ -31,7 +31,19 @@ from . import _linux
 from ._exporters import cai_array, dlpack_array
 from ._pool import ProcessPool
 from .channel import ChannelConfig, Inbox, Outbox
-from .errors import BufferError, CmaError, InvalidRank, InvalidTag, PeerGone, TransportUnavailable
+from .errors import (
+    BufferError,
+    Cancelled,
+    CmaError,
+    CommBroken,
+    InvalidCount,
+    InvalidDatatype,
+    InvalidRank,
+    InvalidTag,
+    NotTransferable,
+    PeerGone,
+    TransportUnavailable,
+)
 from .protocol import (
     PIPELINE,
     PROTOCOL_NAMES,
@@ -101,7 +113,9 @@ _NOTHING = object()  # what the view caches hold before the first call (never a 
 # ------------------------------------------------------------------ buffers
 
 def _as_bytes_view(mv: memoryview) -> memoryview:
-    if mv.format == "B" and mv.ndim == 1:
+    # (a strided byte view too must be refused: a rendezvous copies the contiguous bytes
+    # from its first address, and its receive raised only after it was posted, mid-protocol)
+    if mv.format == "B" and mv.ndim == 1 and mv.c_contiguous:
         return mv
     if "O" in mv.format:
         raise BufferError("an array of Python objects holds pointers into its own process: "
@@ -123,17 +137,32 @@ def _spec_view(spec: Sequence[Any]) -> memoryview:
         buf, count, datatype = spec
     else:
         raise BufferError(f"buffer spec must be [buf, typechar] or [buf, count, typechar], got {spec!r}")
+    itemsize = _spec_itemsize(datatype)
     view = _as_bytes_view(memoryview(buf))
     if count is None:
         return view
-    try:
-        itemsize = np.dtype(datatype).itemsize
-    except TypeError as exc:
-        raise BufferError(f"unknown datatype {datatype!r} in buffer spec") from exc
-    nbytes = int(count) * itemsize
+    elements = _as_int(count)
+    if elements is None or elements < 0:
+        raise InvalidCount(f"count {count!r} in a buffer spec must be a non-negative int "
+                           "(the number of elements of the datatype to send or receive)")
+    nbytes = elements * itemsize
     if nbytes > view.nbytes:
         raise BufferError(f"buffer spec asks for {nbytes} bytes of a {view.nbytes}-byte buffer")
     return view[:nbytes]
+
+
+def _spec_itemsize(datatype: Any) -> int:
+    """Bytes per element of a buffer spec's datatype: a NumPy typechar or dtype of fixed size."""
+    try:
+        # (np.dtype(None) would be float64: a missing datatype must not pass as one)
+        dtype = None if datatype is None else np.dtype(datatype)
+    except (TypeError, ValueError):
+        dtype = None
+    if dtype is None or dtype.hasobject or dtype.itemsize == 0:
+        raise InvalidDatatype(
+            f"unknown datatype {datatype!r} in buffer spec: give a NumPy typechar such as "
+            "'b', 'i', 'f' or 'd', or a NumPy dtype of fixed-size values")
+    return dtype.itemsize
 
 
 def send_view(buf: Any) -> memoryview:
@@ -240,7 +269,11 @@ class Request:
     def Wait(self, status: Status | None = None) -> Literal[True]:
         for op in (self._op, self._also):
             if op is not None and not op.done:
-                self._comm._wait(op)
+                try:
+                    self._comm._wait(op)
+                except BaseException:
+                    self._comm._withdraw(op)  # the caller gives up on it (a Ctrl-C, say)
+                    raise
         self._finish(status)
         return True
 
@@ -415,6 +448,7 @@ class Comm:
         # it is garbage-collected, as multiprocessing's Connection does; see Pipe().
         self._release_unused = weakref.finalize(self, fds.close)
         self._announced = False  # this process is recorded as the one to attach this rank
+        self._broken = ""  # why the communicator is unusable (see _break), or ""
 
     # -- mpi4py-style accessors
 
@@ -436,8 +470,16 @@ class Comm:
     def __reduce__(self) -> tuple[Any, ...]:
         from multiprocessing.reduction import DupFd
 
+        if self._closed or self._attached:
+            # Its rank lives in this process (attached) or nowhere (closed): a copy
+            # elsewhere could never attach as that rank.
+            raise NotTransferable(
+                f"rank {self.rank} of this communicator is "
+                + ("closed" if self._closed else f"attached in process {os.getpid()}")
+                + ": only an end not used yet can be handed to another process (pass it "
+                "to multiprocessing.Process before its first call)")
         fds = self._fds
-        if self._announced and not self._attached:
+        if self._announced:
             self._give_up_announcement()  # it goes on to another process
         return (_rebuild_comm, (fds.world_id, fds.size, DupFd(fds.memfd),
                                 [DupFd(b) for b in fds.doorbells], fds.config.encode(),
@@ -1029,7 +1071,8 @@ class Comm:
         self._send_spec_view = self._recv_spec_view = memoryview(b"")
         try:
             copier_stopped = self._copier.shutdown()
-            if self._attached and self._world is not None and self._world.owned_here():
+            if self._attached and not self._broken and self._world is not None \
+                    and self._world.owned_here():
                 if copier_stopped:
                     self._finish_pulls()  # no pull may outlive the fds it reads through
                 self._overlap = False  # a pull matched from here on copies at once
@@ -1439,6 +1482,19 @@ class Comm:
         ``peer`` is the rank whose exit makes waiting pointless (None: any rank may answer).
         ``yield_cpu``: call sched_yield while spinning (always so when ranks outnumber cores).
         """
+        try:
+            self._wait_loop(done, peer, spin, yield_cpu)
+        except CmaError:
+            raise  # raised on purpose, where the state is whole
+        except BaseException as exc:
+            if not _raised_while_idle(exc):
+                self._break(f"{type(exc).__name__} interrupted rank {self.rank} while it was "
+                            "handling its peers' packets; what it shares with them may be half "
+                            "updated")
+            raise
+
+    def _wait_loop(self, done: Callable[[], bool], peer: int | None, spin: float,
+                   yield_cpu: bool) -> None:
         world = self._world
         assert world is not None
         deadline = 0.0
@@ -1469,6 +1525,33 @@ class Comm:
             if gone:
                 self._peers_gone(gone, done, peer)
 
+    def _withdraw(self, op: SendOp | RecvOp) -> None:
+        """Take a receive whose caller gave up waiting (an exception left its Wait) out of
+        matching, if nothing matched it yet: the next receive gets the message instead.
+
+        A receive already matched is not withdrawn (as MPI_Cancel): its copy may be under
+        way, so it completes into its buffer during later calls. A send cannot be
+        withdrawn either: its peer was told of it and takes it when it receives.
+        """
+        if self._broken or not isinstance(op, RecvOp):
+            return
+        posted = self._matcher.posted
+        if op in posted:
+            posted.remove(op)
+            op.error = Cancelled(
+                f"this receive (source {op.source}, tag {op.tag}) was withdrawn when an exception "
+                "left its Wait; nothing was received into its buffer")
+            op.done = True
+
+    def _break(self, reason: str) -> None:
+        """Make every later operation raise CommBroken(reason); close() still releases all."""
+        self._broken = reason
+        # (the general paths all go through the engine, so each now raises at its first use)
+        self._engine = cast(Engine, _BrokenEngine(reason))
+        self._lanes = {}  # (so the fast paths take the general ones)
+        self._rlanes = {}
+        self._txq_pending = 0  # (a flush would put peers back in _lanes)
+
     def _peers_gone(self, gone: list[int], done: Callable[[], bool], peer: int | None) -> None:
         self._bury(gone)
         if done():
@@ -1488,6 +1571,40 @@ class Comm:
             self._dead.add(r)
             os.close(world.pidfds[r])
             world.pidfds[r] = -1
+
+
+class _BrokenEngine:
+    """Stands in for a broken communicator's engine: any use raises CommBroken."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+    def __getattr__(self, name: str) -> Any:
+        raise CommBroken(f"this communicator is unusable: {self.reason}. Close it; the ranks "
+                         "must start a new world (cma.Pipe, cma-run) to talk again")
+
+
+# Where a wait holds nothing half done: its loop's own steps, its sleep and what these
+# call directly (the done() predicate, a comprehension), but not a pass of progress.
+_IDLE_CODE = frozenset({Comm._wait_until.__code__, Comm._wait_loop.__code__,
+                        World.sleep.__code__, World.set_sleeping.__code__,
+                        _linux.wait_readable.__code__})
+_BUSY_CODE = frozenset({Comm._progress.__code__, Comm._peers_gone.__code__})
+
+
+def _raised_while_idle(exc: BaseException) -> bool:
+    """Whether ``exc`` (e.g. a signal handler's KeyboardInterrupt, which Python raises
+    between any two bytecodes) came from a waiting rank's sleep or loop, not from the
+    middle of its handling of a packet or a copy."""
+    codes = []
+    tb = exc.__traceback__
+    while tb is not None:
+        codes.append(tb.tb_frame.f_code)
+        tb = tb.tb_next
+    innermost = codes[-1]
+    if innermost in _IDLE_CODE:
+        return True
+    return len(codes) > 1 and codes[-2] in _IDLE_CODE and innermost not in _BUSY_CODE
 
 
 def _as_int(value: Any) -> int | None:

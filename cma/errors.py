@@ -19,6 +19,14 @@ class BufferError(CmaError, TypeError):
     """A buffer that cannot be used: not contiguous, read-only for a receive, bad spec."""
 
 
+class InvalidDatatype(BufferError):
+    """A buffer spec's datatype that is not a NumPy typechar or dtype of fixed-size values."""
+
+
+class InvalidCount(BufferError, ValueError):
+    """A buffer spec's count that is not a non-negative integer."""
+
+
 class TruncationError(CmaError):
     """The matched message is larger than the receive buffer.
 
@@ -47,3 +55,20 @@ class TransportFault(CmaError, OSError):
 
 class WindowError(CmaError, PermissionError):
     """An access outside the memory window a peer exposed was refused before any copy."""
+
+
+class Cancelled(CmaError):
+    """The receive was withdrawn from matching before any message matched it.
+
+    An exception (a ``KeyboardInterrupt``, a timeout) left its ``Wait``; nothing was or
+    will be received into its buffer, and the next receive takes the message it would have.
+    """
+
+
+class CommBroken(CmaError, RuntimeError):
+    """The communicator cannot be used any more: an exception interrupted it half way
+    through bookkeeping it shares with its peers. Close it and make a new world."""
+
+
+class NotTransferable(CmaError, TypeError):
+    """A communicator that cannot be handed to another process (pickled) in its state."""

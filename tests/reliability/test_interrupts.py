@@ -1,0 +1,250 @@
+"""Ctrl-C (SIGINT) in a rank blocked in cma, and what the communicator is like afterwards.
+
+Each test forks rank 1 of a fresh ``cma.Pipe`` (the test process is rank 0), lets it
+block, sends it SIGINT with ``os.kill`` and checks that ``KeyboardInterrupt`` came out
+of the blocking call soon, that the abandoned operation did not take the message meant
+for the next call, and that the child exits. Every wait here is bounded and the child
+is killed in teardown, so a regression fails the test instead of hanging the suite.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing as mp
+import os
+import signal
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+import pytest
+from conftest import TRANSPORTS, stop_process
+
+import cma
+from cma.errors import Cancelled, CommBroken
+
+TAG = 7
+EAGER_SIZE = 1000
+LARGE_SIZE = 64 << 20  # a rendezvous with every transport (the eager limit is 2 MiB)
+SETTLE_SECONDS = 0.3  # time for the child to go from "ready" to sleeping in its wait
+INTERRUPT_BOUND = 2.0  # generous: the measured latency is ~1 ms (docs/reliability.md)
+REPLY_TIMEOUT = 20.0
+
+
+def pattern(nbytes: int, seed: int = 1) -> np.ndarray:
+    return np.frombuffer(np.random.default_rng(seed).bytes(nbytes), np.uint8).copy()
+
+
+def digest(buf: np.ndarray) -> str:
+    return hashlib.sha256(buf).hexdigest()
+
+
+def until_interrupted(conn: Connection, blocking: Callable[[], Any]) -> float:
+    """Tell the test we are about to block, block, and return when SIGINT arrived."""
+    conn.send(("ready", 0.0))
+    try:
+        blocking()
+    except KeyboardInterrupt:
+        arrived = time.monotonic()
+        conn.send(("interrupted", arrived))
+        return arrived
+    raise AssertionError("the blocking call returned instead of being interrupted")
+
+
+# ------------------------------------------------------------------ what rank 1 runs
+
+def recv_abandoned(comm: cma.Comm, conn: Connection, nbytes: int, call: str) -> Any:
+    """A receive interrupted before any message came; then a fresh one takes the message."""
+    abandoned = np.zeros(nbytes, np.uint8)
+    if call == "Recv":
+        until_interrupted(conn, lambda: comm.Recv(abandoned, source=0, tag=TAG))
+        request_error = None
+    else:
+        request = comm.Irecv(abandoned, source=0, tag=TAG)
+        until_interrupted(conn, request.Wait)
+        try:
+            request.Wait()
+            request_error = "none"
+        except Cancelled:
+            request_error = "Cancelled"
+    fresh = np.zeros(nbytes, np.uint8)
+    comm.Recv(fresh, source=0, tag=TAG)
+    return digest(fresh), bool(abandoned.any()), request_error
+
+
+def barrier_abandoned(comm: cma.Comm, conn: Connection, nbytes: int, call: str) -> Any:
+    """A Barrier interrupted while the peer is elsewhere; the next Barrier pairs with the peer's
+    second one (the abandoned round completes in the background), then a message."""
+    until_interrupted(conn, comm.Barrier)
+    comm.Barrier()
+    fresh = np.zeros(nbytes, np.uint8)
+    comm.Recv(fresh, source=0, tag=TAG)
+    return digest(fresh), False, None
+
+
+def send_wait_abandoned(comm: cma.Comm, conn: Connection, nbytes: int, call: str) -> Any:
+    """The Wait of a large send interrupted before the peer receives: the send is not
+    withdrawn (the peer knows of it) and completes while this rank waits for the next message."""
+    request = comm.Isend(pattern(nbytes), dest=0, tag=TAG)
+    until_interrupted(conn, request.Wait)
+    fresh = np.zeros(EAGER_SIZE, np.uint8)
+    comm.Recv(fresh, source=0, tag=TAG + 1)
+    request.Wait()
+    return digest(fresh), False, None
+
+
+def recv_interrupted_mid_packet(comm: cma.Comm, conn: Connection, nbytes: int, call: str) -> Any:
+    """An interrupt raised while the rank handles a packet (as SIGINT can, between any two
+    bytecodes): the communicator must refuse further use, clearly, and still close."""
+    handle = comm._drain
+
+    def drain_then_interrupt(peer: int, only_expected: bool) -> bool:
+        if comm._inboxes[peer].ready():
+            raise KeyboardInterrupt  # stands in for a signal arriving at this point
+        return handle(peer, only_expected)
+
+    comm._drain = drain_then_interrupt  # type: ignore[method-assign]
+    conn.send(("ready", 0.0))
+    try:
+        comm.Recv(np.zeros(nbytes, np.uint8), source=0, tag=TAG)
+        return "no interrupt", False, None
+    except KeyboardInterrupt:
+        conn.send(("interrupted", time.monotonic()))
+    try:
+        comm.Recv(np.zeros(nbytes, np.uint8), source=0, tag=TAG)
+    except CommBroken as exc:
+        return str(exc), False, None
+    return "usable", False, None
+
+
+def _child(comm: cma.Comm, conn: Connection, scenario: Callable[..., Any], nbytes: int,
+           call: str) -> None:
+    try:
+        comm.attach()
+        conn.send(("ok", scenario(comm, conn, nbytes, call)))
+    except BaseException:  # noqa: BLE001 - reported to the test
+        conn.send(("error", traceback.format_exc()))
+    finally:
+        comm.close()
+        conn.close()
+
+
+# ------------------------------------------------------------------ the test side
+
+class Rank1:
+    """Rank 1 of a fresh pair, in a forked child, running ``scenario``."""
+
+    def __init__(self, transport: str, scenario: Callable[..., Any], nbytes: int, call: str = ""):
+        ctx = mp.get_context("fork")
+        self.comm, child_end = cma.Pipe(transport)
+        self.conn, child_conn = ctx.Pipe()
+        self.proc = ctx.Process(target=_child, args=(child_end, child_conn, scenario, nbytes, call),
+                                daemon=True)
+        try:
+            self.proc.start()
+        finally:
+            child_end.close()
+            child_conn.close()
+        self.comm.attach()
+
+    def expect(self, kind: str) -> Any:
+        if not self.conn.poll(REPLY_TIMEOUT):
+            raise AssertionError(f"rank 1 sent no {kind!r} within {REPLY_TIMEOUT} s (hung?)")
+        got, value = self.conn.recv()
+        if got == "error":
+            raise AssertionError(f"rank 1 raised:\n{value}")
+        assert got == kind, (got, value)
+        return value
+
+    def interrupt(self) -> float:
+        """SIGINT once rank 1 blocks; the seconds until its KeyboardInterrupt."""
+        self.expect("ready")
+        time.sleep(SETTLE_SECONDS)
+        assert self.proc.pid is not None
+        sent = time.monotonic()
+        os.kill(self.proc.pid, signal.SIGINT)
+        return float(self.expect("interrupted")) - sent
+
+    def close(self) -> None:
+        try:
+            stop_process(self.proc, 5.0)
+        finally:
+            self.conn.close()
+            self.comm.close()
+
+
+@pytest.fixture
+def rank1() -> Iterator[list[Rank1]]:
+    started: list[Rank1] = []
+    yield started
+    for rank in started:
+        rank.close()
+
+
+def start(started: list[Rank1], *args: Any) -> Rank1:
+    rank = Rank1(*args)
+    started.append(rank)
+    return rank
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("call", ["Recv", "Irecv"])
+@pytest.mark.parametrize("nbytes", [EAGER_SIZE, LARGE_SIZE], ids=["eager", "64MiB"])
+def test_interrupted_receive_is_withdrawn(rank1, transport, call, nbytes):
+    rank = start(rank1, transport, recv_abandoned, nbytes, call)
+    latency = rank.interrupt()
+    assert latency < INTERRUPT_BOUND
+    sent = pattern(nbytes)
+    rank.comm.Send(sent, dest=1, tag=TAG)
+    got, abandoned_written, request_error = rank.expect("ok")
+    assert got == digest(sent), "the next receive did not get the message"
+    assert not abandoned_written, "the message went into the abandoned buffer"
+    if call == "Irecv":
+        assert request_error == "Cancelled"
+    assert rank.proc.join(5) is None and rank.proc.exitcode == 0
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_interrupted_barrier(rank1, transport):
+    rank = start(rank1, transport, barrier_abandoned, EAGER_SIZE)
+    assert rank.interrupt() < INTERRUPT_BOUND
+    rank.comm.Barrier()  # pairs with the abandoned one
+    rank.comm.Barrier()
+    sent = pattern(EAGER_SIZE)
+    rank.comm.Send(sent, dest=1, tag=TAG)
+    assert rank.expect("ok")[0] == digest(sent)
+    rank.proc.join(5)
+    assert rank.proc.exitcode == 0
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_interrupted_wait_of_a_large_send(rank1, transport):
+    rank = start(rank1, transport, send_wait_abandoned, LARGE_SIZE)
+    assert rank.interrupt() < INTERRUPT_BOUND
+    got = np.zeros(LARGE_SIZE, np.uint8)
+    rank.comm.Recv(got, source=1, tag=TAG)
+    assert digest(got) == digest(pattern(LARGE_SIZE))
+    small = pattern(EAGER_SIZE, 2)
+    rank.comm.Send(small, dest=1, tag=TAG + 1)
+    assert rank.expect("ok")[0] == digest(small)
+    rank.proc.join(5)
+    assert rank.proc.exitcode == 0
+
+
+@pytest.mark.timeout(60)
+def test_interrupt_while_handling_a_packet_breaks_the_communicator_clearly(rank1):
+    rank = start(rank1, "shm", recv_interrupted_mid_packet, EAGER_SIZE)
+    rank.expect("ready")
+    time.sleep(SETTLE_SECONDS)  # past the receive's fast path, which would take it itself
+    rank.comm.Send(pattern(EAGER_SIZE), dest=1, tag=TAG)
+    rank.expect("interrupted")
+    message, _, _ = rank.expect("ok")
+    assert "unusable" in message and "KeyboardInterrupt" in message, message
+    rank.proc.join(5)
+    assert rank.proc.exitcode == 0  # close() of a broken communicator returned

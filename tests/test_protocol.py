@@ -217,33 +217,35 @@ class Net:
         then the receiver's drains (plain copies through the fake staging area)."""
         ps = self.streams[(src, dst)]
         frag = self.frag
+
+        def fill(op: SendOp, slot: int, start: int, stop: int) -> None:
+            ps.staging[slot * frag : slot * frag + stop - start] = concat(op.segments)[start:stop]
+
+        def drain(op: RecvOp, slot: int, start: int, stop: int) -> None:
+            scatter(bytes(ps.staging[slot * frag : slot * frag + stop - start]),
+                    slice_views(op.segments, start, stop))
+
+        filled = self._move(ps, ps.out, "filled", "drained", fill,
+                            lambda op: self.act(src, self.engines[src].streamed_out(op)))
+        drained = self._move(ps, ps.into, "drained", "filled", drain,
+                             lambda op: self.act(dst, self.engines[dst].streamed_in(op)))
+        return filled or drained
+
+    @staticmethod
+    def _move(ps: PairStream, stream: Stream, own: str, peer: str, copy, through) -> bool:
+        """Copy what ``stream`` allows, publishing our count (attribute ``own`` of the pair)."""
         moved = False
         while True:
-            step = ps.out.next(ps.drained, ps.filled)
+            step = stream.next(getattr(ps, peer), getattr(ps, own))
             if step is None:
-                op = ps.out.through()
+                op = stream.through()
                 if op is None:
-                    break
-                self.act(src, self.engines[src].streamed_out(op))
+                    return moved
+                through(op)
             else:
-                op, slot, start, stop = step
-                ps.staging[slot * frag : slot * frag + stop - start] = concat(op.segments)[start:stop]
-                ps.filled = ps.out.copied()
+                copy(*step)
+                setattr(ps, own, stream.copied())
             moved = True
-        while True:
-            step = ps.into.next(ps.filled, ps.drained)
-            if step is None:
-                rop = ps.into.through()
-                if rop is None:
-                    break
-                self.act(dst, self.engines[dst].streamed_in(rop))
-            else:
-                rop, slot, start, stop = step
-                scatter(bytes(ps.staging[slot * frag : slot * frag + stop - start]),
-                        slice_views(rop.segments, start, stop))
-                ps.drained = ps.into.copied()
-            moved = True
-        return moved
 
     def pump(self, limit: int = 100_000) -> None:
         for _ in range(limit):

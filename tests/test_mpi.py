@@ -163,6 +163,13 @@ def test_datatype_layouts() -> None:
     expect_ok(1, "layouts.py", "300")
 
 
+@pytest.mark.parametrize("n", [2, 3])
+def test_queued_messages_move_while_mpi_waits(n: int) -> None:
+    """Eager sends queued behind a full ring reach the peer while the sender waits in a
+    plain MPI call (queued.py; it hung in MPI's Barrier before the hook stayed armed)."""
+    expect_ok(n, "queued.py")
+
+
 def test_bad_pretend_nodes() -> None:
     code, out, _ = mpirun(3, "p2p.py", env={"CMA_MPI_NODES": "0,1"})
     assert code != 0 and "CMA_MPI_NODES='0,1' must list a node number" in out, out

@@ -134,6 +134,7 @@ class NodeComm(CmaComm):
             super()._send(mv, dest, tag)
         except CmaError as exc:
             self._mpi._fail(exc)
+        self._keep_moving()
 
     def _recv(self, mv: memoryview, source: Any, tag: Any, status: Any) -> None:
         mpi_status = None if status is None or status.__class__ is CmaStatus else status
@@ -142,6 +143,7 @@ class NodeComm(CmaComm):
             super()._recv(mv, source, tag, scratch)
         except CmaError as exc:
             self._mpi._fail(exc, mpi_status)
+        self._keep_moving()
         if mpi_status is not None:
             fill(mpi_status, scratch.source, scratch.tag, scratch.count)
 
@@ -159,15 +161,31 @@ class NodeComm(CmaComm):
 
     def _isend(self, mv: memoryview, dest: Any, tag: Any) -> CmaRequest:
         try:
-            return super()._isend(mv, dest, tag)
+            req = super()._isend(mv, dest, tag)
         except CmaError as exc:
             self._mpi._fail(exc)
+        self._keep_moving()
+        return req
 
     def _irecv(self, mv: memoryview, source: Any, tag: Any) -> CmaRequest:
         try:
-            return super()._irecv(mv, source, tag)
+            req = super()._irecv(mv, source, tag)
         except CmaError as exc:
             self._mpi._fail(exc)
+        self._keep_moving()
+        return req
+
+    def _in_flight(self) -> bool:
+        """Whether this rank holds data its peers wait for that moves only when it runs
+        cma: packets queued behind a full ring, pipelines, background pulls."""
+        return bool(self._txq_pending or self._out_streams or self._in_streams or self._pulls)
+
+    def _keep_moving(self) -> None:
+        """Keep MPI's progress hook armed while anything is in flight: a peer may wait for
+        it while this rank waits in MPI's own calls (osu_bibw hung so: its eager sends
+        completed into the queue, and the sender went on into MPI_Barrier)."""
+        if self._in_flight():
+            PROGRESS.serve(self)
 
     # -- the requests cma completes
 
@@ -211,6 +229,7 @@ class NodeComm(CmaComm):
         for op in (req._op, req._also):
             if op is not None and not op.done:
                 self._wait(op)
+        self._keep_moving()
 
     def settle_any(self, reqs: list[Request]) -> None:
         """Wait until one of ``reqs`` (all this communicator's) is over."""
@@ -218,6 +237,7 @@ class NodeComm(CmaComm):
             self._mpi._progress_until(lambda: any(r._progress() for r in reqs), None)
             return
         self._wait_until(lambda: any(r._done_in_cma() for r in reqs), None)
+        self._keep_moving()
 
     def step(self, req: Request) -> None:
         """Move everything once (``req`` is one of ours that is not over)."""
@@ -267,7 +287,7 @@ class NodeComm(CmaComm):
                 del self._persistent[tag]
             else:
                 preq.poll()
-        return self._mixed or bool(self._pending) or bool(self._persistent)
+        return self._mixed or bool(self._pending) or bool(self._persistent) or self._in_flight()
 
     def _warn_deferred(self) -> None:
         """Say once why a wait inside MPI may never end: a wildcard receive on a rank with

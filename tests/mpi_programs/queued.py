@@ -1,0 +1,35 @@
+"""Messages still queued for a full ring when the sender moves on to plain MPI calls.
+
+Rank 0 posts more eager-sized Isends to rank 1 than the ring holds: they complete at once
+(copied into packets queued behind the full ring), so MPI.Request.Waitall returns, and
+rank 0 goes into a plain MPI.COMM_WORLD.Barrier while rank 1, which started late,
+receives them. Only rank 0 can move its queued packets into the ring: MPI's Barrier
+must keep doing it (the progress hook stays armed while anything is queued), or rank 1
+waits for ever (osu_bibw hung this way). The other ranks only take part in the Barrier.
+Prints "OK <rank>" at the end.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+import cma.mpi
+
+comm = cma.mpi.Comm(MPI.COMM_WORLD)
+rank = comm.Get_rank()
+COUNT, SIZE = 64, 256 << 10  # 16 MiB in all: twice the ring, each below the queued-copy limit
+
+if rank == 0:
+    out = [np.full(SIZE, k, np.uint8) for k in range(COUNT)]
+    MPI.Request.Waitall([comm.Isend(buf, 1, 5) for buf in out])
+elif rank == 1:
+    time.sleep(0.5)  # (so that rank 0's sends fill the ring and queue behind it)
+    got = np.empty(SIZE, np.uint8)
+    for k in range(COUNT):
+        comm.Recv(got, 0, 5)
+        assert got[0] == k and got[-1] == k, (k, got[0])
+MPI.COMM_WORLD.Barrier()
+print(f"OK {rank}", flush=True)

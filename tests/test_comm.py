@@ -29,6 +29,7 @@ from conftest import (
     run_pair,
     send_more_than_the_ring_holds,
     stop_process,
+    wait_asleep_in_poll,
 )
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -186,10 +187,22 @@ def op_waitany_partner(comm):
     comm.Send(pattern(10, 8), 0, 21)
 
 
-def op_barrier(comm, delay, times):
+def op_barrier(comm, times=1, entered=None, after=None):
+    """``times`` Barriers; returns when the first was entered (time.monotonic, which is
+    CLOCK_MONOTONIC: comparable across processes).
+
+    ``entered``: a file created just before entering, so that the test knows the peer is
+    on its way in (a message would be drained with the barrier packet behind it).
+    ``after``: (pid, tid) of the test's thread; enter only once it sleeps in its own Barrier.
+    """
+    if after is not None:
+        wait_asleep_in_poll(*after, what="the test process's Barrier")
+    if entered is not None:
+        open(entered, "x").close()
+    entered_at = time.monotonic()
     for _ in range(times):
-        time.sleep(delay)
         comm.Barrier()
+    return entered_at
 
 
 def op_stats(comm, nbytes, eager_sizes):
@@ -825,11 +838,23 @@ def test_error_raised_at_once(peer, case):
     assert not peer.comm.Iprobe()
 
 
-def test_negative_tag_receive_cannot_take_an_internal_message(peer):
-    """A Recv with an invalid (negative) tag must raise, even with a barrier packet waiting."""
+def peer_blocked_in_barrier(peer, entered) -> None:
+    """Wait until the peer, running op_barrier(entered=entered), sleeps in its Barrier: its
+    barrier packet is in our ring then (nothing here has read the ring meanwhile)."""
+    deadline = time.monotonic() + 10
+    while not os.path.exists(entered):
+        assert time.monotonic() < deadline, "the peer did not start its Barrier within 10 s"
+        time.sleep(0.001)  # (a polling interval)
+    wait_asleep_in_poll(peer.pid, what="the peer's Barrier")
+
+
+def test_negative_tag_receive_cannot_take_an_internal_message(peer, tmp_path):
+    """A Recv with an invalid (negative) tag must raise, even with a barrier packet waiting
+    in the ring, where the Recv's fast path looks first."""
     comm = peer.comm
-    peer.start(op_barrier, 0.0, 1)
-    time.sleep(0.3)  # the peer's barrier packet is in our ring now
+    entered = tmp_path / "entered"
+    peer.start(op_barrier, 1, entered)
+    peer_blocked_in_barrier(peer, entered)
     with pytest.raises(InvalidTag):
         comm.Recv(bytearray(8), source=1, tag=BARRIER_TAG)
     comm.Barrier()
@@ -1058,20 +1083,24 @@ def test_matched_probe(peer, nbytes):
 
 
 @pytest.mark.parametrize("who_is_late", ["peer", "us"])
-def test_barrier(peer, who_is_late):
+def test_barrier(peer, who_is_late, tmp_path):
+    """The Barrier returns only once the peer has entered its own, whichever comes first."""
     comm = peer.comm
-    delay = 0.3
-    if who_is_late == "peer":
-        peer.start(op_barrier, delay, 1)
-        t0 = time.monotonic()
+    if who_is_late == "peer":  # it enters once we sleep in ours
+        peer.start(op_barrier, 1, None, (os.getpid(), threading.get_native_id()))
         comm.Barrier()
-        assert time.monotonic() - t0 >= delay * 0.8, "Barrier returned before the peer entered"
-    else:
-        peer.start(op_barrier, 0.0, 1)
-        time.sleep(delay)
+        returned_at = time.monotonic()
+        assert returned_at >= peer.result(), "Barrier returned before the peer entered"
+    else:  # its barrier packet waits for us
+        entered = tmp_path / "entered"
+        peer.start(op_barrier, 1, entered)
+        peer_blocked_in_barrier(peer, entered)
+        # no user message for Iprobe, which moves the packet out of the ring: the Barrier
+        # then finds it arrived before its receive was posted
+        assert not comm.Iprobe(1, cma.ANY_TAG)
         comm.Barrier()
-    peer.result()
-    peer.start(op_barrier, 0.0, 20)
+        peer.result()
+    peer.start(op_barrier, 20)
     for _ in range(20):
         comm.barrier()
     peer.result()

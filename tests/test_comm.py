@@ -12,6 +12,7 @@ import hashlib
 import mmap
 import multiprocessing as mp
 import os
+import select
 import threading
 import time
 from typing import Any
@@ -230,6 +231,12 @@ def op_recv_one(comm, nbytes, tag):
     buf = np.empty(nbytes, np.uint8)
     comm.Recv(buf, source=0, tag=tag)
     return digest(buf)
+
+
+def op_announce_then_recv(comm, nbytes, tag):
+    """Say (tag ``tag``) that the receive begins, then receive one buffer."""
+    comm.send("receiving", 0, tag)
+    return op_recv_one(comm, nbytes, tag)
 
 
 def op_collect(comm, seconds):
@@ -1178,26 +1185,61 @@ def test_stats_count_a_message_to_ourselves_once_with_both_copies(peer, order):
 # ------------------------------------------------------------------ liveness
 
 
-def gone_child(comm, mode):
+def gone_child(comm, mode, exit_now):
     comm.send("ready", dest=0, tag=1)
     if mode == "rendezvous":
-        comm.Isend(np.ones(4 * FRAG, np.uint8), dest=0, tag=2)
-    time.sleep(0.3)
+        comm.Isend(np.ones(4 * FRAG, np.uint8), dest=0, tag=2)  # its RTS, into rank 0's ring
+    else:
+        exit_now.wait(JOIN_TIMEOUT)  # set once rank 0 sleeps in the call (or gave up on it)
     os._exit(0)
+
+
+def wait_exited(pid: int, timeout: float = JOIN_TIMEOUT) -> None:
+    """Wait until process ``pid`` has exited (its pidfd is readable), without reaping it."""
+    fd = os.pidfd_open(pid)
+    try:
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        assert poller.poll(int(timeout * 1000)), f"process {pid} did not exit within {timeout} s"
+    finally:
+        os.close(fd)
+
+
+def set_when_asleep(tid: int, what: str, event: Any, failures: list[BaseException]) -> None:
+    """Set ``event`` once thread ``tid`` of this process sleeps in poll (or failed to)."""
+    try:
+        wait_asleep_in_poll(os.getpid(), tid, what=what)
+    except BaseException as exc:  # noqa: BLE001 - reported by the test's thread
+        failures.append(exc)
+    finally:
+        event.set()
 
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("mode", ["Recv", "Recv-any-source", "Irecv-Wait", "recv", "Probe",
                                   "Send-rendezvous", "Recv-rendezvous-in-flight"])
 def test_peer_exit_raises_peer_gone(transport, mode):
-    """Waiting on a peer that exits (os._exit) raises PeerGone instead of hanging."""
+    """Waiting on a peer that exits (os._exit) raises PeerGone instead of hanging.
+
+    The peer exits once the call sleeps (seen in /proc), so that the exit is what wakes
+    it; in the in-flight case it has exited, leaving its RTS in our ring, before the call."""
     a, b = cma.Pipe(transport=transport)
-    child_mode = "rendezvous" if mode.endswith("in-flight") else "idle"
-    p = mp.get_context("fork").Process(target=gone_child, args=(b, child_mode))
+    in_flight = mode.endswith("in-flight")
+    exit_now = mp.get_context("fork").Event()
+    p = mp.get_context("fork").Process(target=gone_child,
+                                       args=(b, "rendezvous" if in_flight else "idle", exit_now))
+    watcher = None
+    failures: list[BaseException] = []
     try:
         p.start()
         b.close()
         assert a.recv(source=1, tag=1) == "ready"
+        if in_flight:
+            wait_exited(p.pid)  # (a zombie still: not reaped)
+        else:
+            watcher = threading.Thread(target=set_when_asleep, args=(
+                threading.get_native_id(), f"the {mode} call", exit_now, failures))
+            watcher.start()
         t0 = time.monotonic()
         buf = np.empty(8 * FRAG, np.uint8)
         with pytest.raises(PeerGone):
@@ -1214,10 +1256,13 @@ def test_peer_exit_raises_peer_gone(transport, mode):
             elif mode == "Send-rendezvous":
                 a.Send(buf, dest=1, tag=2)  # nobody will ever receive it
             else:
-                time.sleep(0.6)  # the peer has exited; its RTS waits in our ring
                 a.Recv(buf, source=1, tag=2)
         assert time.monotonic() - t0 < 10
+        assert not failures, failures[0]
     finally:
+        exit_now.set()
+        if watcher is not None:
+            watcher.join(JOIN_TIMEOUT)
         stop_process(p)
         a.close()
 
@@ -1307,10 +1352,11 @@ def _cpu_seconds(pid: int) -> float:
 
 def test_idle_blocked_receiver_uses_little_cpu(peer):
     comm = peer.comm
-    peer.start(op_recv_one, 100, 90)
-    time.sleep(0.2)  # into the Recv, past any spinning
+    peer.start(op_announce_then_recv, 100, 90)
+    assert comm.recv(source=1, tag=90) == "receiving"
+    wait_asleep_in_poll(peer.pid, what="the peer's Recv")  # in the Recv, done spinning
     cpu0, t0 = _cpu_seconds(peer.pid), time.monotonic()
-    time.sleep(1.5)
+    time.sleep(1.5)  # (the span measured, not a wait for anything)
     cpu1, t1 = _cpu_seconds(peer.pid), time.monotonic()
     data = pattern(100, 3)
     comm.Send(data, 1, 90)
@@ -1617,20 +1663,24 @@ def test_irecv_leaves_in_the_ring_what_no_posted_receive_takes(monkeypatch):
 def test_a_long_wait_sleeps_instead_of_spinning():
     """A receive that waits a second for its message spins once, then sleeps: it wakes
     every SLEEP_MS to nothing, and must not spin again each time."""
+    receiving = mp.get_context("fork").Event()
 
     def rank0(comm):
         comm.attach()
-        time.sleep(1.0)
+        assert receiving.wait(JOIN_TIMEOUT)
+        time.sleep(1.0)  # (how long the receive waits: the scenario, not a wait for anything)
         comm.Send(np.zeros(8, np.uint8), dest=1, tag=1)
         return True
 
     def rank1(comm):
         comm.attach()
-        start = time.process_time()
+        receiving.set()
+        start, cpu_start = time.monotonic(), time.process_time()
         comm.Recv(np.zeros(8, np.uint8), source=0, tag=1)
-        return time.process_time() - start
+        return time.monotonic() - start, time.process_time() - cpu_start
 
-    _, cpu_seconds = run_pair("shm", None, rank0, rank1, timeout=10)
+    _, (waited, cpu_seconds) = run_pair("shm", None, rank0, rank1, timeout=10)
+    assert waited >= 0.9, f"the receive waited {waited:.3f} s, not the second meant"
     # spinning 1 ms after every 10 ms wake-up took ~0.09 s of CPU here; sleeping, ~0.005
     assert cpu_seconds < 0.04
 

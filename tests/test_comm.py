@@ -8,6 +8,7 @@ to die or a fresh communicator start their own short-lived child.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import mmap
 import multiprocessing as mp
@@ -1509,14 +1510,19 @@ def test_object_with_more_buffers_than_the_ring_holds(transport):
                     timeout=10) == [True, True]
 
 
-def queued_then_closed_rank0(comm):
-    time.sleep(0.5)  # rank 1 has long returned from its sends by now
+def queued_then_closed_rank0(comm, sent):
+    """Read nothing until rank 1 has ``sent`` (its ring full, the rest queued), then all."""
+    comm.attach()  # (rank 1's attach waits for ours)
+    assert sent.wait(JOIN_TIMEOUT), "rank 1 did not finish its sends"
     receive_what_was_queued(comm, source=1, tag=1)
     return True
 
 
-def queued_then_closed_rank1(comm):
+def queued_then_closed_rank1(comm, sent=None):
+    """Send more than the ring holds, then close; ``sent`` is set in between."""
     send_more_than_the_ring_holds(comm, dest=0, tag=1)
+    if sent is not None:
+        sent.set()  # (this rank moves nothing more before close: the queue is still full)
     comm.close()
     return True
 
@@ -1687,7 +1693,9 @@ def test_a_long_wait_sleeps_instead_of_spinning():
 
 def test_close_delivers_sends_still_queued_for_a_full_ring():
     """A Send that found the ring full returned; closing must not lose its message."""
-    assert run_pair("shm", SMALL_RING, queued_then_closed_rank0, queued_then_closed_rank1,
+    sent = mp.get_context("fork").Event()
+    assert run_pair("shm", SMALL_RING, functools.partial(queued_then_closed_rank0, sent=sent),
+                    functools.partial(queued_then_closed_rank1, sent=sent),
                     timeout=10) == [True, True]
 
 
@@ -1732,10 +1740,10 @@ def test_close_that_fails_while_draining_still_releases_everything():
 
 def test_close_in_a_forked_child_leaves_the_parents_queue_alone():
     """Only the process that attached a rank writes its rings, also when closing."""
-    sender_done = mp.get_context("fork").Event()
+    sender_done, forked = (mp.get_context("fork").Event() for _ in range(2))
 
     def rank0(comm):
-        queued_then_closed_rank0(comm)
+        queued_then_closed_rank0(comm, forked)  # the child's copy of the queue is full
         assert sender_done.wait(5)
         return comm.Iprobe(source=1, tag=1)  # a packet written twice would show here
 
@@ -1747,6 +1755,7 @@ def test_close_in_a_forked_child_leaves_the_parents_queue_alone():
                 comm.close()
             finally:
                 os._exit(0)
+        forked.set()
         os.waitpid(pid, 0)
         marked_closed = comm._world.has_closed(comm.rank)  # the child must not speak for us
         comm.close()

@@ -1782,32 +1782,59 @@ def test_message_larger_than_2gib(peer):
     assert peer.result() is True, "the peer received different bytes"
 
 
-def test_eager_sends_ring_a_receiver_that_announced_sleep():
-    """Isend writes its eager packet itself (not through Send): it must still ring the
-    doorbell of a receiver whose sleeping word is set, and only then. Both ends live in
-    this process, the receiver's word set by hand, the doorbell replaced by a recorder."""
+def doorbell_receiver(comm, ready, go, receiving, woken):
+    """Rank 1 of test_eager_sends_wake_a_sleeping_receiver_and_only_it."""
+    comm.attach()
+    ready.set()
+    assert go.wait(JOIN_TIMEOUT)  # blocked here, in no receive, while two messages arrive
+    buf = np.zeros(16, np.uint8)
+    for _ in range(2):
+        comm.Recv(buf, 0, tag=3)
+        assert np.array_equal(buf, np.arange(16, dtype=np.uint8))
+    for i, (said, told) in enumerate(zip(receiving, woken, strict=True)):
+        said.set()
+        comm.Recv(buf, 0, tag=4 + i)  # asleep in poll until woken
+        told.set()
+    comm.close()
+
+
+def test_eager_sends_wake_a_sleeping_receiver_and_only_it(monkeypatch):
+    """Isend writes its eager packet itself (not through Send): like Send, it must ring the
+    doorbell of a receiver asleep in a receive, and only then (a receiver busy elsewhere
+    finds the message when it next looks; ringing would cost a system call per message).
+
+    The receiver's timed wake-up (SLEEP_MS, against a lost wake-up) is set to a minute, so
+    that only the doorbell wakes it in time; the sender's stats count its doorbell rings."""
+    monkeypatch.setattr(cma.comm, "SLEEP_MS", 60_000)  # inherited by the fork
+    ctx = mp.get_context("fork")
+    ready, go = ctx.Event(), ctx.Event()
+    receiving, woken = [ctx.Event(), ctx.Event()], [ctx.Event(), ctx.Event()]
     a, b = cma.Pipe(transport="shm")
-    attach = threading.Thread(target=b._attach)
-    attach.start()
-    a._attach()
-    attach.join(30)
+    p = ctx.Process(target=doorbell_receiver, args=(b, ready, go, receiving, woken))
+    data = np.arange(16, dtype=np.uint8)
     try:
-        rung: list[int] = []
-        a._ring = rung.append  # type: ignore[method-assign]
-        sleeping = a._all_lanes[1].peer_sleeping
-        data = np.arange(16, dtype=np.uint8)
-        got = np.zeros(16, dtype=np.uint8)
-        for announce, expected in ((0, []), (1, [1, 1])):
-            sleeping[0] = announce
-            a.Isend(data, 1, tag=3).Wait()
-            a.Send(data, 1, tag=3)
-            sleeping[0] = 0
-            assert rung == expected
-            rung.clear()
-            for _ in range(2):
-                got[:] = 0
-                b.Recv(got, 0, tag=3)
-                assert np.array_equal(got, data)
-    finally:
-        a.close()
+        p.start()
         b.close()
+        a.attach()
+        assert ready.wait(JOIN_TIMEOUT)
+        a.reset_stats()
+        a.Isend(data, 1, tag=3).Wait()
+        a.Send(data, 1, tag=3)
+        rings = a.stats()["eager"]["syscalls"]
+        assert rings == 0, f"{rings} doorbell rings for a receiver that was not waiting"
+        go.set()
+        for i, call in enumerate(("Isend", "Send")):
+            assert receiving[i].wait(JOIN_TIMEOUT)
+            wait_asleep_in_poll(p.pid, what="the receiver's Recv")
+            a.reset_stats()
+            if call == "Isend":
+                a.Isend(data, 1, tag=4 + i).Wait()
+            else:
+                a.Send(data, 1, tag=4 + i)
+            assert woken[i].wait(5), f"a receiver asleep in Recv was not woken by {call}"
+            assert a.stats()["eager"]["syscalls"] == 1
+        p.join(JOIN_TIMEOUT)
+        assert p.exitcode == 0
+    finally:
+        stop_process(p, 2.0)
+        a.close()

@@ -55,6 +55,35 @@ def receive_what_was_queued(comm, source, tag):
         assert (buf == i).all()
 
 
+def thread_state(pid: int, tid: int | None = None) -> tuple[str, str]:
+    """The scheduler state letter and wait channel of thread ``tid`` of ``pid`` (its main
+    thread by default), from /proc: e.g. ("S", "poll_schedule_timeout"), ("R", "0")."""
+    task = f"/proc/{pid}/task/{pid if tid is None else tid}"
+    with open(f"{task}/stat") as f:
+        state = f.read().rsplit(")", 1)[1].split()[0]
+    with open(f"{task}/wchan") as f:
+        return state, f.read()
+
+
+def wait_asleep_in_poll(pid: int, tid: int | None = None, what: str = "the thread",
+                        timeout: float = 10.0) -> None:
+    """Return once thread ``tid`` of ``pid`` sleeps in poll(2), which is where cma's blocking
+    calls sleep on their doorbell once done spinning; fail the test after ``timeout`` s.
+
+    Call it after a handshake that says the thread is on its way into the blocking call:
+    nothing else on that way sleeps in poll (waiting for the GIL or a lock is a futex wait,
+    time.sleep a nanosleep), so seeing it there means it is blocked in that call."""
+    deadline = time.monotonic() + timeout
+    while True:
+        state, wchan = thread_state(pid, tid)
+        if state == "S" and "poll" in wchan:
+            return
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what} did not go to sleep in poll within {timeout} s "
+                        f"(state {state!r}, wchan {wchan!r})")
+        time.sleep(0.001)  # (a polling interval, not a wait for anything)
+
+
 def _yama_scope() -> int:
     try:
         with open("/proc/sys/kernel/yama/ptrace_scope") as f:

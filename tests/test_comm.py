@@ -8,10 +8,12 @@ to die or a fresh communicator start their own short-lived child.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import mmap
 import multiprocessing as mp
 import os
+import select
 import threading
 import time
 from typing import Any
@@ -29,6 +31,7 @@ from conftest import (
     run_pair,
     send_more_than_the_ring_holds,
     stop_process,
+    wait_asleep_in_poll,
 )
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -186,10 +189,22 @@ def op_waitany_partner(comm):
     comm.Send(pattern(10, 8), 0, 21)
 
 
-def op_barrier(comm, delay, times):
+def op_barrier(comm, times=1, entered=None, after=None):
+    """``times`` Barriers; returns when the first was entered (time.monotonic, which is
+    CLOCK_MONOTONIC: comparable across processes).
+
+    ``entered``: a file created just before entering, so that the test knows the peer is
+    on its way in (a message would be drained with the barrier packet behind it).
+    ``after``: (pid, tid) of the test's thread; enter only once it sleeps in its own Barrier.
+    """
+    if after is not None:
+        wait_asleep_in_poll(*after, what="the test process's Barrier")
+    if entered is not None:
+        open(entered, "x").close()
+    entered_at = time.monotonic()
     for _ in range(times):
-        time.sleep(delay)
         comm.Barrier()
+    return entered_at
 
 
 def op_stats(comm, nbytes, eager_sizes):
@@ -219,19 +234,23 @@ def op_recv_one(comm, nbytes, tag):
     return digest(buf)
 
 
-def op_collect(comm, seconds):
-    """Receive whatever arrives within ``seconds``: (tag, nbytes) in order."""
+def op_announce_then_recv(comm, nbytes, tag):
+    """Say (tag ``tag``) that the receive begins, then receive one buffer."""
+    comm.send("receiving", 0, tag)
+    return op_recv_one(comm, nbytes, tag)
+
+
+def op_collect(comm, stop_tag):
+    """Receive whatever arrives until a message tagged ``stop_tag``: (tag, nbytes) in
+    order, the stop message left out."""
     got = []
     buf = np.empty(4 * EAGER, np.uint8)  # room for the largest message the tests send here
     st = cma.Status()
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if comm.Iprobe(0, cma.ANY_TAG):
-            comm.Recv(buf, 0, cma.ANY_TAG, st)
-            got.append((st.tag, st.count))
-        else:
-            time.sleep(0.005)
-    return got
+    while True:
+        comm.Recv(buf, 0, cma.ANY_TAG, st)
+        if st.tag == stop_tag:
+            return got
+        got.append((st.tag, st.count))
 
 
 def op_probe_partner(comm, sizes, tag):
@@ -825,11 +844,23 @@ def test_error_raised_at_once(peer, case):
     assert not peer.comm.Iprobe()
 
 
-def test_negative_tag_receive_cannot_take_an_internal_message(peer):
-    """A Recv with an invalid (negative) tag must raise, even with a barrier packet waiting."""
+def peer_blocked_in_barrier(peer, entered) -> None:
+    """Wait until the peer, running op_barrier(entered=entered), sleeps in its Barrier: its
+    barrier packet is in our ring then (nothing here has read the ring meanwhile)."""
+    deadline = time.monotonic() + 10
+    while not os.path.exists(entered):
+        assert time.monotonic() < deadline, "the peer did not start its Barrier within 10 s"
+        time.sleep(0.001)  # (a polling interval)
+    wait_asleep_in_poll(peer.pid, what="the peer's Barrier")
+
+
+def test_negative_tag_receive_cannot_take_an_internal_message(peer, tmp_path):
+    """A Recv with an invalid (negative) tag must raise, even with a barrier packet waiting
+    in the ring, where the Recv's fast path looks first."""
     comm = peer.comm
-    peer.start(op_barrier, 0.0, 1)
-    time.sleep(0.3)  # the peer's barrier packet is in our ring now
+    entered = tmp_path / "entered"
+    peer.start(op_barrier, 1, entered)
+    peer_blocked_in_barrier(peer, entered)
     with pytest.raises(InvalidTag):
         comm.Recv(bytearray(8), source=1, tag=BARRIER_TAG)
     comm.Barrier()
@@ -839,7 +870,7 @@ def test_negative_tag_receive_cannot_take_an_internal_message(peer):
 def test_numpy_integer_tag_treated_alike_at_any_size(peer):
     """np.int64 tags: eager and rendezvous sends must agree (mpi4py accepts any __index__)."""
     comm = peer.comm
-    peer.start(op_collect, 1.5)
+    peer.start(op_collect, 99)
     outcome = []
     sizes = (16, 2 * EAGER)
     for n in sizes:
@@ -848,6 +879,7 @@ def test_numpy_integer_tag_treated_alike_at_any_size(peer):
             outcome.append("sent")
         except InvalidTag:
             outcome.append("InvalidTag")
+    comm.Send(b"", dest=1, tag=99)  # all that was sent has arrived before this
     got = peer.result()
     assert got == [(3, n) for n, o in zip(sizes, outcome, strict=True) if o == "sent"]
     assert outcome[0] == outcome[1], f"eager and rendezvous disagree: {outcome}"
@@ -1058,20 +1090,24 @@ def test_matched_probe(peer, nbytes):
 
 
 @pytest.mark.parametrize("who_is_late", ["peer", "us"])
-def test_barrier(peer, who_is_late):
+def test_barrier(peer, who_is_late, tmp_path):
+    """The Barrier returns only once the peer has entered its own, whichever comes first."""
     comm = peer.comm
-    delay = 0.3
-    if who_is_late == "peer":
-        peer.start(op_barrier, delay, 1)
-        t0 = time.monotonic()
+    if who_is_late == "peer":  # it enters once we sleep in ours
+        peer.start(op_barrier, 1, None, (os.getpid(), threading.get_native_id()))
         comm.Barrier()
-        assert time.monotonic() - t0 >= delay * 0.8, "Barrier returned before the peer entered"
-    else:
-        peer.start(op_barrier, 0.0, 1)
-        time.sleep(delay)
+        returned_at = time.monotonic()
+        assert returned_at >= peer.result(), "Barrier returned before the peer entered"
+    else:  # its barrier packet waits for us
+        entered = tmp_path / "entered"
+        peer.start(op_barrier, 1, entered)
+        peer_blocked_in_barrier(peer, entered)
+        # no user message for Iprobe, which moves the packet out of the ring: the Barrier
+        # then finds it arrived before its receive was posted
+        assert not comm.Iprobe(1, cma.ANY_TAG)
         comm.Barrier()
-    peer.result()
-    peer.start(op_barrier, 0.0, 20)
+        peer.result()
+    peer.start(op_barrier, 20)
     for _ in range(20):
         comm.barrier()
     peer.result()
@@ -1149,26 +1185,61 @@ def test_stats_count_a_message_to_ourselves_once_with_both_copies(peer, order):
 # ------------------------------------------------------------------ liveness
 
 
-def gone_child(comm, mode):
+def gone_child(comm, mode, exit_now):
     comm.send("ready", dest=0, tag=1)
     if mode == "rendezvous":
-        comm.Isend(np.ones(4 * FRAG, np.uint8), dest=0, tag=2)
-    time.sleep(0.3)
+        comm.Isend(np.ones(4 * FRAG, np.uint8), dest=0, tag=2)  # its RTS, into rank 0's ring
+    else:
+        exit_now.wait(JOIN_TIMEOUT)  # set once rank 0 sleeps in the call (or gave up on it)
     os._exit(0)
+
+
+def wait_exited(pid: int, timeout: float = JOIN_TIMEOUT) -> None:
+    """Wait until process ``pid`` has exited (its pidfd is readable), without reaping it."""
+    fd = os.pidfd_open(pid)
+    try:
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        assert poller.poll(int(timeout * 1000)), f"process {pid} did not exit within {timeout} s"
+    finally:
+        os.close(fd)
+
+
+def set_when_asleep(tid: int, what: str, event: Any, failures: list[BaseException]) -> None:
+    """Set ``event`` once thread ``tid`` of this process sleeps in poll (or failed to)."""
+    try:
+        wait_asleep_in_poll(os.getpid(), tid, what=what)
+    except BaseException as exc:  # noqa: BLE001 - reported by the test's thread
+        failures.append(exc)
+    finally:
+        event.set()
 
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("mode", ["Recv", "Recv-any-source", "Irecv-Wait", "recv", "Probe",
                                   "Send-rendezvous", "Recv-rendezvous-in-flight"])
 def test_peer_exit_raises_peer_gone(transport, mode):
-    """Waiting on a peer that exits (os._exit) raises PeerGone instead of hanging."""
+    """Waiting on a peer that exits (os._exit) raises PeerGone instead of hanging.
+
+    The peer exits once the call sleeps (seen in /proc), so that the exit is what wakes
+    it; in the in-flight case it has exited, leaving its RTS in our ring, before the call."""
     a, b = cma.Pipe(transport=transport)
-    child_mode = "rendezvous" if mode.endswith("in-flight") else "idle"
-    p = mp.get_context("fork").Process(target=gone_child, args=(b, child_mode))
+    in_flight = mode.endswith("in-flight")
+    exit_now = mp.get_context("fork").Event()
+    p = mp.get_context("fork").Process(target=gone_child,
+                                       args=(b, "rendezvous" if in_flight else "idle", exit_now))
+    watcher = None
+    failures: list[BaseException] = []
     try:
         p.start()
         b.close()
         assert a.recv(source=1, tag=1) == "ready"
+        if in_flight:
+            wait_exited(p.pid)  # (a zombie still: not reaped)
+        else:
+            watcher = threading.Thread(target=set_when_asleep, args=(
+                threading.get_native_id(), f"the {mode} call", exit_now, failures))
+            watcher.start()
         t0 = time.monotonic()
         buf = np.empty(8 * FRAG, np.uint8)
         with pytest.raises(PeerGone):
@@ -1185,10 +1256,13 @@ def test_peer_exit_raises_peer_gone(transport, mode):
             elif mode == "Send-rendezvous":
                 a.Send(buf, dest=1, tag=2)  # nobody will ever receive it
             else:
-                time.sleep(0.6)  # the peer has exited; its RTS waits in our ring
                 a.Recv(buf, source=1, tag=2)
+        assert not failures, failures[0]  # (the call did not sleep: the peer exited late)
         assert time.monotonic() - t0 < 10
     finally:
+        exit_now.set()
+        if watcher is not None:
+            watcher.join(JOIN_TIMEOUT)
         stop_process(p)
         a.close()
 
@@ -1278,10 +1352,11 @@ def _cpu_seconds(pid: int) -> float:
 
 def test_idle_blocked_receiver_uses_little_cpu(peer):
     comm = peer.comm
-    peer.start(op_recv_one, 100, 90)
-    time.sleep(0.2)  # into the Recv, past any spinning
+    peer.start(op_announce_then_recv, 100, 90)
+    assert comm.recv(source=1, tag=90) == "receiving"
+    wait_asleep_in_poll(peer.pid, what="the peer's Recv")  # in the Recv, done spinning
     cpu0, t0 = _cpu_seconds(peer.pid), time.monotonic()
-    time.sleep(1.5)
+    time.sleep(1.5)  # (the span measured, not a wait for anything)
     cpu1, t1 = _cpu_seconds(peer.pid), time.monotonic()
     data = pattern(100, 3)
     comm.Send(data, 1, 90)
@@ -1434,14 +1509,19 @@ def test_object_with_more_buffers_than_the_ring_holds(transport):
                     timeout=10) == [True, True]
 
 
-def queued_then_closed_rank0(comm):
-    time.sleep(0.5)  # rank 1 has long returned from its sends by now
+def queued_then_closed_rank0(comm, sent):
+    """Read nothing until rank 1 has ``sent`` (its ring full, the rest queued), then all."""
+    comm.attach()  # (rank 1's attach waits for ours)
+    assert sent.wait(JOIN_TIMEOUT), "rank 1 did not finish its sends"
     receive_what_was_queued(comm, source=1, tag=1)
     return True
 
 
-def queued_then_closed_rank1(comm):
+def queued_then_closed_rank1(comm, sent=None):
+    """Send more than the ring holds, then close; ``sent`` is set in between."""
     send_more_than_the_ring_holds(comm, dest=0, tag=1)
+    if sent is not None:
+        sent.set()  # (this rank moves nothing more before close: the queue is still full)
     comm.close()
     return True
 
@@ -1588,27 +1668,33 @@ def test_irecv_leaves_in_the_ring_what_no_posted_receive_takes(monkeypatch):
 def test_a_long_wait_sleeps_instead_of_spinning():
     """A receive that waits a second for its message spins once, then sleeps: it wakes
     every SLEEP_MS to nothing, and must not spin again each time."""
+    receiving = mp.get_context("fork").Event()
 
     def rank0(comm):
         comm.attach()
-        time.sleep(1.0)
+        assert receiving.wait(JOIN_TIMEOUT)
+        time.sleep(1.0)  # (how long the receive waits: the scenario, not a wait for anything)
         comm.Send(np.zeros(8, np.uint8), dest=1, tag=1)
         return True
 
     def rank1(comm):
         comm.attach()
-        start = time.process_time()
+        receiving.set()
+        start, cpu_start = time.monotonic(), time.process_time()
         comm.Recv(np.zeros(8, np.uint8), source=0, tag=1)
-        return time.process_time() - start
+        return time.monotonic() - start, time.process_time() - cpu_start
 
-    _, cpu_seconds = run_pair("shm", None, rank0, rank1, timeout=10)
+    _, (waited, cpu_seconds) = run_pair("shm", None, rank0, rank1, timeout=10)
+    assert waited >= 0.9, f"the receive waited {waited:.3f} s, not the second meant"
     # spinning 1 ms after every 10 ms wake-up took ~0.09 s of CPU here; sleeping, ~0.005
     assert cpu_seconds < 0.04
 
 
 def test_close_delivers_sends_still_queued_for_a_full_ring():
     """A Send that found the ring full returned; closing must not lose its message."""
-    assert run_pair("shm", SMALL_RING, queued_then_closed_rank0, queued_then_closed_rank1,
+    sent = mp.get_context("fork").Event()
+    assert run_pair("shm", SMALL_RING, functools.partial(queued_then_closed_rank0, sent=sent),
+                    functools.partial(queued_then_closed_rank1, sent=sent),
                     timeout=10) == [True, True]
 
 
@@ -1653,10 +1739,10 @@ def test_close_that_fails_while_draining_still_releases_everything():
 
 def test_close_in_a_forked_child_leaves_the_parents_queue_alone():
     """Only the process that attached a rank writes its rings, also when closing."""
-    sender_done = mp.get_context("fork").Event()
+    sender_done, forked = (mp.get_context("fork").Event() for _ in range(2))
 
     def rank0(comm):
-        queued_then_closed_rank0(comm)
+        queued_then_closed_rank0(comm, forked)  # the child's copy of the queue is full
         assert sender_done.wait(5)
         return comm.Iprobe(source=1, tag=1)  # a packet written twice would show here
 
@@ -1668,6 +1754,7 @@ def test_close_in_a_forked_child_leaves_the_parents_queue_alone():
                 comm.close()
             finally:
                 os._exit(0)
+        forked.set()
         os.waitpid(pid, 0)
         marked_closed = comm._world.has_closed(comm.rank)  # the child must not speak for us
         comm.close()
@@ -1694,32 +1781,59 @@ def test_message_larger_than_2gib(peer):
     assert peer.result() is True, "the peer received different bytes"
 
 
-def test_eager_sends_ring_a_receiver_that_announced_sleep():
-    """Isend writes its eager packet itself (not through Send): it must still ring the
-    doorbell of a receiver whose sleeping word is set, and only then. Both ends live in
-    this process, the receiver's word set by hand, the doorbell replaced by a recorder."""
+def doorbell_receiver(comm, ready, go, receiving, woken):
+    """Rank 1 of test_eager_sends_wake_a_sleeping_receiver_and_only_it."""
+    comm.attach()
+    ready.set()
+    assert go.wait(JOIN_TIMEOUT)  # blocked here, in no receive, while two messages arrive
+    buf = np.zeros(16, np.uint8)
+    for _ in range(2):
+        comm.Recv(buf, 0, tag=3)
+        assert np.array_equal(buf, np.arange(16, dtype=np.uint8))
+    for i, (said, told) in enumerate(zip(receiving, woken, strict=True)):
+        said.set()
+        comm.Recv(buf, 0, tag=4 + i)  # asleep in poll until woken
+        told.set()
+    comm.close()
+
+
+def test_eager_sends_wake_a_sleeping_receiver_and_only_it(monkeypatch):
+    """Isend writes its eager packet itself (not through Send): like Send, it must ring the
+    doorbell of a receiver asleep in a receive, and only then (a receiver busy elsewhere
+    finds the message when it next looks; ringing would cost a system call per message).
+
+    The receiver's timed wake-up (SLEEP_MS, against a lost wake-up) is set to a minute, so
+    that only the doorbell wakes it in time; the sender's stats count its doorbell rings."""
+    monkeypatch.setattr(cma.comm, "SLEEP_MS", 60_000)  # inherited by the fork
+    ctx = mp.get_context("fork")
+    ready, go = ctx.Event(), ctx.Event()
+    receiving, woken = [ctx.Event(), ctx.Event()], [ctx.Event(), ctx.Event()]
     a, b = cma.Pipe(transport="shm")
-    attach = threading.Thread(target=b._attach)
-    attach.start()
-    a._attach()
-    attach.join(30)
+    p = ctx.Process(target=doorbell_receiver, args=(b, ready, go, receiving, woken))
+    data = np.arange(16, dtype=np.uint8)
     try:
-        rung: list[int] = []
-        a._ring = rung.append  # type: ignore[method-assign]
-        sleeping = a._all_lanes[1].peer_sleeping
-        data = np.arange(16, dtype=np.uint8)
-        got = np.zeros(16, dtype=np.uint8)
-        for announce, expected in ((0, []), (1, [1, 1])):
-            sleeping[0] = announce
-            a.Isend(data, 1, tag=3).Wait()
-            a.Send(data, 1, tag=3)
-            sleeping[0] = 0
-            assert rung == expected
-            rung.clear()
-            for _ in range(2):
-                got[:] = 0
-                b.Recv(got, 0, tag=3)
-                assert np.array_equal(got, data)
-    finally:
-        a.close()
+        p.start()
         b.close()
+        a.attach()
+        assert ready.wait(JOIN_TIMEOUT)
+        a.reset_stats()
+        a.Isend(data, 1, tag=3).Wait()
+        a.Send(data, 1, tag=3)
+        rings = a.stats()["eager"]["syscalls"]
+        assert rings == 0, f"{rings} doorbell rings for a receiver that was not waiting"
+        go.set()
+        for i, call in enumerate(("Isend", "Send")):
+            assert receiving[i].wait(JOIN_TIMEOUT)
+            wait_asleep_in_poll(p.pid, what="the receiver's Recv")
+            a.reset_stats()
+            if call == "Isend":
+                a.Isend(data, 1, tag=4 + i).Wait()
+            else:
+                a.Send(data, 1, tag=4 + i)
+            assert woken[i].wait(5), f"a receiver asleep in Recv was not woken by {call}"
+            assert a.stats()["eager"]["syscalls"] == 1
+        p.join(JOIN_TIMEOUT)
+        assert p.exitcode == 0
+    finally:
+        stop_process(p, 2.0)
+        a.close()

@@ -35,7 +35,8 @@ PUSH_TRANSPORTS = [n for n, cls in REGISTRY.classes.items() if "push" in cls.sty
 CMD_TAG = 1_000_001
 RESULT_TAG = 1_000_002
 JOIN_TIMEOUT = 10.0
-FOREIGN_SHM_PREFIXES = ("mpich_shm_",)
+# MPI libraries' own segments (MPICH's, Open MPI's): another job's, not ours to account for
+FOREIGN_SHM_PREFIXES = ("mpich_shm_", "sm_segment.")
 # A 4 KiB ring: a few 1000-byte messages fill it, and the rest wait in the send queue.
 SMALL_RING = cma.ChannelConfig(eager_limit=1024, ring_bytes=4096, frag_size=4096, stage_slots=2)
 QUEUED_SENDS = 20

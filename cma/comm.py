@@ -76,22 +76,15 @@ from .world import ENV_TRANSPORT, ENV_WORLD, PeerLink, World, WorldFds, announce
 AUTO = "auto"
 # Preference for large messages under "auto": fewest copies first.
 AUTO_ORDER = ["cma", "vmfd", "shm"]
-# Smallest rendezvous message each transport takes under "auto" (bytes), from cma-bench
-# on the project machine (docs/transports.md has the runs). There the pipelined double
-# copy beat a one-sided cma or vmfd copy at every size up to 64 MiB (a nested VM makes
-# pinning a running peer's pages dear), while cma with both sides copying (SPLIT) tied
-# with it at 2 MiB (147/157/152 vs 132/154/144 us in three runs) and matched or beat
-# it from 4 MiB (222/329 vs 296/312 us; 64 MiB 1.5x): so under auto cma is used from
-# 4 MiB and only where SPLIT works (AUTO_SPLIT_ONLY), vmfd not while shm works. Where
-# the one-sided copy wins, lower them: thresholds={"cma": 0} also lifts the SPLIT rule.
+# Smallest rendezvous message each transport takes under "auto" (bytes). Here shm's
+# pipelined double copy beat one-sided cma and vmfd copies at every size, and cma with both
+# sides copying (SPLIT) matched it from 4 MiB (docs/transports.md has the runs); where
+# one-sided copies win, lower them: thresholds={"cma": 0} also lifts the SPLIT rule.
 NEVER = 1 << 62
 # An Isend of at least this many bytes (within the eager limit) that finds the ring full
-# goes as a rendezvous instead of being copied into a packet that waits for the ring:
-# windows of 64 Isends to a receiver 0.5 ms late took, per message of 2 MiB, 0.9-1.3 ms
-# queued against 0.1-0.6 ms as rendezvous in every run; at 512 KiB-1 MiB the rendezvous
-# won in most runs, at 128-256 KiB in none (there the machine's noise was as large as
-# any difference). Send keeps queueing: two ranks that Send to each other before
-# receiving must not wait for each other's receive.
+# goes as a rendezvous, which won from here on, instead of a copy queued for the ring
+# (docs/architecture.md, "The eager fast path", has the runs). Send keeps queueing: two
+# ranks that Send to each other before receiving must not wait for each other's receive.
 QUEUED_COPY_LIMIT = 512 << 10
 AUTO_THRESHOLDS = {"cma": 4 << 20, "vmfd": NEVER, "shm": 0}
 AUTO_SPLIT_ONLY = {"cma"}
@@ -105,6 +98,8 @@ SPIN_SECONDS = float(os.environ.get("CMA_SPIN_US", "1000")) * 1e-6
 SLOWEST_COPY_BYTES_PER_S = 1e9
 YIELD_FROM_BYTES = 1 << 20
 SLEEP_MS = 10
+# Recv's fast path polls the ring this often (a poll of an empty ring costs ~0.1-0.2 us
+# here: well under a millisecond in all) before the general path, which spins, then sleeps.
 _FAST_SPINS = 4000
 
 _NOTHING = object()  # what the view caches hold before the first call (never a user buffer)

@@ -80,17 +80,12 @@ def packet_bytes(nbytes: int) -> int:
 class ChannelConfig:
     """Sizes of the shared segment.
 
-    ``eager_limit`` is the largest message sent inline; 2 MiB: on the project machine
-    (a 2-vCPU VM, processes pinned) one-way ping-pong of 128 KiB took 8.5 us eager,
-    46 us through the shm pipeline and 56 us through cma; of 1 MiB, 50 us eager and
-    78-141 us pipelined. Of 2 MiB, in one interleaved run of 7 rounds, 104-111 us eager
-    in this ring against 136-182 us through the shm pipeline under the former limit of
-    1 MiB and 4 MiB ring (other sizes, 8 B to 4 MiB: 2 % slower to 5 % faster). At
-    4 MiB an earlier run had the pipeline at 242 us against 481 us eager. A rendezvous
-    pays a handshake in Python and, for cma, the pinning of a running peer's pages,
-    where two cache-warm memcpys cost little. ``ring_bytes`` (a power of two, at least
-    4 x eager_limit) bounds what is in flight per direction; its first half, which a
-    reader that keeps up never leaves, stays cache-warm.
+    ``eager_limit`` is the largest message sent inline (2 MiB: below it two cache-warm
+    copies through the ring beat a rendezvous's handshake here; docs/architecture.md
+    has the runs). ``ring_bytes`` (a power of two, at least 4 x eager_limit) bounds what
+    is in flight per direction; its first half, which a reader that keeps up never
+    leaves, stays cache-warm. ``frag_size`` and ``stage_slots`` shape the staging area
+    of the shm pipeline.
     """
 
     eager_limit: int = 2 << 20

@@ -271,9 +271,6 @@ class FakePeer:
     def fetch_fd(self, name: str) -> int:
         return self.target.fetch_fd(name)
 
-    def staging(self, outgoing: bool) -> memoryview:
-        raise NotImplementedError("these transports do not stage")
-
 
 def run_in_child(fn: Callable[[], Any], *, uid: int | None = None, timeout: float = 60.0) -> Any:
     """``fn()`` in a forked child (as ``uid`` with no capabilities, if given); its pickled result.

@@ -199,9 +199,6 @@ class _LyingPeer:
     def fetch_fd(self, name: str) -> int:
         return os.open(self.path, os.O_RDONLY)
 
-    def staging(self, outgoing: bool) -> memoryview:
-        raise NotImplementedError
-
 
 @pytest.mark.parametrize("path", ["/dev/null", "/proc/self/mem"], ids=["not-mem", "wrong-pid"])
 def test_received_fd_is_checked_against_the_peer(path: str) -> None:

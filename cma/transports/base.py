@@ -48,10 +48,6 @@ class Peer(Protocol):
         """A file descriptor the peer exposed under ``name``, passed over SCM_RIGHTS."""
         ...
 
-    def staging(self, outgoing: bool) -> memoryview:
-        """The shared staging area for messages to (outgoing) or from this peer."""
-        ...
-
 
 class Host(Protocol):
     """What a transport may ask of its own process's bootstrap."""

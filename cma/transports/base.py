@@ -104,19 +104,23 @@ class Transport:
     styles: ClassVar[frozenset[str]]
     # shown for comparison only: ``auto`` never uses it, cma-bench's ``all`` leaves it out
     teaching: ClassVar[bool] = False
+    # Whether the protocol may ask this transport to ``write`` (RPUT, SPLIT's pushed half).
+    # The class value is the default: True where writing needs nothing more than reading.
+    writes: bool = False
 
-    def __init__(self, host: Host, *, push: bool = False, **options: object) -> None:
-        """``push``: the protocol may ask this transport to write (RPUT), so set up for it."""
+    def __init__(self, host: Host, *, writes: bool | None = None, **options: object) -> None:
+        """``writes``: set up to write into peers or not (None: the transport's default).
+
+        Peers must be set up alike: a transport writes through what its peer exposed.
+        """
         self.host = host
-        self.push = push
+        if writes is not None:
+            if writes and "push" not in self.styles:
+                raise ValueError(f"{self.name} cannot write into a peer's memory")
+            self.writes = writes
         self.stats = TransportStats()
         if options:
             raise TypeError(f"{self.name}: unknown options {sorted(options)}")
-
-    @property
-    def writes(self) -> bool:
-        """Whether ``write`` works as set up (peers configure the same way)."""
-        return "push" in self.styles
 
     def probe(self, peer: Peer) -> str | None:
         """None when usable with ``peer``, else a reason a person can act on."""

@@ -177,10 +177,11 @@ class CmaTransport(Transport):
     name: ClassVar[str] = "cma"
     copies: ClassVar[Copies] = Copies(user=0, kernel=1)
     styles: ClassVar[frozenset[str]] = frozenset({"pull", "push"})
+    writes = True  # the same permission as reading; nothing more to set up
 
-    def __init__(self, host: Host, *, push: bool = False, threads: int | None = None,
+    def __init__(self, host: Host, *, writes: bool | None = None, threads: int | None = None,
                  **options: object) -> None:
-        super().__init__(host, push=push, **options)
+        super().__init__(host, writes=writes, **options)
         if threads is None:
             threads = 1
         if threads < 1:

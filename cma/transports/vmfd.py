@@ -16,7 +16,7 @@ system call for small ones.
 
 Each process opens its own memory file once, when the transport is created (later it
 may lack the right: a non-root process that changed uid or dropped dumpable cannot
-open it), read-only always and read-write only with ``push=True``, and exposes it as
+open it), read-only always and read-write only with ``writes=True``, and exposes it as
 "mem-ro" / "mem-rw". The peer-side fd is checked to be the peer's memory file before use.
 """
 
@@ -108,29 +108,29 @@ class _PeerMemory:
 
 
 class VmfdTransport(Transport):
-    """Pull through the peer's read-only memory fd; push (``write``) only with ``push=True``.
+    """Pull through the peer's read-only memory fd; push (``write``) only with ``writes=True``.
 
     ``styles`` names what the mechanism can do; push works only when both processes
-    created the transport with ``push=True``, otherwise ``write`` says so.
+    created the transport with ``writes=True``, otherwise ``write`` says so.
     """
 
     name: ClassVar[str] = "vmfd"
     copies: ClassVar[Copies] = Copies(user=0, kernel=2)
     styles: ClassVar[frozenset[str]] = frozenset({"pull", "push"})
 
-    def __init__(self, host: Host, *, push: bool = False, **options: object) -> None:
-        """``push=True`` also exposes and fetches read-write memory fds (for ``write``).
+    def __init__(self, host: Host, *, writes: bool | None = None, **options: object) -> None:
+        """``writes=True`` also exposes and fetches read-write memory fds (for ``write``).
 
         Off by default: a read-only fd is all pulling needs, and an O_RDWR one lets its
         holder change this process's memory, so it is handed out only when asked for.
         """
-        super().__init__(host, push=push, **options)
+        super().__init__(host, writes=writes, **options)
         self._peers: dict[int, _PeerMemory] = {}
         self._retired: list[_PeerMemory] = []  # replaced while a copy may still use them
         self._reconnect = threading.Lock()  # overlap's copy thread reads while this one writes
         self._own: list[int] = []
         self._expose(host, "mem-ro", writable=False)
-        if push:
+        if self.writes:
             self._expose(host, "mem-rw", writable=True)
 
     def _expose(self, host: Host, name: str, *, writable: bool) -> None:
@@ -147,10 +147,6 @@ class VmfdTransport(Transport):
         self._own.append(fd)
         host.expose_fd(name, lambda: _linux.dup_fd(fd))
 
-    @property
-    def writes(self) -> bool:
-        return self.push
-
     def probe(self, peer: Peer) -> str | None:
         """None once the peer's memory fd is in hand: no ptrace rights are needed beyond that."""
         try:
@@ -164,7 +160,7 @@ class VmfdTransport(Transport):
             return
         readable = self._fetch(peer, "mem-ro", writable=False)
         try:
-            writable = self._fetch(peer, "mem-rw", writable=True) if self.push else None
+            writable = self._fetch(peer, "mem-rw", writable=True) if self.writes else None
         except TransportUnavailable:
             _linux.close_fd(readable)
             raise
@@ -195,8 +191,8 @@ class VmfdTransport(Transport):
         memory = self._memory(peer)
         if memory.writable is None:
             raise TransportUnavailable(
-                f"vmfd write to rank {peer.rank}: push is off; create the vmfd transport with "
-                "push=True in both processes"
+                f"vmfd write to rank {peer.rank}: writes are off; create the vmfd transport with "
+                "writes=True (cma.Comm, cma.Pipe: push=True) in both processes"
             )
         what = f"vmfd write to rank {peer.rank}"
         for region, part in pair_regions(remote, local_byte_views(local, writable=False, what=what), what):

@@ -30,27 +30,36 @@ from typing import ClassVar
 from .. import _linux
 from ..errors import CmaError, TransportUnavailable, WindowError
 from .base import (
+    BatchLimits,
     Copies,
     Host,
     Peer,
     Region,
+    Transfer,
     Transport,
     TransportStats,
-    local_byte_views,
-    pair_regions,
 )
 
+# one preadv/pwritev: its offset is one remote address, so one region per call, gathered
+# from or scattered to up to IOV_MAX local buffers
+LIMITS = BatchLimits(local_spans=_linux.IOV_MAX, remote_spans=1, nbytes=_linux.MAX_RW_COUNT)
 
-def _advance(views: list[memoryview], nbytes: int) -> list[memoryview]:
-    """The views left after the first ``nbytes`` bytes of their concatenation were moved."""
-    i = 0
-    while nbytes and nbytes >= views[i].nbytes:
-        nbytes -= views[i].nbytes
-        i += 1
-    rest = views[i:]
-    if nbytes:
-        rest[0] = rest[0][nbytes:]
-    return rest
+
+def _copy(transfer: Transfer, fd: int, pid: int, *, write: bool, stats: TransportStats | None) -> None:
+    """Run ``transfer`` through the memory fd ``fd`` of process ``pid``, counting into ``stats``."""
+    syscall = _linux.mem_pwritev if write else _linux.mem_preadv
+    what = transfer.what
+
+    def batch(views: list[memoryview], lens: list[int], addrs: list[int],
+              remote_lens: list[int]) -> int:
+        return syscall(fd, views, addrs[0], pid=pid, what=what)
+
+    outcome = transfer.run(batch, LIMITS)
+    if stats is not None:
+        # into the bounce page, out of it
+        stats.count_copy(kernel=2 * outcome.copied, syscalls=outcome.calls)
+    if outcome.error is not None:
+        raise outcome.error
 
 
 class VmFd:
@@ -74,30 +83,23 @@ class VmFd:
 
     def read(self, addr: int, buffers: Sequence[memoryview]) -> None:
         """Fill ``buffers`` from the window's bytes at ``addr`` onwards."""
-        self.move(addr, local_byte_views(buffers, writable=True, what="vmfd read"), write=False)
+        self._move(addr, buffers, write=False)
 
     def write(self, addr: int, buffers: Sequence[memoryview]) -> None:
         """Copy ``buffers`` into the window at ``addr`` onwards."""
-        self.move(addr, local_byte_views(buffers, writable=False, what="vmfd write"), write=True)
+        self._move(addr, buffers, write=True)
 
-    def move(self, addr: int, views: list[memoryview], *, write: bool) -> None:
-        """``read`` or ``write`` for views already checked and flattened by ``_byte_views``."""
-        nbytes = sum(view.nbytes for view in views)
+    def _move(self, addr: int, buffers: Sequence[memoryview], *, write: bool) -> None:
+        nbytes = sum(buf.nbytes for buf in buffers)
         what = f"vmfd window [{self.start:#x}, +{self.length}) of process {self.pid}"
         if nbytes and not (self.start <= addr and addr + nbytes <= self.start + self.length):
             raise WindowError(
                 f"{what}: refused to {'write' if write else 'read'} {nbytes} bytes at {addr:#x}, "
                 "which is outside the window the owner exposed (a stale or forged descriptor?)"
             )
-        syscall = _linux.mem_pwritev if write else _linux.mem_preadv
-        while views:
-            if self.stats is not None:
-                self.stats.count_copy(syscalls=1)
-            moved = syscall(self.fd, views[: _linux.IOV_MAX], addr, pid=self.pid, what=what)
-            if self.stats is not None:
-                self.stats.count_copy(kernel=2 * moved)  # into the bounce page, out of it
-            addr += moved
-            views = _advance(views, moved)
+        # a write reads the local buffers, so only a read needs them writable
+        transfer = Transfer(buffers, [Region(addr, nbytes)], writable=not write, what=what)
+        _copy(transfer, self.fd, self.pid, write=write, stats=self.stats)
 
 
 @dataclass
@@ -182,10 +184,8 @@ class VmfdTransport(Transport):
 
     def read(self, peer: Peer, remote: Sequence[Region], local: Sequence[memoryview]) -> None:
         memory = self._memory(peer)
-        what = f"vmfd read from rank {peer.rank}"
-        for region, part in pair_regions(remote, local_byte_views(local, writable=True, what=what), what):
-            window = VmFd(memory.readable, *region, pid=memory.pid, stats=self.stats)
-            window.move(region.addr, part, write=False)
+        transfer = Transfer(local, remote, writable=True, what=f"vmfd read from rank {peer.rank}")
+        _copy(transfer, memory.readable, memory.pid, write=False, stats=self.stats)
 
     def write(self, peer: Peer, local: Sequence[memoryview], remote: Sequence[Region]) -> None:
         memory = self._memory(peer)
@@ -194,10 +194,8 @@ class VmfdTransport(Transport):
                 f"vmfd write to rank {peer.rank}: writes are off; create the vmfd transport with "
                 "writes=True (cma.Comm, cma.Pipe: push=True) in both processes"
             )
-        what = f"vmfd write to rank {peer.rank}"
-        for region, part in pair_regions(remote, local_byte_views(local, writable=False, what=what), what):
-            window = VmFd(memory.writable, *region, pid=memory.pid, stats=self.stats)
-            window.move(region.addr, part, write=True)
+        transfer = Transfer(local, remote, writable=False, what=f"vmfd write to rank {peer.rank}")
+        _copy(transfer, memory.writable, memory.pid, write=True, stats=self.stats)
 
     def _memory(self, peer: Peer) -> _PeerMemory:
         memory = self._peers.get(peer.rank)

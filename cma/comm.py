@@ -497,17 +497,19 @@ class Comm:
         world = World(self._fds, self.rank)
         self._world = world
         names = REGISTRY.practical() if self._transport_name == AUTO else [self._transport_name]
-        # push concerns every transport (set up for RPUT); other options belong to the one named
+        # push concerns every transport (prefer RPUT, so every one that can write is set up
+        # to: vmfd exchanges read-write fds); other options belong to the one named
         options = dict(self._transport_options)
         push = bool(options.pop("push", False))
         self._prefer_push = push
         self._split = bool(options.pop("split", True))
         options.pop("overlap", None)
-        self._transports: dict[str, Transport] = {
-            name: REGISTRY.classes[name](world, push=push,
+        self._transports: dict[str, Transport] = {}
+        for name in names:
+            cls = REGISTRY.classes[name]
+            writes = True if push and "push" in cls.styles else None  # None: the class default
+            self._transports[name] = cls(world, writes=writes,
                                          **(options if self._transport_name != AUTO else {}))
-            for name in names
-        }
         self._reasons: dict[int, dict[str, str]] = {}
         self._links: list[PeerLink | None] = [None] * self.size
         world.attach(self._probe_peers)

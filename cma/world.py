@@ -35,8 +35,6 @@ from .channel import (
     RANK_BLOCK_WORDS,
     SLEEPING,
     ChannelConfig,
-    Inbox,
-    Outbox,
     pair_views,
 )
 from .errors import CmaError, PeerGone
@@ -130,11 +128,6 @@ class PeerLink:
 
     def fetch_fd(self, name: str) -> int:
         return self.world.fetch_fd(self.rank, name)
-
-    def staging(self, outgoing: bool) -> memoryview:
-        box: Outbox | Inbox | None = (self.world.outboxes if outgoing else self.world.inboxes)[self.rank]
-        assert box is not None
-        return box.staging
 
 
 class World:

@@ -172,7 +172,7 @@ class Target:
     then drops dumpable if asked: the order a real program would use.
     """
 
-    def __init__(self, *, uid: int | None = None, dumpable: bool = True, push: bool = False):
+    def __init__(self, *, uid: int | None = None, dumpable: bool = True, writes: bool = False):
         parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.pid = os.fork()
         if self.pid == 0:  # pragma: no cover - runs in the child
@@ -183,7 +183,7 @@ class Target:
                     drop_privileges(uid)
                     _linux.set_dumpable(True)  # changing uid cleared it
                 host = FakeHost()
-                VmfdTransport(host, push=push)
+                VmfdTransport(host, writes=writes)
                 if not dumpable:
                     _linux.set_dumpable(False)
                 _serve(child_end, _Memory(host))
@@ -270,9 +270,6 @@ class FakePeer:
 
     def fetch_fd(self, name: str) -> int:
         return self.target.fetch_fd(name)
-
-    def staging(self, outgoing: bool) -> memoryview:
-        raise NotImplementedError("these transports do not stage")
 
 
 def run_in_child(fn: Callable[[], Any], *, uid: int | None = None, timeout: float = 60.0) -> Any:

@@ -34,13 +34,14 @@ SIZES = [1, 7, 4095, 4097, 65536 + 3]
 
 @pytest.fixture
 def target() -> Iterator[Target]:
-    with Target(push=True) as child:  # (push: it serves vmfd a writable fd too)
+    with Target(writes=True) as child:  # (writes: it serves vmfd a writable fd too)
         yield child
 
 
 @pytest.fixture(params=sorted(TRANSPORTS))
 def transport(request: pytest.FixtureRequest) -> Iterator[Transport]:
-    made = TRANSPORTS[request.param](FakeHost(), push=True)
+    cls = TRANSPORTS[request.param]
+    made = cls(FakeHost(), writes="push" in cls.styles)
     yield made
     made.close()
 

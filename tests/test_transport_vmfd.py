@@ -26,13 +26,13 @@ SIZES = [0, 1, 4095, 4096, 4097, 1 << 20, 64 << 20]
 
 @pytest.fixture
 def target() -> Iterator[Target]:
-    with Target(push=True) as child:
+    with Target(writes=True) as child:
         yield child
 
 
 @pytest.fixture
 def vmfd() -> Iterator[VmfdTransport]:
-    transport = VmfdTransport(FakeHost(), push=True)
+    transport = VmfdTransport(FakeHost(), writes=True)
     yield transport
     transport.close()
 
@@ -89,7 +89,7 @@ def test_scatter_gather_beyond_iov_max(target: Target, vmfd: VmfdTransport) -> N
     assert target.digest([whole]) == digest(pieces)
 
 
-def test_partial_read_stops_at_a_hole_and_names_the_window(target: Target) -> None:
+def test_partial_read_stops_at_a_hole_and_names_the_address(target: Target) -> None:
     hole = target.call("hole", 6)
     vmfd = VmfdTransport(FakeHost())
     received = bytearray(2 * PAGE)
@@ -99,7 +99,7 @@ def test_partial_read_stops_at_a_hole_and_names_the_window(target: Target) -> No
     finally:
         vmfd.close()
     assert caught.value.errno == errno.EIO
-    assert f"window [{hole:#x}, +{2 * PAGE})" in str(caught.value)
+    assert f"vmfd read from rank 1: reading [{hole + PAGE:#x}," in str(caught.value)
     assert f"{hole + PAGE:#x} is not mapped" in str(caught.value)
     assert received[:PAGE] == pattern(PAGE, 6)
     assert received[PAGE:] == bytes(PAGE)
@@ -111,7 +111,7 @@ def test_partial_read_stops_at_a_hole_and_names_the_window(target: Target) -> No
 def test_owner_gone_reads_zero_bytes_and_raises_peer_gone(target: Target, how: str) -> None:
     region = target.alloc(PAGE, seed=9)
     peer = FakePeer(target)
-    vmfd = VmfdTransport(FakeHost(), push=True)
+    vmfd = VmfdTransport(FakeHost(), writes=True)
     try:
         vmfd.connect(peer)  # the fds are in hand before the owner goes
         if how == "exec":
@@ -181,7 +181,7 @@ def test_pull_only_by_default(target: Target) -> None:
 
         peer = FakePeer(target)
         region = target.alloc(PAGE, seed=13)
-        with pytest.raises(TransportUnavailable, match="push=True"):
+        with pytest.raises(TransportUnavailable, match="writes=True"):
             vmfd.write(peer, [memoryview(bytes(PAGE))], [region])
         assert target.digest([region]) == digest([pattern(PAGE, 13)])
     finally:
@@ -198,9 +198,6 @@ class _LyingPeer:
 
     def fetch_fd(self, name: str) -> int:
         return os.open(self.path, os.O_RDONLY)
-
-    def staging(self, outgoing: bool) -> memoryview:
-        raise NotImplementedError
 
 
 @pytest.mark.parametrize("path", ["/dev/null", "/proc/self/mem"], ids=["not-mem", "wrong-pid"])
@@ -219,7 +216,7 @@ def test_received_fd_is_checked_against_the_peer(path: str) -> None:
 
 def test_disconnect_and_close_release_every_fd(target: Target) -> None:
     before = _open_fds()
-    vmfd = VmfdTransport(FakeHost(), push=True)
+    vmfd = VmfdTransport(FakeHost(), writes=True)
     peer = FakePeer(target)
     vmfd.connect(peer)
     assert len(_open_fds() - before) == 4  # own ro + rw, the peer's ro + rw
@@ -233,9 +230,9 @@ def test_disconnect_and_close_release_every_fd(target: Target) -> None:
 def test_rank_taken_over_by_another_process_keeps_old_fds_open_until_close(target: Target) -> None:
     """A copy on overlap's thread may still use the old process's fds when another thread
     reconnects: they are retired, not closed, and close() releases them."""
-    with Target(push=True) as successor:
+    with Target(writes=True) as successor:
         before = _open_fds()
-        vmfd = VmfdTransport(FakeHost(), push=True)
+        vmfd = VmfdTransport(FakeHost(), writes=True)
         try:
             region = target.alloc(4096, seed=5)
             received = bytearray(4096)

@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import errno
 import threading
+from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar, Protocol
+from itertools import accumulate
+from typing import ClassVar, Generic, Protocol, TypeVar
 
-from ..errors import BufferError, TransportFault, TransportUnavailable
+from ..errors import BufferError, CmaError, TransportFault, TransportUnavailable
 from ..wire import Region as Region  # (re-exported: transports name it from here)
 
 
@@ -46,10 +48,6 @@ class Peer(Protocol):
 
     def fetch_fd(self, name: str) -> int:
         """A file descriptor the peer exposed under ``name``, passed over SCM_RIGHTS."""
-        ...
-
-    def staging(self, outgoing: bool) -> memoryview:
-        """The shared staging area for messages to (outgoing) or from this peer."""
         ...
 
 
@@ -108,19 +106,23 @@ class Transport:
     styles: ClassVar[frozenset[str]]
     # shown for comparison only: ``auto`` never uses it, cma-bench's ``all`` leaves it out
     teaching: ClassVar[bool] = False
+    # Whether the protocol may ask this transport to ``write`` (RPUT, SPLIT's pushed half).
+    # The class value is the default: True where writing needs nothing more than reading.
+    writes: bool = False
 
-    def __init__(self, host: Host, *, push: bool = False, **options: object) -> None:
-        """``push``: the protocol may ask this transport to write (RPUT), so set up for it."""
+    def __init__(self, host: Host, *, writes: bool | None = None, **options: object) -> None:
+        """``writes``: set up to write into peers or not (None: the transport's default).
+
+        Peers must be set up alike: a transport writes through what its peer exposed.
+        """
         self.host = host
-        self.push = push
+        if writes is not None:
+            if writes and "push" not in self.styles:
+                raise ValueError(f"{self.name} cannot write into a peer's memory")
+            self.writes = writes
         self.stats = TransportStats()
         if options:
             raise TypeError(f"{self.name}: unknown options {sorted(options)}")
-
-    @property
-    def writes(self) -> bool:
-        """Whether ``write`` works as set up (peers configure the same way)."""
-        return "push" in self.styles
 
     def probe(self, peer: Peer) -> str | None:
         """None when usable with ``peer``, else a reason a person can act on."""
@@ -154,7 +156,7 @@ class Transport:
         raise NotImplementedError(f"{self.name} is not staged")
 
 
-def local_byte_views(buffers: Sequence[memoryview], *, writable: bool, what: str) -> list[memoryview]:
+def _local_byte_views(buffers: Sequence[memoryview], *, writable: bool, what: str) -> list[memoryview]:
     """The non-empty local buffers as flat byte views; BufferError for any a copy cannot use."""
     views = []
     for i, buf in enumerate(buffers):
@@ -168,47 +170,156 @@ def local_byte_views(buffers: Sequence[memoryview], *, writable: bool, what: str
     return views
 
 
-def matched_total(regions: Sequence[Region], views: Sequence[memoryview], *, what: str) -> int:
-    """The bytes to copy: the regions' total, each region checked, equal to the views' total."""
-    for i, (addr, nbytes) in enumerate(regions):
-        if addr < 0 or nbytes < 0 or addr + nbytes > 1 << 64:
-            raise TransportFault(
-                errno.EINVAL, f"{what}: region {i} (addr {addr:#x}, {nbytes} bytes) is not valid"
-            )
-    wanted = sum(region.nbytes for region in regions)
-    total = sum(view.nbytes for view in views)
-    if wanted != total:
-        raise BufferError(
-            f"{what}: the remote regions hold {wanted} bytes but the local buffers {total}; "
-            "they must be equal"
-        )
-    return wanted
+# ---------------------------------------------------------------- the shared copy iteration
+#
+# As UCX's scopy base does (uct_scopy_ep_tx over an iov iterator): every transport that
+# reaches a peer's memory copies (local spans x remote regions) through ``Transfer.run``,
+# and supplies only its batch copy, one system call's worth, and that call's limits.
 
 
-def pair_regions(
-    regions: Sequence[Region], views: Sequence[memoryview], what: str
-) -> list[tuple[Region, list[memoryview]]]:
-    """Each non-empty region with the slices of ``views`` that hold its bytes, in order.
+@dataclass(frozen=True)
+class BatchLimits:
+    """What one call of a transport's batch copy takes: spans on each side, bytes in all."""
 
-    The regions are checked, and must hold as many bytes as the views (``matched_total``).
+    local_spans: int
+    remote_spans: int
+    nbytes: int
+
+
+# A transport's batch copy: (local views, their lengths, remote addresses, their lengths),
+# as many bytes on each side, within its limits -> bytes moved. The kernel may move fewer;
+# a call that moves none must raise (or return 0, which the iteration turns into a fault).
+BatchCopy = Callable[[list[memoryview], list[int], list[int], list[int]], int]
+
+_Span = TypeVar("_Span", memoryview, int)
+
+
+def _cut_view(view: memoryview, lo: int, hi: int) -> memoryview:
+    return view[lo:hi]
+
+
+def _cut_address(addr: int, lo: int, hi: int) -> int:
+    return addr + lo
+
+
+class _Cursor(Generic[_Span]):
+    """A position in one side's non-empty spans, read as one stream of bytes."""
+
+    __slots__ = ("spans", "lens", "ends", "cut", "pos", "index")
+
+    def __init__(
+        self, spans: list[_Span], lens: list[int], ends: list[int],
+        cut: Callable[[_Span, int, int], _Span], pos: int,
+    ) -> None:
+        self.spans: list[_Span] = spans
+        self.lens = lens
+        self.ends = ends  # the stream position after each span: bisect finds spans
+        self.cut: Callable[[_Span, int, int], _Span] = cut  # the part [lo, hi) of a span
+        self.pos = pos
+        self.index = bisect_right(ends, pos)  # the span holding byte ``pos``
+
+    def take(self, count: int, limit: int) -> tuple[list[_Span], list[int], int]:
+        """Up to ``count`` spans from the position, at most ``limit`` bytes: (spans, lens, total).
+
+        Slices, not a loop per span (a datatype may bring 1024); the position stays where
+        it is, since the call may move fewer bytes than it was offered.
+        """
+        i, pos, ends = self.index, self.pos, self.ends
+        stop = min(pos + limit, ends[min(i + count, len(ends)) - 1])
+        k = bisect_left(ends, stop, i) + 1  # spans[i:k] hold bytes [pos, stop)
+        spans, lens = self.spans[i:k], self.lens[i:k]
+        keep = lens[-1] - (ends[k - 1] - stop)  # the last span's bytes before ``stop``
+        if keep != lens[-1]:
+            spans[-1] = self.cut(spans[-1], 0, keep)
+            lens[-1] = keep
+        skip = pos - (ends[i] - self.lens[i])  # the first span's bytes already moved
+        if skip:
+            spans[0] = self.cut(spans[0], skip, lens[0])
+            lens[0] -= skip
+        return spans, lens, stop - pos
+
+    def advance(self, nbytes: int) -> None:
+        self.pos += nbytes
+        self.index = bisect_right(self.ends, self.pos, self.index)
+
+
+class Outcome:
+    """What one run of a transfer achieved: bytes, batch calls, the error that stopped it."""
+
+    __slots__ = ("copied", "calls", "error")
+
+    def __init__(self) -> None:
+        self.copied = 0
+        self.calls = 0
+        self.error: CmaError | None = None
+
+
+class Transfer:
+    """One copy between local buffers and a peer's regions, each side read as one byte stream.
+
+    Built once per message, which checks the buffers and regions and that both sides hold
+    as many bytes; ``run`` then copies a range of the stream through a transport's batch
+    copy.
     """
-    matched_total(regions, views, what=what)
-    pairs = []
-    index, offset = 0, 0  # the next unassigned byte is views[index][offset]
-    for region in regions:
-        part: list[memoryview] = []
-        need = region.nbytes
-        while need:
-            view = views[index]
-            n = min(need, view.nbytes - offset)
-            part.append(view[offset : offset + n] if n < view.nbytes else view)
-            need -= n
-            offset += n
-            if offset == view.nbytes:
-                index, offset = index + 1, 0
-        if part:
-            pairs.append((region, part))
-    return pairs
+
+    __slots__ = ("what", "total", "views", "view_lens", "view_ends", "addrs", "region_lens",
+                 "region_ends")
+
+    def __init__(
+        self, buffers: Sequence[memoryview], regions: Sequence[Region], *, writable: bool, what: str
+    ) -> None:
+        """``writable``: the copy fills the local buffers (a read), so they must take data."""
+        self.what = what
+        self.views = _local_byte_views(buffers, writable=writable, what=what)
+        self.view_lens = [view.nbytes for view in self.views]
+        self.view_ends = list(accumulate(self.view_lens))
+        for i, (addr, nbytes) in enumerate(regions):
+            if addr < 0 or nbytes < 0 or addr + nbytes > 1 << 64:
+                raise TransportFault(
+                    errno.EINVAL, f"{what}: region {i} (addr {addr:#x}, {nbytes} bytes) is not valid"
+                )
+        self.addrs = [addr for addr, nbytes in regions if nbytes]
+        self.region_lens = [nbytes for _, nbytes in regions if nbytes]
+        self.region_ends = list(accumulate(self.region_lens))
+        self.total = self.region_ends[-1] if self.region_ends else 0
+        local = self.view_ends[-1] if self.view_ends else 0
+        if local != self.total:
+            raise BufferError(
+                f"{what}: the remote regions hold {self.total} bytes but the local buffers "
+                f"{local}; they must be equal"
+            )
+
+    def run(self, batch: BatchCopy, limits: BatchLimits, start: int = 0,
+            stop: int | None = None) -> Outcome:
+        """Copy bytes [start, stop) of the stream (all of it by default) batch by batch.
+
+        Each batch is as much as ``limits`` allow from the position, which then advances by
+        what the call moved. An error stops the run and is returned in the outcome rather
+        than raised, so the bytes and calls before it can be counted (and parallel runs
+        over other ranges finish).
+        """
+        stop = self.total if stop is None else stop
+        local = _Cursor(self.views, self.view_lens, self.view_ends, _cut_view, start)
+        remote = _Cursor(self.addrs, self.region_lens, self.region_ends, _cut_address, start)
+        outcome = Outcome()
+        pos = start
+        try:
+            while pos < stop:
+                addrs, rlens, nbytes = remote.take(limits.remote_spans, min(limits.nbytes, stop - pos))
+                views, lens, local_bytes = local.take(limits.local_spans, nbytes)
+                if local_bytes < nbytes:  # the local side ran out of spans first
+                    addrs, rlens, nbytes = remote.take(limits.remote_spans, local_bytes)
+                outcome.calls += 1
+                moved = batch(views, lens, addrs, rlens)
+                if not moved:  # the kernel reports failure only when nothing moved; never spin
+                    raise TransportFault(errno.EIO, f"{self.what}: a copy call made no progress")
+                outcome.copied += moved
+                pos += moved
+                local.advance(moved)
+                remote.advance(moved)
+        except CmaError as exc:
+            outcome.error = exc
+        return outcome
 
 
 @dataclass

@@ -6,8 +6,10 @@ one copy, in the kernel, no staging. It needs ptrace-attach permission over the 
 with the UCX trick of reading 16 bytes from the peer's address 0.
 
 A call moves at most ``MAX_RW_COUNT`` bytes through at most ``IOV_MAX`` iovecs per side,
-and stops short inside an iovec when it reaches a remote page it cannot pin, so every
-copy is a loop over batches that advances both sides by what the kernel returned.
+and stops short inside an iovec when it reaches a remote page it cannot pin: those are
+its ``LIMITS`` for the shared iteration (``base.Transfer``), which advances both sides
+by what the kernel returned. A large copy split across threads is one ``Transfer`` whose
+byte ranges run on different threads.
 
 Options, on by default only where the benchmark shows a gain. Measured on the
 project machine (2 vCPUs) with a throwaway script: ``read`` of one region into one
@@ -60,127 +62,23 @@ from typing import ClassVar
 from .. import _linux
 from .._pool import ProcessPool
 from ..errors import CmaError, TransportFault
-from .base import Copies, Host, Peer, Region, Transport, local_byte_views, matched_total
+from .base import BatchLimits, Copies, Host, Outcome, Peer, Region, Transfer, Transport
 
 SPLIT_THRESHOLD = 4 << 20  # bytes; below it a thread hand-off costs about what it gains
-
-
-class _Stream:
-    """A position in the concatenation of (address, nbytes) spans, all non-empty."""
-
-    __slots__ = ("addrs", "lens", "index", "offset")
-
-    def __init__(self, addrs: list[int], lens: list[int]) -> None:
-        self.addrs = addrs
-        self.lens = lens
-        self.index = 0
-        self.offset = 0
-
-    def take(self, limit: int) -> tuple[list[int], list[int], int]:
-        """(addrs, lens, total) of up to IOV_MAX spans from the position, at most ``limit`` bytes.
-
-        The position does not move: the kernel may copy less than was offered.
-        """
-        addrs: list[int] = []
-        lens: list[int] = []
-        i, offset, total = self.index, self.offset, 0
-        end = min(len(self.lens), i + _linux.IOV_MAX)
-        while i < end and total < limit:
-            n = min(self.lens[i] - offset, limit - total)
-            addrs.append(self.addrs[i] + offset)
-            lens.append(n)
-            total += n
-            i += 1
-            offset = 0
-        return addrs, lens, total
-
-    def advance(self, nbytes: int) -> None:
-        while nbytes:
-            left = self.lens[self.index] - self.offset
-            if nbytes < left:
-                self.offset += nbytes
-                return
-            nbytes -= left
-            self.index += 1
-            self.offset = 0
-
-    def exhausted(self) -> bool:
-        return self.index == len(self.lens)
-
-    def part(self, start: int, stop: int) -> _Stream:
-        """The spans covering bytes [start, stop) of the whole stream, as a new stream."""
-        addrs: list[int] = []
-        lens: list[int] = []
-        pos = 0
-        for addr, n in zip(self.addrs, self.lens, strict=True):
-            lo, hi = max(start, pos), min(stop, pos + n)
-            if lo < hi:
-                addrs.append(addr + lo - pos)
-                lens.append(hi - lo)
-            pos += n
-            if pos >= stop:
-                break
-        return _Stream(addrs, lens)
-
-
-class _Outcome:
-    """What one sequential copy loop achieved: bytes, system calls, the error that stopped it."""
-
-    __slots__ = ("copied", "calls", "error")
-
-    def __init__(self) -> None:
-        self.copied = 0
-        self.calls = 0
-        self.error: CmaError | None = None
-
-
-def _copy(pid: int, local: _Stream, remote: _Stream, *, write: bool, what: str) -> _Outcome:
-    """Copy between the two equally long streams, batch by batch, until done or an error."""
-    outcome = _Outcome()
-    try:
-        while not remote.exhausted():
-            raddrs, rlens, rtotal = remote.take(_linux.MAX_RW_COUNT)
-            laddrs, llens, ltotal = local.take(rtotal)
-            if ltotal < rtotal:  # the local side ran out of iovecs first
-                raddrs, rlens, rtotal = remote.take(ltotal)
-            outcome.calls += 1
-            moved = _linux.process_vm_copy(
-                pid,
-                _linux.iovec_array(laddrs, llens),
-                _linux.iovec_array(raddrs, rlens),
-                write=write,
-                what=what,
-            )
-            if moved == 0:  # the kernel reports failure only when nothing moved; never spin
-                raise TransportFault(errno.EIO, f"{what}: process {pid} made no progress")
-            outcome.copied += moved
-            local.advance(moved)
-            remote.advance(moved)
-    except CmaError as exc:
-        outcome.error = exc
-    return outcome
-
-
-def _streams(
-    buffers: Sequence[memoryview], regions: Sequence[Region], *, writable: bool, what: str
-) -> tuple[_Stream, _Stream, int]:
-    """(local stream, remote stream, bytes to copy), everything checked first."""
-    views = local_byte_views(buffers, writable=writable, what=what)
-    total = matched_total(regions, views, what=what)
-    local = _Stream([_linux.local_address(v) for v in views], [v.nbytes for v in views])
-    nonempty = [region for region in regions if region.nbytes]
-    remote = _Stream([r.addr for r in nonempty], [r.nbytes for r in nonempty])
-    return local, remote, total
+# one process_vm_readv/writev: IOV_MAX iovecs per side, MAX_RW_COUNT bytes
+LIMITS = BatchLimits(local_spans=_linux.IOV_MAX, remote_spans=_linux.IOV_MAX,
+                     nbytes=_linux.MAX_RW_COUNT)
 
 
 class CmaTransport(Transport):
     name: ClassVar[str] = "cma"
     copies: ClassVar[Copies] = Copies(user=0, kernel=1)
     styles: ClassVar[frozenset[str]] = frozenset({"pull", "push"})
+    writes = True  # the same permission as reading; nothing more to set up
 
-    def __init__(self, host: Host, *, push: bool = False, threads: int | None = None,
+    def __init__(self, host: Host, *, writes: bool | None = None, threads: int | None = None,
                  **options: object) -> None:
-        super().__init__(host, push=push, **options)
+        super().__init__(host, writes=writes, **options)
         if threads is None:
             threads = 1
         if threads < 1:
@@ -219,45 +117,42 @@ class CmaTransport(Transport):
         write: bool, what: str
     ) -> None:
         # a write reads the local buffers, so only a read needs them writable
-        local, remote, total = _streams(buffers, regions, writable=not write, what=what)
+        transfer = Transfer(buffers, regions, writable=not write, what=what)
+        pid = peer.pid
+        iovec_array, local_address = _linux.iovec_array, _linux.local_address
+
+        def batch(views: list[memoryview], lens: list[int], addrs: list[int],
+                  remote_lens: list[int]) -> int:
+            local = iovec_array([local_address(view) for view in views], lens)
+            return _linux.process_vm_copy(pid, local, iovec_array(addrs, remote_lens),
+                                          write=write, what=what)
+
+        total = transfer.total
         if self.threads == 1 or total < SPLIT_THRESHOLD:
-            outcomes = [_copy(peer.pid, local, remote, write=write, what=what)]
+            outcomes = [transfer.run(batch, LIMITS)]
             starts = [0]
-        else:
-            outcomes, starts = self._copy_split(peer.pid, local, remote, total, write, what)
+        else:  # page-aligned buffers split at pages, one part per thread
+            share = -(-total // self.threads // _linux.PAGE_SIZE) * _linux.PAGE_SIZE
+            starts = list(range(0, total, share))
+            pool = self._pool.get()
+            futures: list[Future[Outcome]] = [
+                pool.submit(transfer.run, batch, LIMITS, start, min(start + share, total))
+                for start in starts[1:]
+            ]
+            outcomes = [transfer.run(batch, LIMITS, 0, share),
+                        *(future.result() for future in futures)]
         for outcome in outcomes:
             self.stats.count_copy(kernel=outcome.copied, syscalls=outcome.calls)
         for start, outcome in zip(starts, outcomes, strict=True):
             if outcome.error is not None:
                 raise self._explain(outcome.error, regions, start + outcome.copied, outcomes, what)
 
-    def _copy_split(
-        self, pid: int, local: _Stream, remote: _Stream, total: int, write: bool, what: str
-    ) -> tuple[list[_Outcome], list[int]]:
-        pool = self._pool.get()
-        page = _linux.PAGE_SIZE
-        share = -(-total // self.threads // page) * page  # page-aligned buffers split at pages
-        starts = list(range(0, total, share))
-        futures: list[Future[_Outcome]] = [
-            pool.submit(
-                _copy,
-                pid,
-                local.part(start, start + share),
-                remote.part(start, start + share),
-                write=write,
-                what=what,
-            )
-            for start in starts[1:]
-        ]
-        first = _copy(pid, local.part(0, share), remote.part(0, share), write=write, what=what)
-        return [first, *(future.result() for future in futures)], starts
-
     @staticmethod
     def _explain(
         error: CmaError,
         regions: Sequence[Region],
         position: int,
-        outcomes: list[_Outcome],
+        outcomes: list[Outcome],
         what: str,
     ) -> CmaError:
         """``error`` as raised, or for a fault the region and offset where the copy stopped."""

@@ -26,6 +26,7 @@ from __future__ import annotations
 import errno
 import os
 import socket
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -33,11 +34,15 @@ from typing import ClassVar
 
 from .. import _linux
 from ..errors import CmaError, TransportUnavailable
-from .base import Copies, Peer, Region, Transport, local_byte_views, pair_regions
+from .base import BatchLimits, Copies, Peer, Region, Transfer, Transport
 
 LOCK_ADDRESS = "\0cma-ptrace-copy"
 LOCK_RETRY_SECONDS = 0.0002
 LOCK_PATIENCE_SECONDS = 120.0  # a 4 MiB copy holds it ~1.3 s here
+
+# one ptrace_peek_into: one remote span into one local buffer, peeked word by word
+# (aligned words, so a word never reaches into a page the span does not touch)
+LIMITS = BatchLimits(local_spans=1, remote_spans=1, nbytes=sys.maxsize)
 
 _held: list[socket.socket] = []  # the lock sockets this process holds right now
 
@@ -110,16 +115,21 @@ class PtraceTransport(Transport):
 
     def read(self, peer: Peer, remote: Sequence[Region], local: Sequence[memoryview]) -> None:
         what = f"ptrace read from rank {peer.rank}"
-        pairs = pair_regions(remote, local_byte_views(local, writable=True, what=what), what)
-        if not pairs:
+        transfer = Transfer(local, remote, writable=True, what=what)
+        if not transfer.total:
             return
-        calls = 0
+        peeks = 0  # a batch is one PEEKDATA call per word
+
+        def batch(views: list[memoryview], lens: list[int], addrs: list[int],
+                  remote_lens: list[int]) -> int:
+            nonlocal peeks
+            peeks += _linux.ptrace_peek_into(peer.pid, addrs[0], views[0], what)
+            return lens[0]
+
         with stopped(peer.pid, what):
-            for region, parts in pairs:
-                addr = region.addr
-                for part in parts:
-                    calls += _linux.ptrace_peek_into(peer.pid, addr, part, what)
-                    addr += part.nbytes
-        total = sum(region.nbytes for region, _ in pairs)
+            outcome = transfer.run(batch, LIMITS)
+        if outcome.error is not None:
+            raise outcome.error
         # besides the peeks: seize, interrupt, detach and the wait for the stop
-        self.stats.count_copy(user=total, kernel=2 * _linux.PTRACE_WORD_BYTES * calls, syscalls=calls + 4)
+        self.stats.count_copy(user=transfer.total, kernel=2 * _linux.PTRACE_WORD_BYTES * peeks,
+                              syscalls=peeks + 4)

@@ -16,7 +16,7 @@ system call for small ones.
 
 Each process opens its own memory file once, when the transport is created (later it
 may lack the right: a non-root process that changed uid or dropped dumpable cannot
-open it), read-only always and read-write only with ``push=True``, and exposes it as
+open it), read-only always and read-write only with ``writes=True``, and exposes it as
 "mem-ro" / "mem-rw". The peer-side fd is checked to be the peer's memory file before use.
 """
 
@@ -30,27 +30,36 @@ from typing import ClassVar
 from .. import _linux
 from ..errors import CmaError, TransportUnavailable, WindowError
 from .base import (
+    BatchLimits,
     Copies,
     Host,
     Peer,
     Region,
+    Transfer,
     Transport,
     TransportStats,
-    local_byte_views,
-    pair_regions,
 )
 
+# one preadv/pwritev: its offset is one remote address, so one region per call, gathered
+# from or scattered to up to IOV_MAX local buffers
+LIMITS = BatchLimits(local_spans=_linux.IOV_MAX, remote_spans=1, nbytes=_linux.MAX_RW_COUNT)
 
-def _advance(views: list[memoryview], nbytes: int) -> list[memoryview]:
-    """The views left after the first ``nbytes`` bytes of their concatenation were moved."""
-    i = 0
-    while nbytes and nbytes >= views[i].nbytes:
-        nbytes -= views[i].nbytes
-        i += 1
-    rest = views[i:]
-    if nbytes:
-        rest[0] = rest[0][nbytes:]
-    return rest
+
+def _copy(transfer: Transfer, fd: int, pid: int, *, write: bool, stats: TransportStats | None) -> None:
+    """Run ``transfer`` through the memory fd ``fd`` of process ``pid``, counting into ``stats``."""
+    syscall = _linux.mem_pwritev if write else _linux.mem_preadv
+    what = transfer.what
+
+    def batch(views: list[memoryview], lens: list[int], addrs: list[int],
+              remote_lens: list[int]) -> int:
+        return syscall(fd, views, addrs[0], pid=pid, what=what)
+
+    outcome = transfer.run(batch, LIMITS)
+    if stats is not None:
+        # into the bounce page, out of it
+        stats.count_copy(kernel=2 * outcome.copied, syscalls=outcome.calls)
+    if outcome.error is not None:
+        raise outcome.error
 
 
 class VmFd:
@@ -74,30 +83,23 @@ class VmFd:
 
     def read(self, addr: int, buffers: Sequence[memoryview]) -> None:
         """Fill ``buffers`` from the window's bytes at ``addr`` onwards."""
-        self.move(addr, local_byte_views(buffers, writable=True, what="vmfd read"), write=False)
+        self._move(addr, buffers, write=False)
 
     def write(self, addr: int, buffers: Sequence[memoryview]) -> None:
         """Copy ``buffers`` into the window at ``addr`` onwards."""
-        self.move(addr, local_byte_views(buffers, writable=False, what="vmfd write"), write=True)
+        self._move(addr, buffers, write=True)
 
-    def move(self, addr: int, views: list[memoryview], *, write: bool) -> None:
-        """``read`` or ``write`` for views already checked and flattened by ``_byte_views``."""
-        nbytes = sum(view.nbytes for view in views)
+    def _move(self, addr: int, buffers: Sequence[memoryview], *, write: bool) -> None:
+        nbytes = sum(buf.nbytes for buf in buffers)
         what = f"vmfd window [{self.start:#x}, +{self.length}) of process {self.pid}"
         if nbytes and not (self.start <= addr and addr + nbytes <= self.start + self.length):
             raise WindowError(
                 f"{what}: refused to {'write' if write else 'read'} {nbytes} bytes at {addr:#x}, "
                 "which is outside the window the owner exposed (a stale or forged descriptor?)"
             )
-        syscall = _linux.mem_pwritev if write else _linux.mem_preadv
-        while views:
-            if self.stats is not None:
-                self.stats.count_copy(syscalls=1)
-            moved = syscall(self.fd, views[: _linux.IOV_MAX], addr, pid=self.pid, what=what)
-            if self.stats is not None:
-                self.stats.count_copy(kernel=2 * moved)  # into the bounce page, out of it
-            addr += moved
-            views = _advance(views, moved)
+        # a write reads the local buffers, so only a read needs them writable
+        transfer = Transfer(buffers, [Region(addr, nbytes)], writable=not write, what=what)
+        _copy(transfer, self.fd, self.pid, write=write, stats=self.stats)
 
 
 @dataclass
@@ -108,29 +110,29 @@ class _PeerMemory:
 
 
 class VmfdTransport(Transport):
-    """Pull through the peer's read-only memory fd; push (``write``) only with ``push=True``.
+    """Pull through the peer's read-only memory fd; push (``write``) only with ``writes=True``.
 
     ``styles`` names what the mechanism can do; push works only when both processes
-    created the transport with ``push=True``, otherwise ``write`` says so.
+    created the transport with ``writes=True``, otherwise ``write`` says so.
     """
 
     name: ClassVar[str] = "vmfd"
     copies: ClassVar[Copies] = Copies(user=0, kernel=2)
     styles: ClassVar[frozenset[str]] = frozenset({"pull", "push"})
 
-    def __init__(self, host: Host, *, push: bool = False, **options: object) -> None:
-        """``push=True`` also exposes and fetches read-write memory fds (for ``write``).
+    def __init__(self, host: Host, *, writes: bool | None = None, **options: object) -> None:
+        """``writes=True`` also exposes and fetches read-write memory fds (for ``write``).
 
         Off by default: a read-only fd is all pulling needs, and an O_RDWR one lets its
         holder change this process's memory, so it is handed out only when asked for.
         """
-        super().__init__(host, push=push, **options)
+        super().__init__(host, writes=writes, **options)
         self._peers: dict[int, _PeerMemory] = {}
         self._retired: list[_PeerMemory] = []  # replaced while a copy may still use them
         self._reconnect = threading.Lock()  # overlap's copy thread reads while this one writes
         self._own: list[int] = []
         self._expose(host, "mem-ro", writable=False)
-        if push:
+        if self.writes:
             self._expose(host, "mem-rw", writable=True)
 
     def _expose(self, host: Host, name: str, *, writable: bool) -> None:
@@ -147,10 +149,6 @@ class VmfdTransport(Transport):
         self._own.append(fd)
         host.expose_fd(name, lambda: _linux.dup_fd(fd))
 
-    @property
-    def writes(self) -> bool:
-        return self.push
-
     def probe(self, peer: Peer) -> str | None:
         """None once the peer's memory fd is in hand: no ptrace rights are needed beyond that."""
         try:
@@ -164,7 +162,7 @@ class VmfdTransport(Transport):
             return
         readable = self._fetch(peer, "mem-ro", writable=False)
         try:
-            writable = self._fetch(peer, "mem-rw", writable=True) if self.push else None
+            writable = self._fetch(peer, "mem-rw", writable=True) if self.writes else None
         except TransportUnavailable:
             _linux.close_fd(readable)
             raise
@@ -186,22 +184,18 @@ class VmfdTransport(Transport):
 
     def read(self, peer: Peer, remote: Sequence[Region], local: Sequence[memoryview]) -> None:
         memory = self._memory(peer)
-        what = f"vmfd read from rank {peer.rank}"
-        for region, part in pair_regions(remote, local_byte_views(local, writable=True, what=what), what):
-            window = VmFd(memory.readable, *region, pid=memory.pid, stats=self.stats)
-            window.move(region.addr, part, write=False)
+        transfer = Transfer(local, remote, writable=True, what=f"vmfd read from rank {peer.rank}")
+        _copy(transfer, memory.readable, memory.pid, write=False, stats=self.stats)
 
     def write(self, peer: Peer, local: Sequence[memoryview], remote: Sequence[Region]) -> None:
         memory = self._memory(peer)
         if memory.writable is None:
             raise TransportUnavailable(
-                f"vmfd write to rank {peer.rank}: push is off; create the vmfd transport with "
-                "push=True in both processes"
+                f"vmfd write to rank {peer.rank}: writes are off; create the vmfd transport with "
+                "writes=True (cma.Comm, cma.Pipe: push=True) in both processes"
             )
-        what = f"vmfd write to rank {peer.rank}"
-        for region, part in pair_regions(remote, local_byte_views(local, writable=False, what=what), what):
-            window = VmFd(memory.writable, *region, pid=memory.pid, stats=self.stats)
-            window.move(region.addr, part, write=True)
+        transfer = Transfer(local, remote, writable=False, what=f"vmfd write to rank {peer.rank}")
+        _copy(transfer, memory.writable, memory.pid, write=True, stats=self.stats)
 
     def _memory(self, peer: Peer) -> _PeerMemory:
         memory = self._peers.get(peer.rank)

@@ -19,6 +19,8 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
+from ..protocol import slice_views
+
 # Above the eager limit, blocks are offered as an iovec (each a view the transport copies
 # into or out of) only when they are few and large: a view and its address cost ~1 µs
 # each, which a pack or unpack copy repays for blocks of a few KiB (docs/mpi.md).
@@ -385,13 +387,7 @@ class Typed:
     def segments(self, nbytes: int) -> list[memoryview]:
         """Where a rendezvous of ``nbytes`` lands: the blocks, or one staging area."""
         if self.plan.few_large_blocks():
-            kept, total = [], 0
-            for view in self.views():
-                if total >= nbytes:
-                    break
-                kept.append(view[: nbytes - total])
-                total += kept[-1].nbytes
-            return kept
+            return slice_views(self.views(), 0, nbytes)
         self.staging = np.empty(nbytes, dtype=np.uint8)
         return [self.staging.data]
 

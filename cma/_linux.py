@@ -42,8 +42,33 @@ def memfd_segment(name: str, nbytes: int) -> int:
     return fd
 
 
-def map_shared(fd: int, nbytes: int) -> mmap.mmap:
-    return mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+_mmap = _libc.mmap
+_mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                  ctypes.c_long]
+_mmap.restype = ctypes.c_void_p
+_MAP_FAILED = ctypes.c_void_p(-1).value
+_MAP_FIXED = 0x10
+
+
+def map_shared(fd: int, nbytes: int, offset: int = 0) -> mmap.mmap:
+    """Map ``nbytes`` of ``fd`` from ``offset`` (a multiple of the page size) read-write, shared.
+
+    ``mmap.mmap(fd, ...)`` keeps a dup of ``fd`` for as long as the mapping lives (before
+    Python 3.13's ``trackfd``), which made a rank hold an fd per channel it maps. So the
+    range is reserved as an anonymous ``mmap.mmap`` (no fd; it still refuses to close while
+    a view is exported) and the file is mapped over it in place with MAP_FIXED.
+    """
+    mm = mmap.mmap(-1, nbytes, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
+    anchor = ctypes.c_char.from_buffer(mm)
+    address = ctypes.addressof(anchor)
+    del anchor  # releases the export, so the mmap can be closed later
+    got = _mmap(address, nbytes, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | _MAP_FIXED,
+                fd, offset)
+    if got == _MAP_FAILED:
+        err = ctypes.get_errno()
+        mm.close()
+        raise OSError(err, os.strerror(err))
+    return mm
 
 
 def buffer_address(buf: memoryview) -> int:

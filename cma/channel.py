@@ -36,8 +36,8 @@ see the start of the ring free by the time it reaches the end of the window.
 
 from __future__ import annotations
 
-import mmap
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ._linux import PAGE_SIZE
@@ -68,6 +68,14 @@ PHASE = 2
 LAUNCHED = 3  # the pid of the process started to attach this rank, when its starter knows it
 
 
+MIN_RING_BYTES = 256 << 10  # eager limit 64 KiB, like MPICH's and Open MPI's shared-memory paths
+
+
+def channel_budget(size: int) -> int:
+    """Bytes of channels (rings and staging) a rank of a world of ``size`` >= 3 ranks maps at most."""
+    return (8 + size) << 20
+
+
 def _round_up(n: int, to: int) -> int:
     return -(-n // to) * to
 
@@ -85,13 +93,30 @@ class ChannelConfig:
     has the runs). ``ring_bytes`` (a power of two, at least 4 x eager_limit) bounds what
     is in flight per direction; its first half, which a reader that keeps up never
     leaves, stays cache-warm. ``frag_size`` and ``stage_slots`` shape the staging area
-    of the shm pipeline.
+    of the shm pipeline. These defaults are for two ranks; ``for_ranks`` sizes a world.
     """
 
     eager_limit: int = 2 << 20
     ring_bytes: int = 8 << 20
     frag_size: int = 1 << 20
     stage_slots: int = 4
+
+    @classmethod
+    def for_ranks(cls, size: int) -> ChannelConfig:
+        """The default sizes for a world of ``size`` ranks.
+
+        Each rank maps its 2(N-1) channels, so from three ranks on the ring shrinks with N
+        (a power of two, 256 KiB to 8 MiB, staging half a ring) to keep them within
+        ``channel_budget(N)``; two ranks keep the large ring their eager speed needs.
+        docs/architecture.md, "Memory per rank", has the bound and the measurements.
+        """
+        if size <= 2:
+            return cls()
+        ring = 8 << 20
+        channels = 2 * (size - 1)
+        while ring > MIN_RING_BYTES and channels * (PAGE_SIZE + ring + ring // 2) > channel_budget(size):
+            ring //= 2
+        return cls(eager_limit=ring // 4, ring_bytes=ring, frag_size=ring // 8, stage_slots=4)
 
     @property
     def pair_bytes(self) -> int:
@@ -104,6 +129,11 @@ class ChannelConfig:
 
     def segment_bytes(self, size: int) -> int:
         return self.header_bytes(size) + size * (size - 1) * self.pair_bytes
+
+    def pair_offset(self, size: int, src: int, dst: int) -> int:
+        """Where the channel ``src -> dst`` starts in the segment (a page boundary)."""
+        index = src * (size - 1) + (dst if dst < src else dst - 1)
+        return self.header_bytes(size) + index * self.pair_bytes
 
     def encode(self) -> str:
         return f"{self.eager_limit},{self.ring_bytes},{self.frag_size},{self.stage_slots}"
@@ -359,17 +389,12 @@ class Inbox:
         self.ctl[DRAINED] = count
 
 
-def pair_views(mm: mmap.mmap, size: int, rank: int, config: ChannelConfig,
+def pair_views(pair: Callable[[int, int], memoryview], size: int, rank: int, config: ChannelConfig,
                sleeping: list[memoryview]) -> tuple[list[Outbox | None], list[Inbox | None]]:
-    """The outboxes (this rank -> peer) and inboxes (peer -> this rank), indexed by peer."""
-    view = memoryview(mm)
-    base = config.header_bytes(size)
-    pb = config.pair_bytes
+    """The outboxes (this rank -> peer) and inboxes (peer -> this rank), indexed by peer.
 
-    def pair(src: int, dst: int) -> memoryview:
-        index = src * (size - 1) + (dst if dst < src else dst - 1)
-        return view[base + index * pb : base + (index + 1) * pb]
-
+    ``pair(src, dst)`` gives the bytes of the channel ``src -> dst`` (``pair_bytes`` long).
+    """
     outs: list[Outbox | None] = [None] * size
     ins: list[Inbox | None] = [None] * size
     for peer in range(size):

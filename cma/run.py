@@ -9,6 +9,7 @@ failing rank's code. The world's memfd and doorbells are inherited by the ranks
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import signal
 import subprocess
@@ -30,12 +31,11 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("-n", "-np", dest="n", type=int, required=True, help="number of ranks")
     parser.add_argument("--transport", default=os.environ.get(ENV_TRANSPORT, "auto"),
                         help=f"transport of COMM_WORLD (default auto; also ${ENV_TRANSPORT})")
-    parser.add_argument("--eager-limit", type=int, default=ChannelConfig.eager_limit,
-                        help="largest message sent inline in the control ring (bytes)")
-    parser.add_argument("--frag-size", type=int, default=ChannelConfig.frag_size,
-                        help="shm pipeline fragment size (bytes)")
-    parser.add_argument("--stage-slots", type=int, default=ChannelConfig.stage_slots,
-                        help="shm pipeline staging slots per pair")
+    parser.add_argument("--eager-limit", type=int,
+                        help="largest message sent inline in the control ring (bytes; default "
+                        "2 MiB for 2 ranks, less from 3 on: ChannelConfig.for_ranks)")
+    parser.add_argument("--frag-size", type=int, help="shm pipeline fragment size (bytes)")
+    parser.add_argument("--stage-slots", type=int, help="shm pipeline staging slots per pair")
     parser.add_argument("--timeout", type=float, default=None,
                         help="stop every rank and fail after this many seconds")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="program and its arguments")
@@ -63,8 +63,14 @@ def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
 
 
 def launch(args: argparse.Namespace) -> int:
-    config = ChannelConfig(eager_limit=args.eager_limit, frag_size=args.frag_size,
-                           stage_slots=args.stage_slots)
+    given = {name: getattr(args, name) for name in ("eager_limit", "frag_size", "stage_slots")}
+    config = dataclasses.replace(ChannelConfig.for_ranks(args.n),
+                                 **{name: value for name, value in given.items() if value is not None})
+    try:
+        config.validate()
+    except ValueError as exc:
+        print(f"cma-run: {exc}", file=sys.stderr)
+        return 2
     fds = WorldFds.create(args.n, config)
     procs: list[subprocess.Popen[bytes]] = []
     interrupted: list[int] = []

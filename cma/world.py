@@ -68,7 +68,7 @@ class WorldFds:
 
     @classmethod
     def create(cls, size: int, config: ChannelConfig | None = None) -> WorldFds:
-        config = config or ChannelConfig()
+        config = config or ChannelConfig.for_ranks(size)
         config.validate()
         world_id = secrets.token_hex(8)
         memfd = _linux.memfd_segment(f"cma-{world_id}", config.segment_bytes(size))
@@ -140,12 +140,14 @@ class World:
         self.rank = rank
         self.size = fds.size
         self.config = fds.config
-        self.mm = _linux.map_shared(fds.memfd, fds.config.segment_bytes(fds.size))
-        header = memoryview(self.mm)[: fds.config.header_bytes(fds.size)].cast("q")
+        # The header and this rank's own 2(N-1) channels, each mapped alone: the segment holds
+        # all N(N-1) channels, and mapping it whole cost every rank O(N^2) address space.
+        self._maps = [_linux.map_shared(fds.memfd, fds.config.header_bytes(fds.size))]
+        header = memoryview(self._maps[0]).cast("q")
         self.header = header
         sleeping = [header[self._word(r, SLEEPING) : self._word(r, SLEEPING) + 1]
                     for r in range(self.size)]
-        self.outboxes, self.inboxes = pair_views(self.mm, self.size, rank, fds.config, sleeping)
+        self.outboxes, self.inboxes = pair_views(self._map_pair, self.size, rank, fds.config, sleeping)
         self._sleeping_views = sleeping
         self.pidfds: list[int] = [-1] * self.size
         # while connecting: (pid, pidfd) of the process started to attach a late rank
@@ -153,6 +155,12 @@ class World:
         self._exposed: dict[str, Callable[[], int]] = {}
         self._server: socket.socket | None = None
         self._server_thread: threading.Thread | None = None
+
+    def _map_pair(self, src: int, dst: int) -> memoryview:
+        config = self.config
+        mm = _linux.map_shared(self.fds.memfd, config.pair_bytes, config.pair_offset(self.size, src, dst))
+        self._maps.append(mm)
+        return memoryview(mm)
 
     # -- header words
 
@@ -433,8 +441,9 @@ class World:
         for view in self._sleeping_views:
             view.release()
         self.header.release()
-        try:
-            self.mm.close()
-        except BufferError:
-            pass  # a user still holds a view into the segment; the mapping dies with it
+        for mm in self._maps:
+            try:
+                mm.close()
+            except BufferError:
+                pass  # a user still holds a view into the segment; the mapping dies with it
 

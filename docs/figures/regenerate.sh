@@ -47,6 +47,10 @@
 #                 3-D block, records, MINLOC pairs, 28.8 MB of rows), plain mpi4py and
 #                 cma.mpi.Comm in alternating order, six rounds, into datatypes.txt
 #                 (bench/datatypes.py). ~1 minute.
+#   1j. scale   - cma-run -n N against mpiexec -n N (plain mpi4py) for N = 2 .. 64, in
+#                 alternating order: ready time, shared memory mapped and resident per
+#                 rank, fds, 8 B / 1 MiB all-to-all and a ring exchange, into scale.txt,
+#                 scale.json and scale.png (bench/scale.py). ~10 minutes.
 #   2. bw       - window of 64 Isends + ack, 4 KiB .. 4 MiB, --quick.
 #                 Writes bw.txt, bw.json, bw.png.
 #   3. latency --cold - a never-touched receive buffer each iteration,
@@ -100,6 +104,8 @@ if [ ${#launch[@]} -gt 0 ]; then
         > docs/figures/bw-mpi.txt
     "${launch[@]}" python bench/external_clients.py > docs/figures/external-clients.txt
     "${launch[@]}" python bench/datatypes.py > docs/figures/datatypes.txt
+    python bench/scale.py --ranks 2 4 8 16 32 64 --json docs/figures/scale.json \
+        --plot docs/figures/scale.png > docs/figures/scale.txt
 fi
 
 python -m cma.bench bw --transport all --min-size 4K --max-size 4M --quick "${guard[@]}" \

@@ -1,0 +1,129 @@
+"""A world's memory and fds grow with its ranks, not with their square (issue #24).
+
+The bound is ``ChannelConfig.for_ranks`` / ``channel_budget`` (docs/architecture.md, "Memory
+per rank"): checked on the sizes themselves for N up to 1024, and in cma-run worlds by
+reading each rank's own mappings of the world's segment from /proc/self/smaps.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import resource
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import cma
+from cma.channel import ChannelConfig, channel_budget
+
+RUN_TIMEOUT = 120
+
+RANK = """
+import json, os, sys
+import numpy as np
+import cma
+
+def cma_mappings():
+    mapped = resident = 0
+    mine = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            first = line.split(None, 1)[0]
+            if "-" in first and not first.endswith(":"):
+                mine = "memfd:cma-" in line
+            elif mine and first == "Size:":
+                mapped += int(line.split()[1]) << 10
+            elif mine and first == "Rss:":
+                resident += int(line.split()[1]) << 10
+    return mapped, resident
+
+comm = cma.COMM_WORLD
+rank, size = comm.Get_rank(), comm.Get_size()
+send, recv = np.full((size, 4096), rank, np.uint8), np.empty((size, 4096), np.uint8)
+for step in range(1, size):
+    dst, src = (rank + step) % size, (rank - step) % size
+    comm.Sendrecv(send[dst], dst, 1, recvbuf=recv[src], source=src, recvtag=1)
+    assert (recv[src] == src).all()
+mapped, resident = cma_mappings()
+figures = {"mapped": mapped, "resident": resident, "fds": len(os.listdir("/proc/self/fd"))}
+comm.Barrier()
+with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as out:
+    json.dump(figures, out)
+"""
+
+
+def expected_mapping(size: int) -> int:
+    config = ChannelConfig.for_ranks(size)
+    return config.header_bytes(size) + 2 * (size - 1) * config.pair_bytes
+
+
+@pytest.mark.parametrize("size", [2, 3, 4, 8, 16, 17, 32, 64, 128, 256, 1000, 1024])
+def test_default_sizes_keep_the_channels_within_the_budget(size):
+    config = ChannelConfig.for_ranks(size)
+    config.validate()
+    channels = 2 * (size - 1) * config.pair_bytes
+    if size > 2:
+        assert channels <= channel_budget(size)
+    else:
+        assert config == ChannelConfig()  # two ranks keep the eager speed of the large ring
+    assert config.eager_limit >= 64 << 10
+
+
+@pytest.mark.parametrize("size", [4, 12])
+def test_each_rank_maps_its_own_channels_only(tmp_path, size):
+    prog = tmp_path / "rank.py"
+    prog.write_text(textwrap.dedent(RANK))
+    done = subprocess.run([sys.executable, "-m", "cma.run", "-n", str(size), "--timeout",
+                           str(RUN_TIMEOUT), sys.executable, str(prog), str(tmp_path)],
+                          capture_output=True, text=True, timeout=RUN_TIMEOUT + 30)
+    assert done.returncode == 0, done.stderr
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(size)]
+    for figures in ranks:
+        # the header plus 2(N-1) channels; mapping the whole segment was N(N-1) channels
+        assert figures["mapped"] == expected_mapping(size)
+        assert figures["resident"] <= figures["mapped"]
+        # all N doorbells, a pidfd per peer, the memfd, the fd server, stdio and the
+        # transports' fds (a /proc/PID/mem fd per peer for vmfd): 3N plus a constant
+        assert figures["fds"] <= 3 * size + 16
+
+
+def _echo(comm: cma.Comm) -> None:
+    buf = np.empty(1 << 20, np.uint8)
+    comm.Recv(buf, source=0, tag=1)
+    comm.Send(buf, dest=0, tag=2)
+    comm.close()
+
+
+def test_a_process_holding_more_than_1024_fds_attaches_and_sees_its_peer_exit():
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"the hard fd limit ({hard}) does not allow holding 1100 fds")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    held = [os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC) for _ in range(1100)]
+    proc = None
+    try:
+        a, b = cma.Pipe(transport="auto")  # its eventfds and pidfds get numbers above 1024
+        proc = mp.get_context("spawn").Process(target=_echo, args=(b,))
+        proc.start()
+        data = np.arange(1 << 20, dtype=np.uint8)
+        back = np.empty_like(data)
+        a.Send(data, dest=1, tag=1)
+        a.Recv(back, source=1, tag=2)
+        assert (back == data).all()
+        proc.join(30)
+        assert proc.exitcode == 0
+        with pytest.raises(cma.errors.PeerGone):
+            a.Recv(back, source=1, tag=3)  # the exit is seen through a pidfd above 1024
+        a.close()
+    finally:
+        if proc is not None and proc.is_alive():
+            proc.kill()
+            proc.join(10)
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

@@ -14,6 +14,7 @@ import errno
 import fcntl
 import mmap
 import os
+import resource
 import select
 import socket
 import struct
@@ -22,7 +23,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .errors import PeerGone, TransportFault, TransportUnavailable
+from .errors import CmaError, PeerGone, TransportFault, TransportUnavailable
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 
@@ -134,6 +135,21 @@ def recv_fds(sock: socket.socket, bufsize: int, maxfds: int) -> tuple[bytes, lis
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
     return msg, list(fds)
+
+
+def ensure_fd_limit(count: int) -> None:
+    """Let this process hold ``count`` fds: raise the soft RLIMIT_NOFILE up to the hard one.
+
+    A world holds a few fds per rank, and the usual soft limit (1024) would otherwise cap
+    a world below a thousand ranks; raising the soft limit is what the hard one is for.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= count:
+        return
+    if hard != resource.RLIM_INFINITY and hard < count:
+        raise CmaError(f"this world needs about {count} open files per process but the hard "
+                       f"limit is {hard} (raise it: ulimit -Hn)")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (count, hard))
 
 
 def close_on_exec(fds: Sequence[int]) -> None:

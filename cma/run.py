@@ -17,8 +17,10 @@ import sys
 import time
 from collections.abc import Sequence
 
+from . import _linux
 from .channel import ChannelConfig
-from .world import ENV_TRANSPORT, ENV_WORLD, WorldFds, announce
+from .errors import CmaError
+from .world import ENV_TRANSPORT, ENV_WORLD, FDS_PER_RANK, FDS_SPARE, WorldFds, announce
 
 GRACE_SECONDS = 3.0
 
@@ -69,6 +71,11 @@ def launch(args: argparse.Namespace) -> int:
     try:
         config.validate()
     except ValueError as exc:
+        print(f"cma-run: {exc}", file=sys.stderr)
+        return 2
+    try:
+        _linux.ensure_fd_limit(FDS_PER_RANK * args.n + FDS_SPARE)  # the ranks inherit the limit
+    except CmaError as exc:
         print(f"cma-run: {exc}", file=sys.stderr)
         return 2
     fds = WorldFds.create(args.n, config)

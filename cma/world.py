@@ -49,6 +49,10 @@ PHASE_CLOSED = 3  # reads its rings no more
 # The fd server drops a connection that has not sent its request by then: a peer sends
 # it at once, and a silent client must not hold on to a socket for long.
 REQUEST_SECONDS = 2.0
+# fds a rank of an N-rank world may hold: N doorbells, and per peer a pidfd and a transport
+# fd or two (docs/architecture.md, "Memory per rank"), plus the process's own
+FDS_PER_RANK = 4
+FDS_SPARE = 64
 
 
 @dataclass
@@ -136,6 +140,7 @@ class World:
     def __init__(self, fds: WorldFds, rank: int) -> None:
         if not 0 <= rank < fds.size:
             raise CmaError(f"rank {rank} outside a world of size {fds.size}")
+        _linux.ensure_fd_limit(FDS_PER_RANK * fds.size + FDS_SPARE)
         self.fds = fds
         self.rank = rank
         self.size = fds.size

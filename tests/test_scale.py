@@ -92,6 +92,25 @@ def test_each_rank_maps_its_own_channels_only(tmp_path, size):
         assert figures["fds"] <= 3 * size + 16
 
 
+def test_a_world_larger_than_the_soft_fd_limit_raises_it(tmp_path):
+    """12 ranks need ~50 fds each: with a soft limit of 32 they would fail with EMFILE."""
+    size, soft_limit = 12, 32
+    prog = tmp_path / "rank.py"
+    prog.write_text(textwrap.dedent(RANK))
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+
+    def lower_the_soft_limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft_limit, hard))
+
+    done = subprocess.run([sys.executable, "-m", "cma.run", "-n", str(size), "--timeout",
+                           str(RUN_TIMEOUT), sys.executable, str(prog), str(tmp_path)],
+                          capture_output=True, text=True, timeout=RUN_TIMEOUT + 30,
+                          preexec_fn=lower_the_soft_limit)
+    assert done.returncode == 0, done.stderr
+    fds = [json.loads((tmp_path / f"rank{r}.json").read_text())["fds"] for r in range(size)]
+    assert max(fds) > soft_limit  # the test exercised what it claims to
+
+
 def _echo(comm: cma.Comm) -> None:
     buf = np.empty(1 << 20, np.uint8)
     comm.Recv(buf, source=0, tag=1)

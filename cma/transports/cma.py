@@ -11,42 +11,11 @@ its ``LIMITS`` for the shared iteration (``base.Transfer``), which advances both
 by what the kernel returned. A large copy split across threads is one ``Transfer`` whose
 byte ranges run on different threads.
 
-Options, on by default only where the benchmark shows a gain. Measured on the
-project machine (2 vCPUs) with a throwaway script: ``read`` of one region into one
-buffer, both pre-faulted, the owner asleep, best of 5-200 repetitions, several runs
-while the machine was otherwise idle; GB/s. "4K" = both buffers on 4 KiB pages,
-"THP" = NumPy's default, which madvises arrays of 4 MiB and more to huge pages.
-
-``threads`` (default 1)
-    A copy of at least ``SPLIT_THRESHOLD`` (4 MiB) is cut into ``threads`` page-multiple
-    parts copied concurrently (ctypes releases the GIL); one call is limited by the
-    kernel pinning and copying page by page. threads 1 -> 2, for one process copying
-    a whole message:
-
-    ======== ======================= ===========================
-    size     4K                      THP
-    ======== ======================= ===========================
-    1 MiB    11.5 -> 8.5 if forced   11.4 -> 10.1 if forced      (so not split)
-    4 MiB    12.8 -> 18.1..19.9      17.4..26.3 -> 20.0..32.1    (mixed)
-    8 MiB    9.8..12.6 -> 16.9..21.6 19.5 -> 26.0..27.1
-    16 MiB   6.2..7.3 -> 11.1..11.7  13.9..16.9 -> 21.7..24.3
-    128 MiB  7.8..8.4 -> 10.1..12.0  10.3..13.5 -> 14.6..16.4
-    ======== ======================= ===========================
-
-    A third thread gains nothing on two vCPUs. The gain needs an idle core: in runs
-    where other processes kept the second vCPU busy, two threads gained nothing and
-    lost up to 20 % at 4-8 MiB. Since the protocol copies large messages with both
-    processes (SPLIT: the receiver pulls one half, the sender pushes the other), the
-    peer's core is busy with its half, and a process bound to one CPU (mpiexec
-    --bind-to core, cma-bench --bind) runs both threads on it: so one thread by
-    default; ``threads=2`` pays off for one-sided copies (``split=False``) in unbound
-    processes with a core to spare.
-
-There is no ``hugepages`` option. A MADV_HUGEPAGE hint on the receive buffer changed
-nothing (256 KiB: 7.0 -> 7.2, 1 MiB: 9.7 -> 11.0 / 9.4, 16 MiB: 6.2 -> 6.1 / 6.4 when
-given after / before the first touch); what counts is huge pages under the *remote*
-buffer, which the kernel pins (16 MiB: 5-6 -> 10-12 GB/s) and which belongs to the
-peer: NumPy already asks for them, and a shared heap could.
+``threads`` (default 1) cuts a copy of at least ``SPLIT_THRESHOLD`` (4 MiB) into that
+many page-multiple parts copied concurrently (ctypes releases the GIL). It pays off only
+with an idle core: under SPLIT the peer's core is busy with its half, so one thread is the
+default. There is no huge-page option: what counts is huge pages under the peer's
+buffer. docs/transports.md ("cma's options, measured") has the runs behind both.
 """
 
 from __future__ import annotations

@@ -22,10 +22,8 @@ as soon as the reader has freed the space there. Only a reader that falls behind
 packets spill into the second half. The bytes a PAD skips count as in flight until
 the reader passes it, so right after a jump the ring can look full: a further packet
 waits in the sender's queue (comm.py) until the reader takes the one at the start.
-On the project machine the bytes a ping-pong cycles through decide the cost of a
-large eager message: in one prototype run, 2 MiB reusing the same 2 MiB of ring took
-113-142 us one-way, against 179-251 us cycling through the whole 8 MiB ring (and
-1 MiB in an 8 MiB ring 90-102 us, against 53-75 us in a 4 MiB one).
+Why a window: the bytes a ping-pong cycles through decide the cost of a large eager
+message here (docs/architecture.md, "The control channel", has the runs).
 
 Publishing is a plain store to ``head``: on x86-64 stores become visible in program
 order, so the payload is visible before the head that announces it. The consumer

@@ -72,3 +72,14 @@ class CommBroken(CmaError, RuntimeError):
 
 class NotTransferable(CmaError, TypeError):
     """A communicator that cannot be handed to another process (pickled) in its state."""
+
+
+class RegistrationCacheFull(CmaError, MemoryError):
+    """A registration cache at its limit could not make room: every mapping is in use.
+
+    Nothing was evicted or mapped; release leases (or raise the limit) and try again.
+    """
+
+
+class StaleRegistration(CmaError, RuntimeError):
+    """A registration lease used after its release, or after its memory went away."""

@@ -1,7 +1,8 @@
 """cma: move messages between processes on one Linux machine with as few copies as possible.
 
 ``cma.Pipe()`` gives two connected communicators; ``cma.COMM_WORLD`` is the world of a
-program started by ``cma-run``. The API follows mpi4py's ``Comm``.
+program started by ``cma-run``. The API follows mpi4py's ``Comm``. ``cma.empty`` and
+``cma.zeros`` make arrays in the shared heap, which ``multiprocessing`` passes by handle.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import Any
 from . import errors
 from .channel import ChannelConfig
 from .comm import AUTO, Comm, Pipe, Request, Status
+from .heap import alloc, empty, empty_like, is_shared, zeros
 from .transports import REGISTRY
 from .wire import ANY_SOURCE, ANY_TAG, PROC_NULL
 
@@ -18,7 +20,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ANY_SOURCE", "ANY_TAG", "AUTO", "COMM_WORLD", "ChannelConfig", "Comm", "PROC_NULL",
-    "Pipe", "Request", "Status", "errors", "transport_names",
+    "Pipe", "Request", "Status", "alloc", "empty", "empty_like", "errors", "is_shared",
+    "transport_names", "zeros",
 ]
 
 

@@ -72,6 +72,44 @@ def map_shared(fd: int, nbytes: int, offset: int = 0) -> mmap.mmap:
     return mm
 
 
+def advise_huge_pages(mm: mmap.mmap) -> None:
+    """madvise(MADV_HUGEPAGE): lets a shared mapping use 2 MiB pages where the shmem THP
+    setting allows it ("advise", "within_size", "always"); a no-op under "never".
+
+    A kernel built without THP answers EINVAL, which only means small pages.
+    """
+    try:
+        mm.madvise(mmap.MADV_HUGEPAGE)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+
+
+def shmem_huge_pages() -> str:
+    """The shmem THP setting (memfd included): "never", "advise", "always", ... or "unsupported"."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/shmem_enabled") as f:
+            words = f.read().split()
+    except OSError:
+        return "unsupported"
+    chosen = [w[1:-1] for w in words if w.startswith("[")]
+    return chosen[0] if chosen else "unsupported"
+
+
+def huge_page_size() -> int:
+    """The PMD (transparent huge page) size: 2 MiB on x86-64."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 2 << 20
+
+
+def file_size(fd: int) -> int:
+    """The size of an open file (a mapping of it beyond this size faults with SIGBUS)."""
+    return os.fstat(fd).st_size
+
+
 def buffer_address(buf: memoryview) -> int:
     """Virtual address of the first byte of a C-contiguous buffer (read-only ones too)."""
     if buf.nbytes == 0:

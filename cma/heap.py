@@ -71,13 +71,14 @@ class Location:
 
 
 class _Slab:
-    __slots__ = ("segment", "mm", "block", "free", "used", "exported", "retired")
+    __slots__ = ("segment", "mm", "block", "untouched", "free", "used", "exported", "retired")
 
     def __init__(self, segment: Segment, mm: mmap.mmap, block: int) -> None:
         self.segment = segment
         self.mm: mmap.mmap | None = mm  # dropped when retired; live blocks keep the mapping alive
         self.block = block
-        self.free = list(range(SLAB_BYTES // block - 1, -1, -1))
+        self.untouched = 0  # blocks from here on were never handed out (still zero)
+        self.free: list[int] = []  # blocks handed out and returned
         self.used = 0
         self.exported: set[int] = set()  # blocks whose handle went to another process
         self.retired = False  # no block is handed out of it again
@@ -192,9 +193,9 @@ class Heap:
                 size = -(-nbytes // HUGE_PAGE) * HUGE_PAGE if nbytes >= HUGE_PAGE else \
                     -(-nbytes // _linux.PAGE_SIZE) * _linux.PAGE_SIZE
                 return self._new_segment(size, "own")[1], True
-            return self._allocate_block(max(SMALLEST_BLOCK, 1 << (nbytes - 1).bit_length())), False
+            return self._allocate_block(max(SMALLEST_BLOCK, 1 << (nbytes - 1).bit_length()))
 
-    def _allocate_block(self, block: int) -> ctypes.Array[ctypes.c_char]:
+    def _allocate_block(self, block: int) -> tuple[ctypes.Array[ctypes.c_char], bool]:
         partial = self._partial.setdefault(block, [])
         if not partial:
             slab = _Slab(*self._new_segment(SLAB_BYTES, "slab"), block)
@@ -202,23 +203,28 @@ class Heap:
             self._slab_count[block] = self._slab_count.get(block, 0) + 1
             partial.append(slab)
         slab = partial[-1]
-        i = slab.free.pop()
+        fresh = not slab.free
+        if fresh:
+            i = slab.untouched
+            slab.untouched += 1
+        else:
+            i = slab.free.pop()
         slab.used += 1
-        if not slab.free:
+        if not slab.free and slab.untouched == SLAB_BYTES // block:
             partial.pop()
         assert slab.mm is not None  # a retired slab is never in _partial
         token = _BLOCK_TYPES[block].from_buffer(slab.mm, i * block)
         weakref.finalize(token, self._finalized, self._free_block, slab, i).atexit = False
-        return token
+        return token, fresh
 
     def _free_block(self, slab: _Slab, i: int) -> None:
         slab.used -= 1
         if slab.retired:
             return
         if i not in slab.exported:
-            slab.free.append(i)
-            if len(slab.free) == 1:
+            if not slab.free and slab.untouched == SLAB_BYTES // slab.block:  # it was full
                 self._partial[slab.block].append(slab)
+            slab.free.append(i)
         # keep one slab per block size for the next allocation; give back the others
         if slab.used == 0 and (slab.exported or self._slab_count[slab.block] > 1):
             self._retire(slab)

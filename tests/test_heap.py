@@ -99,6 +99,21 @@ def test_a_block_is_reused_only_after_its_last_view_is_gone(no_fd_left: None) ->
     del other, again
 
 
+def test_a_full_slab_gets_a_second_and_takes_blocks_again_once_freed(no_fd_left: None) -> None:
+    per_slab = heap.SLAB_BYTES // heap.LARGEST_BLOCK
+    first = [cma.alloc(heap.LARGEST_BLOCK) for _ in range(per_slab)]
+    segments = {heap.locate(a).segment for a in first}
+    assert len(segments) == 1
+    extra = cma.alloc(heap.LARGEST_BLOCK)
+    assert heap.locate(extra).segment not in segments
+    where = address(first[3])
+    first[3][:] = 9
+    del first[3]
+    again = cma.zeros(heap.LARGEST_BLOCK, dtype=np.uint8)
+    assert address(again) == where and not again.any()
+    del first, extra, again
+
+
 def test_a_segment_given_back_closes_its_fd_and_its_index_gets_a_new_generation(no_fd_left: None) -> None:
     before = heap_files()
     big = cma.empty(8 << 20, dtype=np.uint8)

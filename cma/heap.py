@@ -259,6 +259,7 @@ class Heap:
         """Map ``[start, start + length)`` of another process's segment (``start`` page-aligned);
         the heap owns ``fd`` from here on, and closes it when the mapping is gone."""
         try:
+            _linux.close_on_exec([fd])  # fds received over SCM_RIGHTS arrive inheritable
             size = _linux.file_size(fd)
             if start + length > size:
                 raise CmaError(f"a heap handle names bytes [{start}, {start + length}) of a segment "

@@ -269,3 +269,17 @@ def test_a_block_whose_handle_went_out_is_never_handed_out_again(no_fd_left: Non
     received[:] = 1  # the block lives on in this mapping of it
     assert not any(a.any() for a in fresh), "a block still mapped elsewhere was handed out again"
     del received, fresh
+
+
+def _fd_of_imported(arr: np.ndarray) -> bool:
+    """In a worker: whether the fd behind a received array would survive an exec."""
+    found = heap.locate(arr)
+    assert found is not None and found.segment.kind == "imported"
+    return os.get_inheritable(found.segment.fd)
+
+
+def test_a_received_segment_fd_is_close_on_exec(no_fd_left: None) -> None:
+    arr = cma.zeros(1 << 20, dtype=np.uint8)
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=mp.get_context("fork")) as pool:
+        assert pool.submit(_fd_of_imported, arr).result(timeout=JOIN_TIMEOUT) is False
+    del arr

@@ -9,10 +9,13 @@ whose memory was given back after it was made.
 
 from __future__ import annotations
 
+import mmap
+import multiprocessing as mp
 import os
 from dataclasses import dataclass, field
 
 import pytest
+from conftest import stop_process
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -25,6 +28,7 @@ from hypothesis.stateful import (
     rule,
 )
 
+from cma import _linux
 from cma.errors import RegistrationCacheFull, StaleRegistration
 from cma.rcache import Lease, RegistrationCache
 
@@ -292,8 +296,8 @@ def machine(leave_pinned: bool, limited: bool) -> type[CacheMachine]:
 
 
 # RCACHE_EXAMPLES=1000 for a longer hunt than CI's budget allows (the default runs in seconds)
-STATE_MACHINE_SETTINGS = settings(max_examples=int(os.environ.get("RCACHE_EXAMPLES", "25")),
-                                  stateful_step_count=40, deadline=None,
+STATE_MACHINE_SETTINGS = settings(max_examples=int(os.environ.get("RCACHE_EXAMPLES", "20")),
+                                  stateful_step_count=30, deadline=None,
                                   suppress_health_check=[HealthCheck.too_slow])
 TestPinnedUnlimited = machine(True, False).TestCase
 TestPinnedLimited = machine(True, True).TestCase
@@ -301,6 +305,7 @@ TestUnpinnedUnlimited = machine(False, False).TestCase
 TestUnpinnedLimited = machine(False, True).TestCase
 for case in (TestPinnedUnlimited, TestPinnedLimited, TestUnpinnedUnlimited, TestUnpinnedLimited):
     case.settings = STATE_MACHINE_SETTINGS
+del case  # else pytest collects the last one a second time under this name
 
 
 # ---------------------------------------------------------------- the semantics, one example each
@@ -377,3 +382,40 @@ def test_a_full_cache_says_so_and_evicts_nothing() -> None:
     with pytest.raises(RegistrationCacheFull, match="larger than the cache's limit"):
         cache.acquire(0, 101)
     held.release()
+
+
+# ---------------------------------------------------------------- with real mappings
+
+def _truncated_segment_is_never_read() -> None:
+    """In a child: mappings of real memfds; a segment cut to 0 bytes (reading a mapping of
+    it would raise SIGBUS) is invalidated, and no lease reaches its mapping again."""
+    fds = {name: _linux.memfd_segment(f"rcache-{name}", 1 << 16) for name in ("a", "b")}
+    cache: RegistrationCache[mmap.mmap] = RegistrationCache(
+        lambda space, base, size: _linux.map_shared(fds[space], size, base), lambda mm: mm.close(),
+        align=mmap.PAGESIZE)
+    held = cache.acquire(100, 1000, "a")
+    held.mapping[100] = 7
+    with cache.acquire(0, 1 << 16, "b") as other:
+        other.mapping[0] = 1
+    os.ftruncate(fds["a"], 0)  # the owner gives the memory back
+    assert cache.invalidate(0, 1 << 16, "a") == 1
+    with pytest.raises(StaleRegistration):
+        held.mapping  # noqa: B018 - the access is the test
+    held.release()
+    os.ftruncate(fds["a"], 1 << 16)
+    with cache.acquire(100, 1000, "a") as again:  # maps the memory that is there now
+        assert again.mapping[100] == 0
+    with cache.acquire(0, 10, "b") as other:
+        assert other.mapping[0] == 1 and cache.stats.hits == 1
+    cache.flush()
+    assert len(cache) == 0
+    for fd in fds.values():
+        os.close(fd)
+
+
+def test_a_segment_given_back_is_never_read_through_a_cached_mapping() -> None:
+    ctx = mp.get_context("fork")
+    child = ctx.Process(target=_truncated_segment_is_never_read)
+    child.start()
+    stop_process(child, 30.0)
+    assert child.exitcode == 0, f"the child failed (exit code {child.exitcode}; -7 is SIGBUS)"

@@ -10,6 +10,7 @@ import concurrent.futures
 import gc
 import multiprocessing as mp
 import os
+import threading
 from collections.abc import Iterator
 from multiprocessing.reduction import ForkingPickler
 
@@ -283,3 +284,55 @@ def test_a_received_segment_fd_is_close_on_exec(no_fd_left: None) -> None:
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=mp.get_context("fork")) as pool:
         assert pool.submit(_fd_of_imported, arr).result(timeout=JOIN_TIMEOUT) is False
     del arr
+
+
+def test_threads_allocating_and_freeing_never_share_a_block(no_fd_left: None) -> None:
+    """Frees run in whichever thread drops the last view, often while another holds the
+    heap's lock (they are then left to the lock holder): no block may be handed out twice."""
+    errors: list[str] = []
+
+    def churn(mark: int) -> None:
+        live: list[np.ndarray] = []
+        for i in range(1500):
+            arr = cma.empty(16 + i % 200, dtype=np.int64)
+            arr[:] = mark
+            live.append(arr)
+            if len(live) > 20:
+                gone = live.pop(i % len(live))
+                if (gone != mark).any():
+                    errors.append(f"thread {mark}: a live array was overwritten")
+                del gone
+        for arr in live:
+            if (arr != mark).any():
+                errors.append(f"thread {mark}: a live array was overwritten")
+
+    threads = [threading.Thread(target=churn, args=(mark,)) for mark in range(1, 5)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(JOIN_TIMEOUT)
+    assert not any(thread.is_alive() for thread in threads), "a thread hangs (a deadlock in the heap?)"
+    assert not errors, errors[:3]
+
+
+def test_a_free_that_finds_the_heap_locked_by_its_own_thread_is_done_later(no_fd_left: None) -> None:
+    """A garbage collection inside the heap's locked section frees arrays in the thread
+    that holds the lock: the free must wait for the lock's release, not deadlock."""
+    arr = cma.alloc(500)
+    where = address(arr)
+    box = [arr]
+    del arr
+    left_for_later: list[bool] = []
+
+    def drop_while_locked() -> None:
+        with heap.HEAP._lock:
+            box.clear()  # the last view goes: the finalizer runs here, in this thread
+            left_for_later.append(bool(heap.HEAP._pending))
+        heap.HEAP.locate(0)  # the next heap call does it
+
+    thread = threading.Thread(target=drop_while_locked, daemon=True)  # daemon: a deadlock must not hang exit
+    thread.start()
+    thread.join(JOIN_TIMEOUT)
+    assert not thread.is_alive(), "the free deadlocked on the heap's lock"
+    assert left_for_later == [True] and not heap.HEAP._pending
+    assert address(cma.alloc(500)) == where

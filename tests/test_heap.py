@@ -213,7 +213,8 @@ def test_a_process_pool_executor_passes_arrays_by_handle(context: str, no_fd_lef
     del big, view, made
 
 
-def _echo_doubled(queue_in: mp.Queue, queue_out: mp.Queue) -> None:
+def _echo_doubled(queue_in: mp.Queue, queue_out: mp.Queue, argument: np.ndarray) -> None:
+    argument[:] = 5  # an argument of a spawned Process travels by handle too
     arr = queue_in.get(timeout=JOIN_TIMEOUT)
     arr *= 2
     queue_out.put(arr)
@@ -223,7 +224,8 @@ def _echo_doubled(queue_in: mp.Queue, queue_out: mp.Queue) -> None:
 def test_a_queue_carries_a_handle_both_ways(no_fd_left: None) -> None:
     ctx = mp.get_context("spawn")
     queue_in, queue_out = ctx.Queue(), ctx.Queue()
-    child = ctx.Process(target=_echo_doubled, args=(queue_in, queue_out))
+    argument = cma.zeros(1000, dtype=np.uint8)
+    child = ctx.Process(target=_echo_doubled, args=(queue_in, queue_out, argument))
     child.start()
     try:
         arr = cma.empty(1 << 19, dtype=np.int32)
@@ -236,10 +238,10 @@ def test_a_queue_carries_a_handle_both_ways(no_fd_left: None) -> None:
         for queue in (queue_in, queue_out):
             queue.close()
             queue.join_thread()
-    assert (arr == 42).all() and cma.is_shared(back)
+    assert (arr == 42).all() and cma.is_shared(back) and (argument == 5).all()
     back[0] = 7  # the same pages, mapped twice in this process
     assert arr[0] == 7
-    del arr, back
+    del arr, back, argument
 
 
 def test_the_handle_keeps_layout_and_read_only_flag(no_fd_left: None) -> None:

@@ -41,6 +41,7 @@ import struct
 from dataclasses import dataclass
 
 from ._linux import PAGE_SIZE
+from .errors import ProtocolError
 from .wire import ANY_TAG, EAGER, KIND_MASK
 
 HEADER_BYTES = 32
@@ -51,7 +52,9 @@ ALIGN = 64
 # needs, because on CPython every extra operation there is measurable in 8-byte latency.
 PACKET_ROUND = HEADER_BYTES + ALIGN - 1
 PACKET_MASK = -ALIGN
-EAGER_HEADER = struct.Struct("qqq")  # kind, tag, nbytes
+# kind, tag, nbytes; nbytes unsigned, so that a negative length a corrupt peer wrote
+# reads as a huge one and fails take_eager's size test, at no cost to the hot path
+EAGER_HEADER = struct.Struct("qqQ")
 
 # control page word offsets (128 bytes apart, to defeat adjacent-line prefetch)
 HEAD = 0
@@ -244,9 +247,11 @@ class Inbox:
 
     __slots__ = ("ctl", "data", "words", "size", "mask", "tail", "tail_published", "staging",
                  "drained_count", "publish_every", "last_tag", "eager_bytes", "eager_count",
-                 "pending")
+                 "pending", "peer", "max_payload")
 
-    def __init__(self, pair: memoryview, config: ChannelConfig) -> None:
+    def __init__(self, pair: memoryview, config: ChannelConfig, peer: int = -1) -> None:
+        self.peer = peer  # the rank that writes this ring (named by ProtocolError)
+        self.max_payload = config.max_packet
         self.last_tag = 0
         self.eager_bytes = 0
         self.eager_count = 0
@@ -311,7 +316,12 @@ class Inbox:
         if n > buf.nbytes:
             return -1
         if n:
-            buf[:n] = self.data[pos + HEADER_BYTES : pos + HEADER_BYTES + n]
+            try:
+                buf[:n] = self.data[pos + HEADER_BYTES : pos + HEADER_BYTES + n]
+            except ValueError:
+                # A length running past the end of the ring (a corrupt peer): the slice
+                # came out short and nothing was copied; take() names the fault.
+                return -1
             self.eager_bytes += n
         self.eager_count += 1
         self.last_tag = t
@@ -334,11 +344,28 @@ class Inbox:
         w = pos >> 3
         words = self.words
         kind, tag, n, aux = words[w], words[w + 1], words[w + 2], words[w + 3]
+        in_flight = self.ctl[HEAD] - self.tail
+        if not 0 <= n <= min(self.max_payload, self.size - pos - HEADER_BYTES) \
+                or not packet_bytes(n) <= in_flight <= self.size or kind == PAD:
+            raise ProtocolError(self._framing_fault(pos, kind, n, in_flight), peer=self.peer)
         if kind & KIND_MASK == EAGER:
             self.eager_bytes += n
             self.eager_count += 1
         self.pending = packet_bytes(n)
         return kind, tag, n, aux, self.data[pos + HEADER_BYTES : pos + HEADER_BYTES + n]
+
+    def _framing_fault(self, pos: int, kind: int, n: int, in_flight: int) -> str:
+        if kind == PAD:
+            what = "a skip-to-start marker at the start of the ring"
+        elif not 0 <= n <= self.max_payload:
+            what = f"a length of {n} bytes (a packet holds 0..{self.max_payload})"
+        elif n > self.size - pos - HEADER_BYTES:
+            what = f"{n} bytes at offset {pos}, past the end of the {self.size}-byte ring"
+        else:
+            what = (f"{in_flight} bytes in flight, not between this packet's "
+                    f"{packet_bytes(n)} and the ring's {self.size}")
+        return (f"rank {self.peer} broke the protocol: the packet at the head of its ring "
+                f"to this rank has {what}")
 
     def release(self) -> None:
         self._advance(self.pending)
@@ -375,5 +402,5 @@ def pair_views(mm: mmap.mmap, size: int, rank: int, config: ChannelConfig,
     for peer in range(size):
         if peer != rank:
             outs[peer] = Outbox(pair(rank, peer), config, sleeping[peer])
-            ins[peer] = Inbox(pair(peer, rank), config)
+            ins[peer] = Inbox(pair(peer, rank), config, peer)
     return outs, ins

@@ -42,7 +42,10 @@ from .errors import (
     InvalidTag,
     NotTransferable,
     PeerGone,
+    ProtocolError,
+    TransportFault,
     TransportUnavailable,
+    WindowError,
 )
 from .protocol import (
     PIPELINE,
@@ -1388,17 +1391,26 @@ class Comm:
         engine = self._engine
         matcher = self._matcher
         moved = False
-        while box.ready() and (not only_expected or matcher.expects(peer, box.head_tag())):
-            kind, tag, n, aux, payload = box.take()
-            moved = True
-            if kind & MORE or peer in self._joiner:
-                joined = self._joiner.join(peer, kind, payload)
+        try:
+            while box.ready() and (not only_expected or matcher.expects(peer, box.head_tag())):
+                kind, tag, n, aux, payload = box.take()
+                moved = True
+                if kind & MORE or peer in self._joiner:
+                    joined = self._joiner.join(peer, kind, payload)
+                    box.release()
+                    if joined is not None:
+                        self._run(engine.packet(peer, kind, tag, aux, joined))
+                    continue
+                self._run(engine.packet(peer, kind, tag, aux, payload))
                 box.release()
-                if joined is not None:
-                    self._run(engine.packet(peer, kind, tag, aux, joined))
-                continue
-            self._run(engine.packet(peer, kind, tag, aux, payload))
-            box.release()
+        except ProtocolError as exc:
+            # raised by the decoders before anything moved on the packet's word
+            self._break(str(exc))
+            raise
+        except (TransportFault, WindowError) as exc:
+            # a copy the packet asked for: regions the peer does not have (or exposed)
+            self._break(f"rank {peer} sent a rendezvous whose regions could not be copied ({exc})")
+            raise
         if box.publish_tail() and self._peer_sleeping(peer):
             self._ring(peer)
         return moved

@@ -70,5 +70,19 @@ class CommBroken(CmaError, RuntimeError):
     through bookkeeping it shares with its peers. Close it and make a new world."""
 
 
+class ProtocolError(CmaError):
+    """A peer broke the protocol: bytes it shares with this rank (its ring, a packet, a
+    rendezvous descriptor, the world header) make no sense. ``peer`` is its rank.
+
+    Raised where the bytes are decoded, before anything is copied on their word; the
+    communicator is then broken (later calls raise ``CommBroken`` saying why). A peer
+    gets there by corrupting its shared mappings (a bug or a hostile program), never by
+    using cma's API."""
+
+    def __init__(self, message: str, *, peer: int) -> None:
+        super().__init__(message)
+        self.peer = peer
+
+
 class NotTransferable(CmaError, TypeError):
     """A communicator that cannot be handed to another process (pickled) in its state."""

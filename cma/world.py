@@ -37,7 +37,7 @@ from .channel import (
     ChannelConfig,
     pair_views,
 )
-from .errors import CmaError, PeerGone
+from .errors import CmaError, PeerGone, ProtocolError
 
 ENV_WORLD = "CMA_WORLD"
 ENV_TRANSPORT = "CMA_TRANSPORT"
@@ -49,6 +49,8 @@ PHASE_CLOSED = 3  # reads its rings no more
 # The fd server drops a connection that has not sent its request by then: a peer sends
 # it at once, and a silent client must not hold on to a socket for long.
 REQUEST_SECONDS = 2.0
+# The kernel's PID_MAX_LIMIT: a pid word above it (or below 1) was not written by a rank.
+PID_LIMIT = 1 << 22
 
 
 @dataclass
@@ -189,12 +191,19 @@ class World:
     def _watch(self, rank: int) -> int:
         """The pidfd of ``rank``'s published pid, opened once (it reports the exit)."""
         if self.pidfds[rank] < 0:
-            pid = self.pid_of(rank)
+            pid = self._checked_pid(rank, self.pid_of(rank))
             try:
                 self.pidfds[rank] = _linux.pidfd_open(pid)
             except PeerGone as exc:
                 raise PeerGone(f"rank {rank} (pid {pid}) exited while connecting") from exc
         return self.pidfds[rank]
+
+    @staticmethod
+    def _checked_pid(rank: int, pid: int) -> int:
+        if not 0 < pid <= PID_LIMIT:
+            raise ProtocolError(f"rank {rank} broke the protocol: its block of the world header "
+                                f"names pid {pid}, which no process has", peer=rank)
+        return pid
 
     def _launched_pidfd(self, rank: int) -> tuple[int, int]:
         """(pid, pidfd) of the process announced to attach ``rank``; (0, -1) if none is known."""
@@ -207,6 +216,7 @@ class World:
         if not pid or pid == os.getpid():
             return 0, -1
         if known is None:
+            self._checked_pid(rank, pid)
             try:
                 known = (pid, _linux.pidfd_open(pid))
             except PeerGone as exc:

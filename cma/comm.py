@@ -499,6 +499,9 @@ class Comm:
         _announced_ends.discard(self)
         world = World(self._fds, self.rank)
         self._world = world
+        # (from here on close() releases the transports, even if attaching fails)
+        self._transports: dict[str, Transport] = {}
+        self._links: list[PeerLink | None] = [None] * self.size
         names = REGISTRY.practical() if self._transport_name == AUTO else [self._transport_name]
         # push concerns every transport (prefer RPUT, so every one that can write is set up
         # to: vmfd exchanges read-write fds); other options belong to the one named
@@ -507,14 +510,12 @@ class Comm:
         self._prefer_push = push
         self._split = bool(options.pop("split", True))
         options.pop("overlap", None)
-        self._transports: dict[str, Transport] = {}
         for name in names:
             cls = REGISTRY.classes[name]
             writes = True if push and "push" in cls.styles else None  # None: the class default
             self._transports[name] = cls(world, writes=writes,
                                          **(options if self._transport_name != AUTO else {}))
         self._reasons: dict[int, dict[str, str]] = {}
-        self._links: list[PeerLink | None] = [None] * self.size
         world.attach(self._probe_peers)
         self._setup_policy(names)
         self._outboxes = world.outboxes
@@ -1079,7 +1080,7 @@ class Comm:
                 self._deliver_queued()  # including the FINs their senders wait for
                 self._world.mark_closed()
         finally:
-            if self._attached:
+            if self._world is not None:  # attached, or attaching failed half way
                 for transport in self._transports.values():
                     for link in self._links:
                         if link is not None:
@@ -1296,7 +1297,8 @@ class Comm:
         else:
             link = self._links[action.peer]
             assert link is not None
-            read = self._transports[action.transport].read
+            transport = self._transports[action.transport]
+            read = self._checked(transport.read, action.peer) if transport.by_pid else transport.read
             if self._overlap:
                 started = threading.Event()
 
@@ -1316,6 +1318,25 @@ class Comm:
                 return
             read(link, action.remote, action.local)
         self._run(self._engine.pulled(op, action.msgid))
+
+    def _checked(self, copy: Callable[[PeerLink, Any, Any], None], peer: int
+                 ) -> Callable[[PeerLink, Any, Any], None]:
+        """``copy`` (by pid) between two checks that ``peer`` is the process that attached:
+        once it exited, its pid may belong to an unrelated process. Before: nothing is
+        read from or written to such a process unless the peer dies during the copy;
+        after: what was read then is not handed on as the peer's."""
+        pidfds = self._world.pidfds if self._world is not None else []
+
+        def confirm(link: PeerLink) -> None:
+            if pidfds[peer] < 0 or not _linux.process_alive(pidfds[peer]):
+                raise PeerGone(f"rank {peer} (pid {link.pid}) exited; its pid may belong to "
+                               "another process now, so nothing is copied from or to it")
+
+        def checked(link: PeerLink, first: Any, second: Any) -> None:
+            confirm(link)
+            copy(link, first, second)
+            confirm(link)
+        return checked
 
     def _wake_self(self, _: Future[None]) -> None:
         """Ring our own doorbell from the copy thread, in case this rank sleeps in a wait."""
@@ -1352,7 +1373,9 @@ class Comm:
         op = action.op
         link = self._links[op.dest]
         assert link is not None
-        self._transports[action.transport].write(link, action.local, action.remote)
+        transport = self._transports[action.transport]
+        write = self._checked(transport.write, op.dest) if transport.by_pid else transport.write
+        write(link, action.local, action.remote)
         self._run(self._engine.pushed(op, action.recvid))
 
     # -- progress
@@ -1566,7 +1589,9 @@ class Comm:
         if done():
             return
         if peer is not None and peer in self._dead:
-            raise PeerGone(f"rank {peer} exited before completing this operation")
+            assert self._world is not None
+            raise PeerGone(f"rank {peer} (pid {self._world.pid_of(peer)}) exited before "
+                           "completing this operation")
         if peer is None and self._dead.issuperset(self._peers):
             raise PeerGone("every other rank has exited; nothing can complete this operation")
 

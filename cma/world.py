@@ -446,5 +446,9 @@ class World:
         try:
             self.mm.close()
         except BufferError:
-            pass  # a user still holds a view into the segment; the mapping dies with it
+            # A view into the segment is alive (a user's, or one in an exception's traceback
+            # awaiting the garbage collector): the mapping, and the fd it holds, go with the
+            # last of them, as long as nothing else (PeerLinks hold this World) keeps it.
+            pass
+        del self.mm
 

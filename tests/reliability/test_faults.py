@@ -48,8 +48,10 @@ def kill_self() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def kill_self_once_parent_sleeps() -> None:
-    """Wait until the test process is blocked in the call under test, then die."""
+def kill_self_once_parent_sleeps(go: int) -> None:
+    """Wait until the test process is blocked in the call under test, then die. ``go``
+    says it is on its way there (and out of the Barrier before, where it may sleep too)."""
+    assert select.select([go], [], [], HANG)[0], "the survivor never went on"
     wait_asleep_in_poll(os.getppid(), what="the survivor", timeout=HANG)
     kill_self()
 
@@ -73,35 +75,35 @@ def kill_inside_copies(comm: cma.Comm, after: bool) -> None:
 
 # ------------------------------------------------------------------ victims (rank 1)
 
-def victim_waits(comm: cma.Comm, ready: int) -> None:
+def victim_waits(comm: cma.Comm, ready: int, go: int) -> None:
     os.write(ready, b"x")
     signal.pause()
 
 
-def victim_attaches(comm: cma.Comm, ready: int) -> None:
+def victim_attaches(comm: cma.Comm, ready: int, go: int) -> None:
     comm.attach()  # waits for rank 0, which never comes before the kill
     signal.pause()
 
 
-def victim_idle(comm: cma.Comm, ready: int) -> None:
+def victim_idle(comm: cma.Comm, ready: int, go: int) -> None:
     comm.Barrier()
-    victim_waits(comm, ready)
+    victim_waits(comm, ready, go)
 
 
-def victim_fills_the_ring(comm: cma.Comm, ready: int) -> None:
+def victim_fills_the_ring(comm: cma.Comm, ready: int, go: int) -> None:
     comm.Barrier()
     send_more_than_the_ring_holds(comm, 0, TAG)
-    victim_waits(comm, ready)
+    victim_waits(comm, ready, go)
 
 
-def victim_posts_a_rendezvous(comm: cma.Comm, ready: int) -> None:
+def victim_posts_a_rendezvous(comm: cma.Comm, ready: int, go: int) -> None:
     comm.Barrier()
     comm.Isend(np.ones(RENDEZVOUS, np.uint8), dest=0, tag=TAG)
-    victim_waits(comm, ready)
+    victim_waits(comm, ready, go)
 
 
-def victim_receives_and_dies_copying(after: bool) -> Callable[[cma.Comm, int], None]:
-    def victim(comm: cma.Comm, ready: int) -> None:
+def victim_receives_and_dies_copying(after: bool) -> Callable[[cma.Comm, int, int], None]:
+    def victim(comm: cma.Comm, ready: int, go: int) -> None:
         comm.Barrier()
         kill_inside_copies(comm, after)
         comm.Recv(np.empty(RENDEZVOUS, np.uint8), source=0, tag=TAG)
@@ -109,29 +111,22 @@ def victim_receives_and_dies_copying(after: bool) -> Callable[[cma.Comm, int], N
     return victim
 
 
-def victim_sends_and_dies_copying(comm: cma.Comm, ready: int) -> None:
+def victim_sends_and_dies_copying(comm: cma.Comm, ready: int, go: int) -> None:
     comm.Barrier()
     kill_inside_copies(comm, after=True)
     comm.Send(np.ones(RENDEZVOUS, np.uint8), dest=0, tag=TAG)
     kill_self()  # the survivor pulled it all: nothing of the victim's copied
 
 
-def victim_dies_while_survivor_blocks(comm: cma.Comm, ready: int) -> None:
+def victim_dies_while_survivor_blocks(comm: cma.Comm, ready: int, go: int) -> None:
     comm.Barrier()
-    kill_self_once_parent_sleeps()
+    kill_self_once_parent_sleeps(go)
 
 
 # ------------------------------------------------------------------ survivors (rank 0)
 
 def recv(comm: cma.Comm) -> None:
     comm.Recv(np.empty(RENDEZVOUS, np.uint8), source=1, tag=TAG)
-
-
-def barrier_then(call: Callable[[cma.Comm], None]) -> Callable[[cma.Comm], None]:
-    def survivor(comm: cma.Comm) -> None:
-        comm.Barrier()
-        call(comm)
-    return survivor
 
 
 def recv_what_was_queued(comm: cma.Comm) -> None:
@@ -169,7 +164,8 @@ def wait_isend(comm: cma.Comm) -> None:
 
 
 # How the victim stops: the test kills it before it attached, while it attaches, or once
-# it says it is ready (after a Barrier with the test process); or it kills itself.
+# it says it is ready (after a Barrier with the test process); or it kills itself (after
+# a Barrier, once the test process said it goes on to the call under test).
 BEFORE_ATTACH, ATTACHING, READY, ITSELF = "before attach", "attaching", "ready", "itself"
 
 # phase: (victim, survivor, how the victim stops, Pipe options)
@@ -180,19 +176,19 @@ PHASES: dict[str, tuple[Callable[..., None], Callable[[cma.Comm], None], str, di
     "eager, full ring": (victim_fills_the_ring, recv_what_was_queued, READY, {}),
     "rendezvous announced": (victim_posts_a_rendezvous, recv, READY, {}),
     "receiver before its copy": (victim_receives_and_dies_copying(False),
-                                 barrier_then(send_rendezvous), ITSELF, {}),
+                                 send_rendezvous, ITSELF, {}),
     "receiver after its copy": (victim_receives_and_dies_copying(True),
-                                barrier_then(send_rendezvous), ITSELF, {}),
-    "sender after its copy": (victim_sends_and_dies_copying, barrier_then(recv), ITSELF,
+                                send_rendezvous, ITSELF, {}),
+    "sender after its copy": (victim_sends_and_dies_copying, recv, ITSELF,
                               {"push": True}),
-    "survivor in Barrier": (victim_dies_while_survivor_blocks, barrier_then(cma.Comm.Barrier),
+    "survivor in Barrier": (victim_dies_while_survivor_blocks, cma.Comm.Barrier,
                             ITSELF, {}),
-    "survivor in Recv": (victim_dies_while_survivor_blocks, barrier_then(recv), ITSELF, {}),
-    "survivor in Wait": (victim_dies_while_survivor_blocks, barrier_then(wait_irecv), ITSELF, {}),
-    "survivor in Probe": (victim_dies_while_survivor_blocks, barrier_then(probe), ITSELF, {}),
+    "survivor in Recv": (victim_dies_while_survivor_blocks, recv, ITSELF, {}),
+    "survivor in Wait": (victim_dies_while_survivor_blocks, wait_irecv, ITSELF, {}),
+    "survivor in Probe": (victim_dies_while_survivor_blocks, probe, ITSELF, {}),
     "survivor in Send, full ring": (victim_dies_while_survivor_blocks,
-                                    barrier_then(send_to_a_full_ring), ITSELF, {}),
-    "survivor in Wait of Isend": (victim_dies_while_survivor_blocks, barrier_then(wait_isend),
+                                    send_to_a_full_ring, ITSELF, {}),
+    "survivor in Wait of Isend": (victim_dies_while_survivor_blocks, wait_isend,
                                   ITSELF, {}),
 }
 
@@ -226,18 +222,22 @@ def test_sigkill_of_the_peer_is_peer_gone(phase: str, transport: str) -> None:
     victim, survivor, stop, options = PHASES[phase]
     before = open_fds()
     ready_r, ready_w = os.pipe()
+    go_r, go_w = os.pipe()
     a, b = cma.Pipe(transport=transport, config=SMALL_RING, **options)
-    proc = mp.get_context("fork").Process(target=victim, args=(b, ready_w), daemon=True)
+    proc = mp.get_context("fork").Process(target=victim, args=(b, ready_w, go_r), daemon=True)
     try:
         proc.start()
         b.close()
         assert proc.pid is not None
         # as cma-run does: the pid of the process that is to attach rank 1 is known
         cma.world.announce(a._fds, 1, proc.pid)
-        if stop == ATTACHING:
+        if stop == BEFORE_ATTACH:
+            pass
+        elif stop == ATTACHING:
             wait_published(a, 1)
-        elif stop == READY:
+        else:
             a.Barrier()
+            os.write(go_w, b"x")
         if stop in (BEFORE_ATTACH, READY):
             assert select.select([ready_r], [], [], HANG)[0], "the victim never got ready"
         if stop != ITSELF:
@@ -253,8 +253,8 @@ def test_sigkill_of_the_peer_is_peer_gone(phase: str, transport: str) -> None:
     finally:
         a.close()
         stop_process(proc)
-        os.close(ready_r)
-        os.close(ready_w)
+        for fd in (ready_r, ready_w, go_r, go_w):
+            os.close(fd)
     proc.close()  # (its sentinel fd)
     gc.collect()
     left = {fd: os.readlink(f"/proc/self/fd/{fd}") for fd in open_fds() - before
@@ -297,8 +297,8 @@ def test_a_new_process_with_a_dead_peers_pid_is_not_the_peer(transport: str) -> 
     its pid. Rank 0's Recv must raise PeerGone without reading that process's memory."""
     ready_r, ready_w = os.pipe()
     a, b = cma.Pipe(transport=transport, config=SMALL_RING)
-    proc = mp.get_context("fork").Process(target=victim_posts_a_rendezvous, args=(b, ready_w),
-                                          daemon=True)
+    proc = mp.get_context("fork").Process(target=victim_posts_a_rendezvous,
+                                          args=(b, ready_w, -1), daemon=True)
     impostor = None
     try:
         proc.start()

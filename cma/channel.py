@@ -41,7 +41,7 @@ import struct
 from dataclasses import dataclass
 
 from ._linux import PAGE_SIZE
-from .errors import ProtocolError
+from .errors import InvalidConfig, ProtocolError
 from .wire import ANY_TAG, EAGER, KIND_MASK
 
 HEADER_BYTES = 32
@@ -119,11 +119,11 @@ class ChannelConfig:
     def validate(self) -> None:
         ring = self.ring_bytes
         if ring < PAGE_SIZE or ring & (ring - 1):
-            raise ValueError(f"ring_bytes must be a power of two >= {PAGE_SIZE}")
+            raise InvalidConfig(f"ring_bytes must be a power of two >= {PAGE_SIZE}")
         if not 0 <= self.eager_limit <= ring // 4:
-            raise ValueError("eager_limit must be between 0 and ring_bytes / 4")
+            raise InvalidConfig("eager_limit must be between 0 and ring_bytes / 4")
         if self.frag_size < PAGE_SIZE or self.stage_slots < 1:
-            raise ValueError(f"frag_size must be >= {PAGE_SIZE} and stage_slots >= 1")
+            raise InvalidConfig(f"frag_size must be >= {PAGE_SIZE} and stage_slots >= 1")
 
     @property
     def max_packet(self) -> int:
@@ -207,7 +207,10 @@ class Outbox:
         if n:
             self.data[pos + HEADER_BYTES : pos + HEADER_BYTES + n] = payload
             self.eager_bytes += n
-        EAGER_HEADER.pack_into(self.data, pos, EAGER, tag, n)
+        try:
+            EAGER_HEADER.pack_into(self.data, pos, EAGER, tag, n)
+        except struct.error:
+            return -1  # a tag beyond int64, left unpublished for the general path to refuse
         self.eager_count += 1
         self.head = self.ctl[HEAD] = h + need
         return self.peer_sleeping[0]

@@ -36,6 +36,7 @@ from .errors import (
     Cancelled,
     CmaError,
     CommBroken,
+    CommClosed,
     InvalidCount,
     InvalidDatatype,
     InvalidRank,
@@ -73,7 +74,7 @@ from .protocol import (
     split_packet,
 )
 from .transports import REGISTRY, Region, Transport, TransportStats
-from .wire import ANY_SOURCE, ANY_TAG, BARRIER_TAG, EAGER, KIND_MASK, MORE, PROC_NULL
+from .wire import ANY_SOURCE, ANY_TAG, BARRIER_TAG, EAGER, KIND_MASK, MORE, PROC_NULL, TAG_MAX
 from .world import ENV_TRANSPORT, ENV_WORLD, PeerLink, World, WorldFds, announce
 
 AUTO = "auto"
@@ -494,7 +495,8 @@ class Comm:
 
     def _attach(self) -> None:
         if self._closed:
-            raise CmaError("communicator is closed")
+            raise CommClosed(f"rank {self.rank}'s communicator is closed: make a new world "
+                             "(cma.Pipe, cma-run) to talk again")
         self._release_unused.detach()  # attached: close() releases everything
         _announced_ends.discard(self)
         world = World(self._fds, self.rank)
@@ -540,6 +542,7 @@ class Comm:
         self._lanes = dict(self._all_lanes)
         self._rlanes = {} if self._oversubscribed else dict(self._all_rlanes)
         self._attached = True
+        _attached_comms.add(self)
 
     def _probe_peers(self, world: World) -> dict[int, int]:
         masks = {}
@@ -677,6 +680,10 @@ class Comm:
     def Sendrecv(self, sendbuf: Any, dest: int, sendtag: int = 0, recvbuf: Any = None,
                  source: int = ANY_SOURCE, recvtag: int = ANY_TAG,
                  status: Status | None = None) -> None:
+        # the receive's arguments are checked before anything is sent
+        self._cached_view(recvbuf, recv_view)
+        self._check_source(source)
+        self._check_tag(recvtag, wildcard=True)
         send = self.Isend(sendbuf, dest, sendtag)
         self.Recv(recvbuf, source, recvtag, status)
         send.Wait()
@@ -753,6 +760,9 @@ class Comm:
         dest = self._check_dest(dest)
         tag = self._check_tag(tag)
         if dest == PROC_NULL:
+            return
+        if dest == self.rank:  # (a rendezvous to ourselves would wait for our own Recv)
+            self._start_buffered([mv], dest, tag, False)
             return
         self._wait(self._start_send([mv], dest, tag, False))
 
@@ -1068,6 +1078,8 @@ class Comm:
         if self._closed:
             return
         self._closed = True
+        self._lanes = {}  # (the fast paths then find it closed on the general ones)
+        self._rlanes = {}
         self._send_obj = self._recv_obj = self._send_base = self._recv_base = _NOTHING
         self._send_spec_view = self._recv_spec_view = memoryview(b"")
         try:
@@ -1169,8 +1181,8 @@ class Comm:
 
     def _check_tag(self, tag: Any, wildcard: bool = False) -> int:
         value = _as_int(tag)
-        if value is None or (value < 0 and not (wildcard and value == ANY_TAG)):
-            what = "a non-negative int" + (" or ANY_TAG" if wildcard else "")
+        if value is None or value > TAG_MAX or (value < 0 and not (wildcard and value == ANY_TAG)):
+            what = f"an int in 0..{TAG_MAX}" + (" or ANY_TAG" if wildcard else "")
             raise InvalidTag(f"tag {tag!r} must be {what}")
         return value
 
@@ -1682,7 +1694,21 @@ def _after_fork_in_parent() -> None:
             comm._give_up_announcement()
 
 
-os.register_at_fork(after_in_parent=_after_fork_in_parent)
+# Attached in this process: a child forked from it inherits them, but not the rank.
+_attached_comms: weakref.WeakSet[Comm] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    # The rank stays the parent's: a child writing into its rings would corrupt them.
+    # Breaking costs the fast paths nothing, unlike a pid test per call.
+    for comm in list(_attached_comms):
+        if comm._attached and not comm._broken:
+            comm._break(f"rank {comm.rank} is attached in process {os.getppid()}; a process "
+                        "forked from it cannot use that rank (hand a child an end before its "
+                        "first use, or make a new world)")
+
+
+os.register_at_fork(after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)
 
 
 def Pipe(transport: str = AUTO, *, config: ChannelConfig | None = None,

@@ -15,6 +15,10 @@ class InvalidTag(CmaError, ValueError):
     """A tag that is negative (and not ``ANY_TAG`` where one is allowed)."""
 
 
+class InvalidConfig(CmaError, ValueError):
+    """Channel sizes (``ChannelConfig``) that the rings and staging cannot be built with."""
+
+
 class BufferError(CmaError, TypeError):
     """A buffer that cannot be used: not contiguous, read-only for a receive, bad spec."""
 
@@ -63,6 +67,10 @@ class Cancelled(CmaError):
     An exception (a ``KeyboardInterrupt``, a timeout) left its ``Wait``; nothing was or
     will be received into its buffer, and the next receive takes the message it would have.
     """
+
+
+class CommClosed(CmaError):
+    """The communicator was closed; make a new world (cma.Pipe, cma-run) to talk again."""
 
 
 class CommBroken(CmaError, RuntimeError):

@@ -423,10 +423,11 @@ class World:
 
     def close(self) -> None:
         if self._server is not None:
-            try:
-                self._server.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            if self.owned_here():  # (in a forked child the listener is still the parent's)
+                try:
+                    self._server.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
             self._server.close()
             self._server = None
             if self._server_thread is not None:

@@ -39,6 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ._linux import PAGE_SIZE
+from .errors import InvalidConfig, ProtocolError
 from .wire import ANY_TAG, EAGER, KIND_MASK
 
 HEADER_BYTES = 32
@@ -49,7 +50,9 @@ ALIGN = 64
 # needs, because on CPython every extra operation there is measurable in 8-byte latency.
 PACKET_ROUND = HEADER_BYTES + ALIGN - 1
 PACKET_MASK = -ALIGN
-EAGER_HEADER = struct.Struct("qqq")  # kind, tag, nbytes
+# kind, tag, nbytes; nbytes unsigned, so that a negative length a corrupt peer wrote
+# reads as a huge one and fails take_eager's size test, at no cost to the hot path
+EAGER_HEADER = struct.Struct("qqQ")
 
 # control page word offsets (128 bytes apart, to defeat adjacent-line prefetch)
 HEAD = 0
@@ -144,11 +147,11 @@ class ChannelConfig:
     def validate(self) -> None:
         ring = self.ring_bytes
         if ring < PAGE_SIZE or ring & (ring - 1):
-            raise ValueError(f"ring_bytes must be a power of two >= {PAGE_SIZE}")
+            raise InvalidConfig(f"ring_bytes must be a power of two >= {PAGE_SIZE}")
         if not 0 <= self.eager_limit <= ring // 4:
-            raise ValueError("eager_limit must be between 0 and ring_bytes / 4")
+            raise InvalidConfig("eager_limit must be between 0 and ring_bytes / 4")
         if self.frag_size < PAGE_SIZE or self.stage_slots < 1:
-            raise ValueError(f"frag_size must be >= {PAGE_SIZE} and stage_slots >= 1")
+            raise InvalidConfig(f"frag_size must be >= {PAGE_SIZE} and stage_slots >= 1")
 
     @property
     def max_packet(self) -> int:
@@ -232,7 +235,10 @@ class Outbox:
         if n:
             self.data[pos + HEADER_BYTES : pos + HEADER_BYTES + n] = payload
             self.eager_bytes += n
-        EAGER_HEADER.pack_into(self.data, pos, EAGER, tag, n)
+        try:
+            EAGER_HEADER.pack_into(self.data, pos, EAGER, tag, n)
+        except struct.error:
+            return -1  # a tag beyond int64, left unpublished for the general path to refuse
         self.eager_count += 1
         self.head = self.ctl[HEAD] = h + need
         return self.peer_sleeping[0]
@@ -272,9 +278,11 @@ class Inbox:
 
     __slots__ = ("ctl", "data", "words", "size", "mask", "tail", "tail_published", "staging",
                  "drained_count", "publish_every", "last_tag", "eager_bytes", "eager_count",
-                 "pending")
+                 "pending", "peer", "max_payload")
 
-    def __init__(self, pair: memoryview, config: ChannelConfig) -> None:
+    def __init__(self, pair: memoryview, config: ChannelConfig, peer: int = -1) -> None:
+        self.peer = peer  # the rank that writes this ring (named by ProtocolError)
+        self.max_payload = config.max_packet
         self.last_tag = 0
         self.eager_bytes = 0
         self.eager_count = 0
@@ -339,7 +347,12 @@ class Inbox:
         if n > buf.nbytes:
             return -1
         if n:
-            buf[:n] = self.data[pos + HEADER_BYTES : pos + HEADER_BYTES + n]
+            try:
+                buf[:n] = self.data[pos + HEADER_BYTES : pos + HEADER_BYTES + n]
+            except ValueError:
+                # A length running past the end of the ring (a corrupt peer): the slice
+                # came out short and nothing was copied; take() names the fault.
+                return -1
             self.eager_bytes += n
         self.eager_count += 1
         self.last_tag = t
@@ -362,11 +375,28 @@ class Inbox:
         w = pos >> 3
         words = self.words
         kind, tag, n, aux = words[w], words[w + 1], words[w + 2], words[w + 3]
+        in_flight = self.ctl[HEAD] - self.tail
+        if not 0 <= n <= min(self.max_payload, self.size - pos - HEADER_BYTES) \
+                or not packet_bytes(n) <= in_flight <= self.size or kind == PAD:
+            raise ProtocolError(self._framing_fault(pos, kind, n, in_flight), peer=self.peer)
         if kind & KIND_MASK == EAGER:
             self.eager_bytes += n
             self.eager_count += 1
         self.pending = packet_bytes(n)
         return kind, tag, n, aux, self.data[pos + HEADER_BYTES : pos + HEADER_BYTES + n]
+
+    def _framing_fault(self, pos: int, kind: int, n: int, in_flight: int) -> str:
+        if kind == PAD:
+            what = "a skip-to-start marker at the start of the ring"
+        elif not 0 <= n <= self.max_payload:
+            what = f"a length of {n} bytes (a packet holds 0..{self.max_payload})"
+        elif n > self.size - pos - HEADER_BYTES:
+            what = f"{n} bytes at offset {pos}, past the end of the {self.size}-byte ring"
+        else:
+            what = (f"{in_flight} bytes in flight, not between this packet's "
+                    f"{packet_bytes(n)} and the ring's {self.size}")
+        return (f"rank {self.peer} broke the protocol: the packet at the head of its ring "
+                f"to this rank has {what}")
 
     def release(self) -> None:
         self._advance(self.pending)
@@ -398,5 +428,5 @@ def pair_views(pair: Callable[[int, int], memoryview], size: int, rank: int, con
     for peer in range(size):
         if peer != rank:
             outs[peer] = Outbox(pair(rank, peer), config, sleeping[peer])
-            ins[peer] = Inbox(pair(peer, rank), config)
+            ins[peer] = Inbox(pair(peer, rank), config, peer)
     return outs, ins

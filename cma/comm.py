@@ -36,13 +36,17 @@ from .errors import (
     Cancelled,
     CmaError,
     CommBroken,
+    CommClosed,
     InvalidCount,
     InvalidDatatype,
     InvalidRank,
     InvalidTag,
     NotTransferable,
     PeerGone,
+    ProtocolError,
+    TransportFault,
     TransportUnavailable,
+    WindowError,
 )
 from .protocol import (
     PIPELINE,
@@ -70,7 +74,7 @@ from .protocol import (
     split_packet,
 )
 from .transports import REGISTRY, Region, Transport, TransportStats
-from .wire import ANY_SOURCE, ANY_TAG, BARRIER_TAG, EAGER, KIND_MASK, MORE, PROC_NULL
+from .wire import ANY_SOURCE, ANY_TAG, BARRIER_TAG, EAGER, KIND_MASK, MORE, PROC_NULL, TAG_MAX
 from .world import ENV_TRANSPORT, ENV_WORLD, PeerLink, World, WorldFds, announce
 
 AUTO = "auto"
@@ -491,11 +495,15 @@ class Comm:
 
     def _attach(self) -> None:
         if self._closed:
-            raise CmaError("communicator is closed")
+            raise CommClosed(f"rank {self.rank}'s communicator is closed: make a new world "
+                             "(cma.Pipe, cma-run) to talk again")
         self._release_unused.detach()  # attached: close() releases everything
         _announced_ends.discard(self)
         world = World(self._fds, self.rank)
         self._world = world
+        # (from here on close() releases the transports, even if attaching fails)
+        self._transports: dict[str, Transport] = {}
+        self._links: list[PeerLink | None] = [None] * self.size
         names = REGISTRY.practical() if self._transport_name == AUTO else [self._transport_name]
         # push concerns every transport (prefer RPUT, so every one that can write is set up
         # to: vmfd exchanges read-write fds); other options belong to the one named
@@ -504,14 +512,12 @@ class Comm:
         self._prefer_push = push
         self._split = bool(options.pop("split", True))
         options.pop("overlap", None)
-        self._transports: dict[str, Transport] = {}
         for name in names:
             cls = REGISTRY.classes[name]
             writes = True if push and "push" in cls.styles else None  # None: the class default
             self._transports[name] = cls(world, writes=writes,
                                          **(options if self._transport_name != AUTO else {}))
         self._reasons: dict[int, dict[str, str]] = {}
-        self._links: list[PeerLink | None] = [None] * self.size
         world.attach(self._probe_peers)
         self._setup_policy(names)
         self._outboxes = world.outboxes
@@ -536,6 +542,7 @@ class Comm:
         self._lanes = dict(self._all_lanes)
         self._rlanes = {} if self._oversubscribed else dict(self._all_rlanes)
         self._attached = True
+        _attached_comms.add(self)
 
     def _probe_peers(self, world: World) -> dict[int, int]:
         masks = {}
@@ -673,6 +680,10 @@ class Comm:
     def Sendrecv(self, sendbuf: Any, dest: int, sendtag: int = 0, recvbuf: Any = None,
                  source: int = ANY_SOURCE, recvtag: int = ANY_TAG,
                  status: Status | None = None) -> None:
+        # the receive's arguments are checked before anything is sent
+        self._cached_view(recvbuf, recv_view)
+        self._check_source(source)
+        self._check_tag(recvtag, wildcard=True)
         send = self.Isend(sendbuf, dest, sendtag)
         self.Recv(recvbuf, source, recvtag, status)
         send.Wait()
@@ -749,6 +760,9 @@ class Comm:
         dest = self._check_dest(dest)
         tag = self._check_tag(tag)
         if dest == PROC_NULL:
+            return
+        if dest == self.rank:  # (a rendezvous to ourselves would wait for our own Recv)
+            self._start_buffered([mv], dest, tag, False)
             return
         self._wait(self._start_send([mv], dest, tag, False))
 
@@ -1064,6 +1078,8 @@ class Comm:
         if self._closed:
             return
         self._closed = True
+        self._lanes = {}  # (the fast paths then find it closed on the general ones)
+        self._rlanes = {}
         self._send_obj = self._recv_obj = self._send_base = self._recv_base = _NOTHING
         self._send_spec_view = self._recv_spec_view = memoryview(b"")
         try:
@@ -1076,7 +1092,7 @@ class Comm:
                 self._deliver_queued()  # including the FINs their senders wait for
                 self._world.mark_closed()
         finally:
-            if self._attached:
+            if self._world is not None:  # attached, or attaching failed half way
                 for transport in self._transports.values():
                     for link in self._links:
                         if link is not None:
@@ -1165,8 +1181,8 @@ class Comm:
 
     def _check_tag(self, tag: Any, wildcard: bool = False) -> int:
         value = _as_int(tag)
-        if value is None or (value < 0 and not (wildcard and value == ANY_TAG)):
-            what = "a non-negative int" + (" or ANY_TAG" if wildcard else "")
+        if value is None or value > TAG_MAX or (value < 0 and not (wildcard and value == ANY_TAG)):
+            what = f"an int in 0..{TAG_MAX}" + (" or ANY_TAG" if wildcard else "")
             raise InvalidTag(f"tag {tag!r} must be {what}")
         return value
 
@@ -1293,7 +1309,8 @@ class Comm:
         else:
             link = self._links[action.peer]
             assert link is not None
-            read = self._transports[action.transport].read
+            transport = self._transports[action.transport]
+            read = self._checked(transport.read, action.peer) if transport.by_pid else transport.read
             if self._overlap:
                 started = threading.Event()
 
@@ -1313,6 +1330,25 @@ class Comm:
                 return
             read(link, action.remote, action.local)
         self._run(self._engine.pulled(op, action.msgid))
+
+    def _checked(self, copy: Callable[[PeerLink, Any, Any], None], peer: int
+                 ) -> Callable[[PeerLink, Any, Any], None]:
+        """``copy`` (by pid) between two checks that ``peer`` is the process that attached:
+        once it exited, its pid may belong to an unrelated process. Before: nothing is
+        read from or written to such a process unless the peer dies during the copy;
+        after: what was read then is not handed on as the peer's."""
+        pidfds = self._world.pidfds if self._world is not None else []
+
+        def confirm(link: PeerLink) -> None:
+            if pidfds[peer] < 0 or not _linux.process_alive(pidfds[peer]):
+                raise PeerGone(f"rank {peer} (pid {link.pid}) exited; its pid may belong to "
+                               "another process now, so nothing is copied from or to it")
+
+        def checked(link: PeerLink, first: Any, second: Any) -> None:
+            confirm(link)
+            copy(link, first, second)
+            confirm(link)
+        return checked
 
     def _wake_self(self, _: Future[None]) -> None:
         """Ring our own doorbell from the copy thread, in case this rank sleeps in a wait."""
@@ -1349,7 +1385,9 @@ class Comm:
         op = action.op
         link = self._links[op.dest]
         assert link is not None
-        self._transports[action.transport].write(link, action.local, action.remote)
+        transport = self._transports[action.transport]
+        write = self._checked(transport.write, op.dest) if transport.by_pid else transport.write
+        write(link, action.local, action.remote)
         self._run(self._engine.pushed(op, action.recvid))
 
     # -- progress
@@ -1388,17 +1426,26 @@ class Comm:
         engine = self._engine
         matcher = self._matcher
         moved = False
-        while box.ready() and (not only_expected or matcher.expects(peer, box.head_tag())):
-            kind, tag, n, aux, payload = box.take()
-            moved = True
-            if kind & MORE or peer in self._joiner:
-                joined = self._joiner.join(peer, kind, payload)
+        try:
+            while box.ready() and (not only_expected or matcher.expects(peer, box.head_tag())):
+                kind, tag, n, aux, payload = box.take()
+                moved = True
+                if kind & MORE or peer in self._joiner:
+                    joined = self._joiner.join(peer, kind, payload)
+                    box.release()
+                    if joined is not None:
+                        self._run(engine.packet(peer, kind, tag, aux, joined))
+                    continue
+                self._run(engine.packet(peer, kind, tag, aux, payload))
                 box.release()
-                if joined is not None:
-                    self._run(engine.packet(peer, kind, tag, aux, joined))
-                continue
-            self._run(engine.packet(peer, kind, tag, aux, payload))
-            box.release()
+        except ProtocolError as exc:
+            # raised by the decoders before anything moved on the packet's word
+            self._break(str(exc))
+            raise
+        except (TransportFault, WindowError) as exc:
+            # a copy the packet asked for: regions the peer does not have (or exposed)
+            self._break(f"rank {peer} sent a rendezvous whose regions could not be copied ({exc})")
+            raise
         if box.publish_tail() and self._peer_sleeping(peer):
             self._ring(peer)
         return moved
@@ -1554,7 +1601,9 @@ class Comm:
         if done():
             return
         if peer is not None and peer in self._dead:
-            raise PeerGone(f"rank {peer} exited before completing this operation")
+            assert self._world is not None
+            raise PeerGone(f"rank {peer} (pid {self._world.pid_of(peer)}) exited before "
+                           "completing this operation")
         if peer is None and self._dead.issuperset(self._peers):
             raise PeerGone("every other rank has exited; nothing can complete this operation")
 
@@ -1645,7 +1694,21 @@ def _after_fork_in_parent() -> None:
             comm._give_up_announcement()
 
 
-os.register_at_fork(after_in_parent=_after_fork_in_parent)
+# Attached in this process: a child forked from it inherits them, but not the rank.
+_attached_comms: weakref.WeakSet[Comm] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    # The rank stays the parent's: a child writing into its rings would corrupt them.
+    # Breaking costs the fast paths nothing, unlike a pid test per call.
+    for comm in list(_attached_comms):
+        if comm._attached and not comm._broken:
+            comm._break(f"rank {comm.rank} is attached in process {os.getppid()}; a process "
+                        "forked from it cannot use that rank (hand a child an end before its "
+                        "first use, or make a new world)")
+
+
+os.register_at_fork(after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)
 
 
 def Pipe(transport: str = AUTO, *, config: ChannelConfig | None = None,

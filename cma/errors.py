@@ -15,6 +15,10 @@ class InvalidTag(CmaError, ValueError):
     """A tag that is negative (and not ``ANY_TAG`` where one is allowed)."""
 
 
+class InvalidConfig(CmaError, ValueError):
+    """Channel sizes (``ChannelConfig``) that the rings and staging cannot be built with."""
+
+
 class BufferError(CmaError, TypeError):
     """A buffer that cannot be used: not contiguous, read-only for a receive, bad spec."""
 
@@ -65,9 +69,27 @@ class Cancelled(CmaError):
     """
 
 
+class CommClosed(CmaError):
+    """The communicator was closed; make a new world (cma.Pipe, cma-run) to talk again."""
+
+
 class CommBroken(CmaError, RuntimeError):
     """The communicator cannot be used any more: an exception interrupted it half way
     through bookkeeping it shares with its peers. Close it and make a new world."""
+
+
+class ProtocolError(CmaError):
+    """A peer broke the protocol: bytes it shares with this rank (its ring, a packet, a
+    rendezvous descriptor, the world header) make no sense. ``peer`` is its rank.
+
+    Raised where the bytes are decoded, before anything is copied on their word; the
+    communicator is then broken (later calls raise ``CommBroken`` saying why). A peer
+    gets there by corrupting its shared mappings (a bug or a hostile program), never by
+    using cma's API."""
+
+    def __init__(self, message: str, *, peer: int) -> None:
+        super().__init__(message)
+        self.peer = peer
 
 
 class NotTransferable(CmaError, TypeError):

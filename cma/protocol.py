@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from .errors import TruncationError
+from .errors import ProtocolError, TruncationError
 from .wire import (
     ANY_SOURCE,
     ANY_TAG,
@@ -54,6 +54,11 @@ PUSH = 2
 PIPELINE = 4
 SPLIT = 8  # a receiver's choice only: needs PULL and PUSH offered
 PROTOCOL_NAMES = {PULL: "RGET", PUSH: "RPUT", PIPELINE: "PIPELINE", SPLIT: "SPLIT"}
+# No Linux user address space reaches 2**56 (x86-64's 5-level paging stops just below):
+# a region a peer names beyond it, or wrapping round, is a forgery, not a buffer.
+ADDRESS_LIMIT = 1 << 56
+# the flags each packet kind may carry
+KIND_FLAGS = {EAGER: OBJECT | SYNC, RTS: OBJECT, CTS: 0, FIN: 0}
 
 
 def split_point(nbytes: int) -> int:
@@ -114,13 +119,34 @@ class RtsInfo:
     regions: list[Region] | None
 
 
-def decode_rts(payload: bytes | memoryview) -> RtsInfo:
+def _words(payload: bytes | memoryview, at_least: int, what: str, peer: int) -> array[int]:
+    if len(payload) % 8 or len(payload) < 8 * at_least:
+        raise ProtocolError(f"rank {peer} broke the protocol: {what} of {len(payload)} bytes "
+                            f"(whole 8-byte words, at least {at_least}, expected)", peer=peer)
     words = array("q")
     words.frombytes(payload)
+    return words
+
+
+def check_regions(regions: Sequence[Region], what: str, peer: int) -> None:
+    """ProtocolError unless every region is a stretch of some user address space."""
+    for addr, nbytes in regions:
+        if not (0 <= addr and 0 <= nbytes and addr + nbytes <= ADDRESS_LIMIT):
+            raise ProtocolError(f"rank {peer} broke the protocol: {what} names {nbytes} bytes at "
+                                f"{addr:#x}, which no process's memory holds", peer=peer)
+
+
+def decode_rts(payload: bytes | memoryview, peer: int = -1) -> RtsInfo:
+    """An RTS's fields; ProtocolError (naming ``peer``) if they do not hang together."""
+    words = _words(payload, 3, "an RTS", peer)
     msgid, offers, nseg = words[0], words[1], words[2]
+    if not (0 <= nseg and len(words) in (3 + nseg, 3 + 2 * nseg)) or offers & ~(PULL | PUSH | PIPELINE):
+        raise ProtocolError(f"rank {peer} broke the protocol: an RTS of {len(words)} words "
+                            f"claims {nseg} buffers, offers {offers:#x}", peer=peer)
     sizes = list(words[3 : 3 + nseg])
     addrs = words[3 + nseg : 3 + 2 * nseg]
     regions = [Region(a, n) for a, n in zip(addrs, sizes, strict=True)] if len(addrs) == nseg else None
+    check_regions(regions or [Region(0, n) for n in sizes], "an RTS", peer)
     return RtsInfo(msgid, offers, sizes, regions)
 
 
@@ -140,14 +166,20 @@ class CtsInfo:
     regions: list[Region]
 
 
-def decode_cts(payload: bytes | memoryview) -> CtsInfo:
-    head = array("q")
-    head.frombytes(bytes(payload[:32]))
+def decode_cts(payload: bytes | memoryview, peer: int = -1) -> CtsInfo:
+    """A CTS's fields; ProtocolError (naming ``peer``) if they do not hang together."""
+    head = _words(bytes(payload[:32]), 4, "a CTS", peer)
     msgid, recvid, mode, nreg = head
+    end = 32 + 16 * nreg
+    name = bytes(payload[end:]) if 0 <= nreg and end <= len(payload) else b""
+    if not name.isascii() or not name.isalnum() or mode not in (PUSH, SPLIT, PIPELINE):
+        raise ProtocolError(f"rank {peer} broke the protocol: a CTS of {len(payload)} bytes "
+                            f"with mode {mode:#x} and {nreg} regions", peer=peer)
     body = array("q")
-    body.frombytes(bytes(payload[32 : 32 + 16 * nreg]))
+    body.frombytes(bytes(payload[32:end]))
     regions = [Region(body[2 * i], body[2 * i + 1]) for i in range(nreg)]
-    return CtsInfo(msgid, recvid, mode, bytes(payload[32 + 16 * nreg :]).decode(), regions)
+    check_regions(regions, "a CTS", peer)
+    return CtsInfo(msgid, recvid, mode, name.decode(), regions)
 
 
 # ------------------------------------------------------------------ operations
@@ -163,6 +195,9 @@ class SendOp:
     mechanism: str = "eager"
     halves: int = 1  # copies still to finish before done: 2 for SPLIT (ours and the peer's)
     done: bool = False
+    # what the peer may still send about this message (anything else is a forgery)
+    awaits_cts: bool = False  # an RTS went out: a CTS, or a FIN if the peer pulls
+    awaits_fin: bool = False
 
 
 class Scattered(Protocol):
@@ -194,6 +229,7 @@ class RecvOp:
     error: Exception | None = None
     halves: int = 1
     done: bool = False
+    awaits_fin: bool = False  # RPUT or SPLIT: the sender's FIN says its copy is in
 
     @property
     def capacity(self) -> int:
@@ -578,6 +614,7 @@ class Engine:
             payload = segments[0].tobytes()
             if sync:
                 op.msgid = next(self._ids)
+                op.awaits_fin = True
                 self.sends[op.msgid] = op
                 return op, [Transmit(dest, EAGER | SYNC | flag, tag, op.msgid, payload)]
             op.done = True
@@ -587,6 +624,7 @@ class Engine:
         regions = [self.region_of(s) for s in segments] if expose else None
         offers = self.offers if expose else self.offers & ~PULL
         rts = encode_rts(op.msgid, offers, [s.nbytes for s in segments], regions)
+        op.awaits_cts = op.awaits_fin = True
         return op, [Transmit(dest, RTS | flag, tag, nbytes, rts)]
 
     def recv(self, source: int, tag: int, buffer: memoryview | None) -> tuple[RecvOp, list[Action]]:
@@ -616,6 +654,9 @@ class Engine:
                ) -> list[Action]:
         base = kind & KIND_MASK
         is_object = bool(kind & OBJECT)
+        if kind & ~(KIND_MASK | KIND_FLAGS.get(base, 0)) or base not in KIND_FLAGS:
+            raise ProtocolError(f"rank {source} broke the protocol: unknown packet kind "
+                                f"{kind:#x}", peer=source)
         if base == EAGER:
             sync = aux if kind & SYNC else 0
             op = self.matcher.take_posted(source, tag)
@@ -631,17 +672,19 @@ class Engine:
             return self._match(op, Arrival(source, tag, is_object, len(payload), None, None, sync),
                                payload)
         if base == RTS:
-            arrival = Arrival(source, tag, is_object, aux, None, decode_rts(payload))
+            rts = decode_rts(payload, source)
+            if aux != sum(rts.sizes):
+                raise ProtocolError(f"rank {source} broke the protocol: an RTS for {aux} bytes "
+                                    f"lists buffers of {sum(rts.sizes)}", peer=source)
+            arrival = Arrival(source, tag, is_object, aux, None, rts)
             op = self.matcher.take_posted(source, tag)
             if op is None:
                 self.matcher.unexpected.append(arrival)
                 return []
             return self._match(op, arrival)
         if base == CTS:
-            return self._cts(decode_cts(payload))
-        if base == FIN:
-            return self._fin(aux)
-        raise ValueError(f"unknown packet kind {kind:#x} from rank {source}")
+            return self._cts(source, decode_cts(payload, source))
+        return self._fin(source, aux)
 
     def _match(self, op: RecvOp, arrival: Arrival, inline: bytes | memoryview | None = None
                ) -> list[Action]:
@@ -687,11 +730,12 @@ class Engine:
         if mode == PULL and rts.regions is not None:
             actions.append(Pull(op, arrival.source, transport, rts.regions, op.segments, rts.msgid))
             return actions
-        self.recvs[op.recvid] = op
         if mode == SPLIT and rts.regions is not None:
             # CTS first, so the sender copies its half while we copy ours
             n, cut = arrival.nbytes, split_point(arrival.nbytes)
             op.halves = 2
+            op.awaits_fin = True
+            self.recvs[op.recvid] = op
             ours = slice_regions([self.region_of(s) for s in op.segments], cut, n)
             actions.append(Transmit(arrival.source, CTS, 0, rts.msgid,
                                     encode_cts(rts.msgid, op.recvid, SPLIT, transport, ours)))
@@ -699,6 +743,8 @@ class Engine:
                                 slice_views(op.segments, 0, cut), rts.msgid))
             return actions
         if mode == PUSH:
+            op.awaits_fin = True
+            self.recvs[op.recvid] = op
             regions = [self.region_of(s) for s in op.segments]
             actions.append(Transmit(arrival.source, CTS, 0, rts.msgid,
                                     encode_cts(rts.msgid, op.recvid, PUSH, transport, regions)))
@@ -708,23 +754,47 @@ class Engine:
                                 encode_cts(rts.msgid, op.recvid, PIPELINE, transport, [])))
         return actions
 
-    def _cts(self, cts: CtsInfo) -> list[Action]:
-        op = self.sends[cts.msgid]
+    def _cts(self, source: int, cts: CtsInfo) -> list[Action]:
+        op = self.sends.get(cts.msgid)
+        total = sum(region.nbytes for region in cts.regions)
+        fault = ""
+        if op is None or op.dest != source or not op.awaits_cts:
+            fault = f"a CTS for message {cts.msgid}, which awaits none from it"
+        elif cts.transport not in self.policy.order and cts.transport not in self.policy.staged \
+                or cts.transport == "self":
+            fault = f"a CTS naming transport {cts.transport!r}, not one of this rank's"
+        elif total != (0 if cts.mode == PIPELINE else
+                       op.nbytes - split_point(op.nbytes) if cts.mode == SPLIT else op.nbytes):
+            fault = (f"a {PROTOCOL_NAMES[cts.mode]} CTS with regions of {total} bytes for a "
+                     f"message of {op.nbytes}")
+        if fault:
+            raise ProtocolError(f"rank {source} broke the protocol: {fault}", peer=source)
+        assert op is not None
+        op.awaits_cts = False
+        op.awaits_fin = cts.mode == SPLIT
         op.mechanism = cts.transport
         if cts.mode == PUSH:
             return [Push(op, cts.transport, cts.regions, op.segments, cts.recvid)]
         if cts.mode == SPLIT:
             op.halves = 2
-            cut = op.nbytes - sum(region.nbytes for region in cts.regions)
+            cut = op.nbytes - total
             return [Push(op, cts.transport, cts.regions, slice_views(op.segments, cut, op.nbytes),
                          cts.recvid)]
+        del self.sends[op.msgid]  # streamed: no FIN will name it
         return [StreamOut(op)]
 
-    def _fin(self, msgid: int) -> list[Action]:
+    def _fin(self, source: int, msgid: int) -> list[Action]:
         """The peer finished its copy: all of an RGET/RPUT message, or its half of a SPLIT."""
-        if msgid in self.sends:
+        send = self.sends.get(msgid)
+        if send is not None and send.dest == source and send.awaits_fin:
+            send.awaits_cts = send.awaits_fin = False
             return self._half_done(self.sends, msgid)
-        return self._half_done(self.recvs, msgid)
+        recv = self.recvs.get(msgid)
+        if recv is not None and recv.matched_source == source and recv.awaits_fin:
+            recv.awaits_fin = False
+            return self._half_done(self.recvs, msgid)
+        raise ProtocolError(f"rank {source} broke the protocol: a FIN for message {msgid}, "
+                            "which awaits none from it", peer=source)
 
     def _half_done(self, table: dict[int, SendOp] | dict[int, RecvOp], key: int) -> list[Action]:
         op = table[key]
@@ -748,12 +818,10 @@ class Engine:
         return [Transmit(op.dest, FIN, 0, recvid, b""), *self._half_done(self.sends, op.msgid)]
 
     def streamed_out(self, op: SendOp) -> list[Action]:
-        del self.sends[op.msgid]
         op.done = True
         return [Complete(op)]
 
     def streamed_in(self, op: RecvOp) -> list[Action]:
-        del self.recvs[op.recvid]
         op.done = True
         return [Complete(op)]
 

@@ -13,6 +13,7 @@ PROC_NULL = -1
 
 # Tags below zero are cma's own (barrier, ...): ANY_TAG never matches them.
 BARRIER_TAG = -10
+TAG_MAX = 2**63 - 1  # a packet holds the tag in an int64 word
 
 # packet kinds (word 0 of a control packet)
 EAGER = 1

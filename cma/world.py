@@ -37,7 +37,7 @@ from .channel import (
     ChannelConfig,
     pair_views,
 )
-from .errors import CmaError, PeerGone
+from .errors import CmaError, PeerGone, ProtocolError
 
 ENV_WORLD = "CMA_WORLD"
 ENV_TRANSPORT = "CMA_TRANSPORT"
@@ -53,6 +53,8 @@ REQUEST_SECONDS = 2.0
 # fd or two (docs/architecture.md, "Memory per rank"), plus the process's own
 FDS_PER_RANK = 4
 FDS_SPARE = 64
+# The kernel's PID_MAX_LIMIT: a pid word above it (or below 1) was not written by a rank.
+PID_LIMIT = 1 << 22
 
 
 @dataclass
@@ -202,12 +204,19 @@ class World:
     def _watch(self, rank: int) -> int:
         """The pidfd of ``rank``'s published pid, opened once (it reports the exit)."""
         if self.pidfds[rank] < 0:
-            pid = self.pid_of(rank)
+            pid = self._checked_pid(rank, self.pid_of(rank))
             try:
                 self.pidfds[rank] = _linux.pidfd_open(pid)
             except PeerGone as exc:
                 raise PeerGone(f"rank {rank} (pid {pid}) exited while connecting") from exc
         return self.pidfds[rank]
+
+    @staticmethod
+    def _checked_pid(rank: int, pid: int) -> int:
+        if not 0 < pid <= PID_LIMIT:
+            raise ProtocolError(f"rank {rank} broke the protocol: its block of the world header "
+                                f"names pid {pid}, which no process has", peer=rank)
+        return pid
 
     def _launched_pidfd(self, rank: int) -> tuple[int, int]:
         """(pid, pidfd) of the process announced to attach ``rank``; (0, -1) if none is known."""
@@ -220,6 +229,7 @@ class World:
         if not pid or pid == os.getpid():
             return 0, -1
         if known is None:
+            self._checked_pid(rank, pid)
             try:
                 known = (pid, _linux.pidfd_open(pid))
             except PeerGone as exc:
@@ -426,10 +436,11 @@ class World:
 
     def close(self) -> None:
         if self._server is not None:
-            try:
-                self._server.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            if self.owned_here():  # (in a forked child the listener is still the parent's)
+                try:
+                    self._server.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
             self._server.close()
             self._server = None
             if self._server_thread is not None:
@@ -450,5 +461,9 @@ class World:
             try:
                 mm.close()
             except BufferError:
-                pass  # a user still holds a view into the segment; the mapping dies with it
+                # A view into the segment is alive (a user's, or one in an exception's traceback
+                # awaiting the garbage collector): the mapping goes with the last of them, as
+                # long as nothing else (PeerLinks hold this World) keeps it.
+                pass
+        self._maps = []
 

@@ -126,7 +126,7 @@ def test_rank_dies(env: dict[str, str], cleanup: bool, wait: str) -> None:
     assert code != 0, out
     assert seconds < RUN_TIMEOUT / 2, out
     if not cleanup:
-        assert "PeerGoneError: rank 1 exited before completing this operation" in out, out
+        assert re.search(r"PeerGoneError: rank 1 (\(pid \d+\) )?exited before completing", out), out
 
 
 @pytest.mark.parametrize(("n", "env", "mode"), [
@@ -173,3 +173,21 @@ def test_queued_messages_move_while_mpi_waits(n: int) -> None:
 def test_bad_pretend_nodes() -> None:
     code, out, _ = mpirun(3, "p2p.py", env={"CMA_MPI_NODES": "0,1"})
     assert code != 0 and "CMA_MPI_NODES='0,1' must list a node number" in out, out
+
+
+@pytest.mark.skipif(not IS_HYDRA, reason="-disable-auto-cleanup is an option of MPICH's hydra")
+@pytest.mark.parametrize(("phase", "transport"), [
+    ("Recv", "shm"), ("Barrier", "cma"), ("Probe", "vmfd"), ("Send", "auto")])
+def test_rank_sigkilled_while_blocked(phase: str, transport: str, tmp_path: Path) -> None:
+    """Rank 1 dies (os._exit: no clean-up) once rank 0 sleeps in a call that needs it
+    (killed.py); with mpiexec's clean-up off only cma.mpi can notice: rank 0 gets
+    PeerGoneError naming rank 1.
+    One phase per transport: each run costs an mpiexec start (test_faults has the matrix)."""
+    report = tmp_path / "rank0.txt"
+    code, out, _ = mpirun(2, "killed.py", phase, transport, str(report),
+                          flags=("-disable-auto-cleanup",))
+    assert report.exists(), out
+    got = report.read_text()
+    print(got)
+    assert got.startswith(f"rank 0: {phase}, {transport}: PeerGoneError"), got
+    assert "rank 1" in got.split("PeerGoneError", 1)[1], got

@@ -106,6 +106,9 @@ class Transport:
     styles: ClassVar[frozenset[str]]
     # shown for comparison only: ``auto`` never uses it, cma-bench's ``all`` leaves it out
     teaching: ClassVar[bool] = False
+    # Reaches the peer by its pid number (process_vm_*, ptrace), which the kernel gives to
+    # a new process once the peer has exited: the caller checks the peer's pidfd around it.
+    by_pid: ClassVar[bool] = False
     # Whether the protocol may ask this transport to ``write`` (RPUT, SPLIT's pushed half).
     # The class value is the default: True where writing needs nothing more than reading.
     writes: bool = False

@@ -44,6 +44,7 @@ class CmaTransport(Transport):
     copies: ClassVar[Copies] = Copies(user=0, kernel=1)
     styles: ClassVar[frozenset[str]] = frozenset({"pull", "push"})
     writes = True  # the same permission as reading; nothing more to set up
+    by_pid: ClassVar[bool] = True
 
     def __init__(self, host: Host, *, writes: bool | None = None, threads: int | None = None,
                  **options: object) -> None:

@@ -101,6 +101,7 @@ class PtraceTransport(Transport):
     copies: ClassVar[Copies] = Copies(user=1, kernel=2)
     styles: ClassVar[frozenset[str]] = frozenset({"pull"})
     teaching: ClassVar[bool] = True
+    by_pid: ClassVar[bool] = True
 
     def probe(self, peer: Peer) -> str | None:
         """Stop and release the peer once, which is the whole permission check."""

@@ -5,20 +5,28 @@ nothing was left unreceived on either side)."""
 from __future__ import annotations
 
 import hashlib
+import multiprocessing as mp
+import os
 import pickle
 
 import numpy as np
 import pytest
-from conftest import Peer
+from conftest import Peer, stop_process
 
 import cma
 from cma.errors import (
     BufferError,
     CmaError,
+    CommBroken,
+    CommClosed,
+    InvalidConfig,
     InvalidCount,
     InvalidDatatype,
     InvalidRank,
+    InvalidTag,
     NotTransferable,
+    TransportUnavailable,
+    TruncationError,
 )
 
 TAG = 11
@@ -154,3 +162,215 @@ def test_pickling_a_closed_communicator_refused():
     b.close()
     with pytest.raises(NotTransferable, match="closed"):
         pickle.dumps(a)
+
+
+# ------------------------------------------------------------------ ranks and tags out of range
+#
+# Refused before the transport is involved: these run with shm only (ONE_TRANSPORT), every
+# call of a kind in one test with one round trip after, to keep the suite's time.
+
+ONE_TRANSPORT = pytest.mark.parametrize("transport", ["shm"], scope="module")
+
+
+def refused(peer, error, match, calls):
+    for call in calls:
+        with pytest.raises(error, match=match):
+            call()
+    round_trip(peer)
+
+
+@ONE_TRANSPORT
+@pytest.mark.parametrize("dest", [2, -3, 2**70, cma.ANY_SOURCE], ids=["size", "negative", "huge",
+                                                                      "ANY_SOURCE"])
+def test_destination_out_of_range_refused(peer, dest):
+    comm = peer.comm
+    refused(peer, InvalidRank, "destination rank", [
+        lambda: comm.Send(pattern(100), dest, TAG), lambda: comm.Isend(pattern(100), dest, TAG),
+        lambda: comm.Ssend(pattern(100), dest, TAG), lambda: comm.Bsend(pattern(100), dest, TAG),
+        lambda: comm.send("x", dest, TAG)])
+
+
+@ONE_TRANSPORT
+@pytest.mark.parametrize("source", [2, -3, 2**70], ids=["size", "negative", "huge"])
+def test_source_out_of_range_refused(peer, source):
+    comm = peer.comm
+    refused(peer, InvalidRank, "source rank", [
+        lambda: comm.Recv(np.zeros(100, np.uint8), source, TAG),
+        lambda: comm.Irecv(np.zeros(100, np.uint8), source, TAG),
+        lambda: comm.Probe(source, TAG), lambda: comm.Iprobe(source, TAG),
+        lambda: comm.recv(source=source, tag=TAG)])
+
+
+@ONE_TRANSPORT
+@pytest.mark.parametrize("tag", [-5, cma.ANY_TAG, 2**63, 3.0, "3", None],
+                         ids=["negative", "ANY_TAG", "above-int64", "float", "str", "None"])
+def test_bad_send_tag_refused(peer, tag):
+    """2**63: the eager fast path raised struct.error from packing the tag."""
+    comm = peer.comm
+    refused(peer, InvalidTag, "tag", [
+        lambda: comm.Send(pattern(100), 1, tag), lambda: comm.Isend(pattern(100), 1, tag),
+        lambda: comm.Bsend(pattern(100), 1, tag), lambda: comm.send("x", 1, tag)])
+
+
+@ONE_TRANSPORT
+@pytest.mark.parametrize("tag", [-5, 2**63, 3.0, "3"], ids=["negative", "above-int64", "float",
+                                                             "str"])
+def test_bad_receive_tag_refused(peer, tag):
+    comm = peer.comm
+    refused(peer, InvalidTag, "or ANY_TAG", [
+        lambda: comm.Recv(np.zeros(100, np.uint8), 1, tag),
+        lambda: comm.Irecv(np.zeros(100, np.uint8), 1, tag),
+        lambda: comm.Probe(1, tag), lambda: comm.Iprobe(1, tag)])
+
+
+# ------------------------------------------------------------------ buffers of the wrong kind
+
+def read_only_array() -> np.ndarray:
+    array = np.zeros(100, np.uint8)
+    array.setflags(write=False)
+    return array
+
+
+@ONE_TRANSPORT
+def test_read_only_receive_buffer_refused(peer):
+    peer.start(op_send, 100)
+    for buf in (b"x" * 100, read_only_array()):
+        for call in (peer.comm.Recv, peer.comm.Irecv):
+            with pytest.raises(BufferError, match="read-only"):
+                call(buf, 1, TAG)
+    got = np.zeros(100, np.uint8)
+    peer.comm.Recv(got, source=1, tag=TAG)
+    peer.result()
+    assert digest(got) == digest(pattern(100))
+    round_trip(peer)
+
+
+@ONE_TRANSPORT
+@pytest.mark.parametrize("buf", ["text", 5, {"a": 1}, None], ids=repr)
+def test_non_buffer_refused(peer, buf):
+    comm = peer.comm
+    refused(peer, BufferError, "supports neither the buffer protocol", [
+        lambda: comm.Send(buf, 1, TAG), lambda: comm.Isend(buf, 1, TAG),
+        lambda: comm.Recv(buf, 1, TAG), lambda: comm.Irecv(buf, 1, TAG)])
+
+
+@ONE_TRANSPORT
+def test_array_of_objects_refused(peer):
+    objects = np.array([None, 1], dtype=object)
+    refused(peer, BufferError, "Python objects", [
+        lambda: peer.comm.Send(objects, 1, TAG), lambda: peer.comm.Recv(objects, 1, TAG)])
+
+
+@ONE_TRANSPORT
+def test_transposed_array_refused(peer):
+    refused(peer, BufferError, "not C-contiguous", [
+        lambda: peer.comm.Send(np.zeros((8, 8), np.uint8).T, 1, TAG)])
+
+
+@ONE_TRANSPORT
+def test_receive_buffer_too_small_is_truncation(peer):
+    """The message is consumed (as MPI does) and the error says so; the next one arrives."""
+    peer.start(op_send, 1000)
+    small = np.zeros(10, np.uint8)
+    with pytest.raises(TruncationError, match="does not fit the 10-byte receive buffer"):
+        peer.comm.Recv(small, source=1, tag=TAG)
+    peer.result()
+    assert not small.any()
+    round_trip(peer)
+
+
+@ONE_TRANSPORT
+def test_sendrecv_with_a_bad_receive_buffer_sends_nothing(peer):
+    """Sendrecv sent first and then refused the receive buffer: the message had gone out."""
+    with pytest.raises(BufferError, match="read-only"):
+        peer.comm.Sendrecv(pattern(100), 1, TAG, b"x" * 100, 1, TAG)
+    with pytest.raises(InvalidRank):
+        peer.comm.Sendrecv(pattern(100), 1, TAG, np.zeros(100, np.uint8), 7, TAG)
+    round_trip(peer)  # (a message sent by the refused call would be received here instead)
+
+
+# ------------------------------------------------------------------ the communicator itself
+
+def test_use_after_close_refused():
+    a, b = cma.Pipe()
+    a.close()
+    b.close()
+    for call in (lambda: a.Send(bytearray(8), 1), lambda: a.Isend(bytearray(8), 1),
+                 lambda: a.Recv(np.zeros(8), 1), lambda: a.Barrier(), lambda: a.Iprobe(),
+                 lambda: a.send("x", 1)):
+        with pytest.raises(CommClosed, match="closed"):
+            call()
+    a.close()  # closing twice is allowed, as a file's close is
+
+
+def test_attached_send_and_isend_after_close_refused():
+    """An attached end kept its fast lanes after close(): Isend of a bytearray then wrote
+    into a released view (ValueError)."""
+    a = cma.Comm(cma.world.WorldFds.create(1), 0)
+    a.Send(bytearray(8), 0, TAG)
+    a.Recv(bytearray(8), 0, TAG)
+    a.close()
+    for call in (lambda: a.Isend(bytearray(8), 0, TAG), lambda: a.Send(bytearray(8), 0, TAG),
+                 lambda: a.Recv(bytearray(8), 0, TAG)):
+        with pytest.raises(CommClosed):
+            call()
+
+
+@pytest.mark.timeout(60)
+def test_blocking_rendezvous_send_to_oneself_completes():
+    """It waited for ever for the receive its own process could only post afterwards."""
+    comm = cma.Comm(cma.world.WorldFds.create(1), 0)
+    try:
+        comm.Send(pattern(RENDEZVOUS), 0, TAG)
+        got = np.zeros(RENDEZVOUS, np.uint8)
+        comm.Recv(got, 0, TAG)
+        assert digest(got) == digest(pattern(RENDEZVOUS))
+    finally:
+        comm.close()
+
+
+def _use_in_child(comm: cma.Comm) -> None:
+    try:
+        comm.Send(pattern(100), 1, TAG)
+    except CommBroken as exc:
+        ok = "forked from it cannot use" in str(exc)
+        comm.close()  # releases the child's copies only
+        os._exit(0 if ok else 2)
+    os._exit(1)
+
+
+@ONE_TRANSPORT
+def test_attached_communicator_in_a_fork_child_refused(peer):
+    """A child forked from a process with an attached end inherits it but not the rank:
+    the child's calls raise CommBroken, and the parent's end keeps working."""
+    child = mp.get_context("fork").Process(target=_use_in_child, args=(peer.comm,))
+    child.start()
+    stop_process(child)
+    assert child.exitcode == 0
+    round_trip(peer)
+
+
+def test_one_end_attached_by_two_processes_refused():
+    a, b = cma.Pipe(transport="shm")
+    user = mp.get_context("fork").Process(target=op_recv, args=(b, 100))
+    try:
+        user.start()
+        a.Send(pattern(100, 5), 1, TAG)  # once sent, the child's b is attached
+        with pytest.raises(CmaError, match="already attached in another process"):
+            b.attach()
+    finally:
+        stop_process(user)
+        a.close()
+        b.close()
+
+
+def test_bad_channel_config_refused():
+    for config in (cma.ChannelConfig(ring_bytes=5000), cma.ChannelConfig(eager_limit=8 << 20),
+                   cma.ChannelConfig(frag_size=100)):
+        with pytest.raises(InvalidConfig):
+            cma.Pipe(config=config)
+
+
+def test_unknown_transport_refused():
+    with pytest.raises(TransportUnavailable, match="unknown transport 'nope'"):
+        cma.Pipe(transport="nope")

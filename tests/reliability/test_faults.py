@@ -1,0 +1,327 @@
+"""A peer SIGKILLed at each phase of the protocol, with every transport (issue #23).
+
+Rank 1 (the victim, a fork child) runs up to a phase and stops there: either it says so
+through a pipe and the test kills it, or it waits until the test process sleeps in
+poll(2) inside the call under test and then kills itself, or a copy of its own kills it
+from inside the transport (before or after the bytes move). No sleep synchronises
+anything. The test process (rank 0, the survivor) must then get ``PeerGone`` (or
+``CommBroken``) from the call, not hang, and be left with the fds it had before.
+The pytest timeout only detects a hang; the time each detection took is printed.
+"""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing as mp
+import os
+import select
+import signal
+import time
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+from conftest import (
+    QUEUED_SENDS,
+    SMALL_RING,
+    TRANSPORTS,
+    send_more_than_the_ring_holds,
+    stop_process,
+    wait_asleep_in_poll,
+)
+
+import cma
+import cma.world
+from cma.channel import PHASE
+from cma.errors import CommBroken, PeerGone
+
+RENDEZVOUS = 64 << 10  # 16 fragments of SMALL_RING's 4 KiB staging slots
+TAG = 5
+HANG = 60  # seconds: only a hang takes this long
+
+
+def open_fds() -> set[int]:
+    return {int(fd) for fd in os.listdir("/proc/self/fd")}
+
+
+def kill_self() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def kill_self_once_parent_sleeps(go: int) -> None:
+    """Wait until the test process is blocked in the call under test, then die. ``go``
+    says it is on its way there (and out of the Barrier before, where it may sleep too)."""
+    assert select.select([go], [], [], HANG)[0], "the survivor never went on"
+    wait_asleep_in_poll(os.getppid(), what="the survivor", timeout=HANG)
+    kill_self()
+
+
+def kill_inside_copies(comm: cma.Comm, after: bool) -> None:
+    """Make the victim's first copy of a rendezvous kill it, before or after the copy."""
+    for transport in comm._transports.values():
+        for name in ("read", "write", "stage", "drain"):
+            method = getattr(transport, name, None)
+            if method is None:
+                continue
+
+            def copy(*args, _method=method):
+                if not after:
+                    kill_self()
+                _method(*args)
+                kill_self()
+
+            setattr(transport, name, copy)
+
+
+# ------------------------------------------------------------------ victims (rank 1)
+
+def victim_waits(comm: cma.Comm, ready: int, go: int) -> None:
+    os.write(ready, b"x")
+    signal.pause()
+
+
+def victim_attaches(comm: cma.Comm, ready: int, go: int) -> None:
+    comm.attach()  # waits for rank 0, which never comes before the kill
+    signal.pause()
+
+
+def victim_idle(comm: cma.Comm, ready: int, go: int) -> None:
+    comm.Barrier()
+    victim_waits(comm, ready, go)
+
+
+def victim_fills_the_ring(comm: cma.Comm, ready: int, go: int) -> None:
+    comm.Barrier()
+    send_more_than_the_ring_holds(comm, 0, TAG)
+    victim_waits(comm, ready, go)
+
+
+def victim_posts_a_rendezvous(comm: cma.Comm, ready: int, go: int) -> None:
+    comm.Barrier()
+    comm.Isend(np.ones(RENDEZVOUS, np.uint8), dest=0, tag=TAG)
+    victim_waits(comm, ready, go)
+
+
+def victim_receives_and_dies_copying(after: bool) -> Callable[[cma.Comm, int, int], None]:
+    def victim(comm: cma.Comm, ready: int, go: int) -> None:
+        comm.Barrier()
+        kill_inside_copies(comm, after)
+        comm.Recv(np.empty(RENDEZVOUS, np.uint8), source=0, tag=TAG)
+        kill_self()  # a transport that copied nothing here (the survivor pushed it all)
+    return victim
+
+
+def victim_sends_and_dies_copying(comm: cma.Comm, ready: int, go: int) -> None:
+    comm.Barrier()
+    kill_inside_copies(comm, after=True)
+    comm.Send(np.ones(RENDEZVOUS, np.uint8), dest=0, tag=TAG)
+    kill_self()  # the survivor pulled it all: nothing of the victim's copied
+
+
+def victim_dies_while_survivor_blocks(comm: cma.Comm, ready: int, go: int) -> None:
+    comm.Barrier()
+    kill_self_once_parent_sleeps(go)
+
+
+# ------------------------------------------------------------------ survivors (rank 0)
+
+def recv(comm: cma.Comm) -> None:
+    comm.Recv(np.empty(RENDEZVOUS, np.uint8), source=1, tag=TAG)
+
+
+def recv_what_was_queued(comm: cma.Comm) -> None:
+    """The messages that reached the ring before the kill arrive whole; then PeerGone."""
+    buf = np.empty(1000, np.uint8)
+    got = 0
+    try:
+        for i in range(QUEUED_SENDS):
+            comm.Recv(buf, source=1, tag=TAG)
+            assert (buf == i).all()
+            got += 1
+    finally:
+        assert got >= 1, "nothing that was in the ring arrived"
+
+
+def send_rendezvous(comm: cma.Comm) -> None:
+    comm.Send(np.ones(RENDEZVOUS, np.uint8), dest=1, tag=TAG)
+
+
+def wait_irecv(comm: cma.Comm) -> None:
+    comm.Irecv(np.empty(100, np.uint8), source=1, tag=TAG).Wait()
+
+
+def probe(comm: cma.Comm) -> None:
+    comm.Probe(source=1, tag=TAG)
+
+
+def send_to_a_full_ring(comm: cma.Comm) -> None:
+    send_more_than_the_ring_holds(comm, 1, TAG)  # most wait in the send queue
+    comm.Send(np.ones(RENDEZVOUS, np.uint8), dest=1, tag=TAG)
+
+
+def wait_isend(comm: cma.Comm) -> None:
+    comm.Isend(np.ones(RENDEZVOUS, np.uint8), dest=1, tag=TAG).Wait()
+
+
+# How the victim stops: the test kills it before it attached, while it attaches, or once
+# it says it is ready (after a Barrier with the test process); or it kills itself (after
+# a Barrier, once the test process said it goes on to the call under test).
+BEFORE_ATTACH, ATTACHING, READY, ITSELF = "before attach", "attaching", "ready", "itself"
+
+# phase: (victim, survivor, how the victim stops, Pipe options)
+PHASES: dict[str, tuple[Callable[..., None], Callable[[cma.Comm], None], str, dict]] = {
+    "before attach": (victim_waits, recv, BEFORE_ATTACH, {}),
+    "during attach": (victim_attaches, recv, ATTACHING, {}),
+    "idle": (victim_idle, recv, READY, {}),
+    "eager, full ring": (victim_fills_the_ring, recv_what_was_queued, READY, {}),
+    "rendezvous announced": (victim_posts_a_rendezvous, recv, READY, {}),
+    "receiver before its copy": (victim_receives_and_dies_copying(False),
+                                 send_rendezvous, ITSELF, {}),
+    "receiver after its copy": (victim_receives_and_dies_copying(True),
+                                send_rendezvous, ITSELF, {}),
+    "sender after its copy": (victim_sends_and_dies_copying, recv, ITSELF,
+                              {"push": True}),
+    "survivor in Barrier": (victim_dies_while_survivor_blocks, cma.Comm.Barrier,
+                            ITSELF, {}),
+    "survivor in Recv": (victim_dies_while_survivor_blocks, recv, ITSELF, {}),
+    "survivor in Wait": (victim_dies_while_survivor_blocks, wait_irecv, ITSELF, {}),
+    "survivor in Probe": (victim_dies_while_survivor_blocks, probe, ITSELF, {}),
+    "survivor in Send, full ring": (victim_dies_while_survivor_blocks,
+                                    send_to_a_full_ring, ITSELF, {}),
+    "survivor in Wait of Isend": (victim_dies_while_survivor_blocks, wait_isend,
+                                  ITSELF, {}),
+}
+
+
+def outcome(survivor: Callable[[cma.Comm], None], comm: cma.Comm) -> str:
+    """What ``survivor(comm)`` raised, as text: the exception itself is not kept, since its
+    traceback holds views into the world's segment, which keep it mapped (and its fd open)."""
+    try:
+        survivor(comm)
+    except (PeerGone, CommBroken) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    pytest.fail("the survivor's call returned")
+
+
+def wait_published(comm: cma.Comm, rank: int) -> None:
+    """Until ``rank`` has published its pid (it is inside attach)."""
+    world = cma.world.World(comm._fds, comm.rank)
+    try:
+        deadline = time.monotonic() + HANG
+        while world.header[world._word(rank, PHASE)] < cma.world.PHASE_PUBLISHED:
+            assert time.monotonic() < deadline, f"rank {rank} never started attaching"
+            time.sleep(0.001)  # (a polling interval, not a wait for anything)
+    finally:
+        world.close()
+
+
+@pytest.mark.timeout(HANG)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("phase", list(PHASES))
+def test_sigkill_of_the_peer_is_peer_gone(phase: str, transport: str) -> None:
+    victim, survivor, stop, options = PHASES[phase]
+    before = open_fds()
+    ready_r, ready_w = os.pipe()
+    go_r, go_w = os.pipe()
+    a, b = cma.Pipe(transport=transport, config=SMALL_RING, **options)
+    proc = mp.get_context("fork").Process(target=victim, args=(b, ready_w, go_r), daemon=True)
+    try:
+        proc.start()
+        b.close()
+        assert proc.pid is not None
+        # as cma-run does: the pid of the process that is to attach rank 1 is known
+        cma.world.announce(a._fds, 1, proc.pid)
+        if stop == BEFORE_ATTACH:
+            pass
+        elif stop == ATTACHING:
+            wait_published(a, 1)
+        else:
+            a.Barrier()
+            os.write(go_w, b"x")
+        if stop in (BEFORE_ATTACH, READY):
+            assert select.select([ready_r], [], [], HANG)[0], "the victim never got ready"
+        if stop != ITSELF:
+            proc.kill()
+            proc.join(HANG)
+        start = time.monotonic()
+        error = outcome(survivor, a)
+        took = time.monotonic() - start
+        print(f"{phase}, {transport}: after {took * 1000:.1f} ms, {error}")
+        assert "rank 1" in error
+        proc.join(HANG)
+        assert proc.exitcode == -signal.SIGKILL
+    finally:
+        a.close()
+        stop_process(proc)
+        for fd in (ready_r, ready_w, go_r, go_w):
+            os.close(fd)
+    proc.close()  # (its sentinel fd)
+    gc.collect()
+    left = {fd: os.readlink(f"/proc/self/fd/{fd}") for fd in open_fds() - before
+            if os.path.exists(f"/proc/self/fd/{fd}")}
+    assert not left, f"fds left open: {left}"
+
+
+# ------------------------------------------------------------------ pid reuse
+
+NS_LAST_PID = "/proc/sys/kernel/ns_last_pid"
+
+
+def fork_with_pid(pid: int, attempts: int = 50) -> tuple[int, int] | None:
+    """(pid, write end of its pipe) of a child that took ``pid`` and waits until that pipe
+    closes; None if other processes kept taking the pid first. Steered through
+    ns_last_pid (root only)."""
+    for _ in range(attempts):
+        release_r, release_w = os.pipe()
+        with open(NS_LAST_PID, "w") as f:
+            f.write(str(pid - 1))
+        child = os.fork()
+        if child == 0:  # the impostor: an unrelated process, idle until released
+            os.close(release_w)
+            os.read(release_r, 1)
+            os._exit(0)
+        os.close(release_r)
+        if child == pid:
+            return child, release_w
+        os.close(release_w)
+        os.waitpid(child, 0)
+    return None
+
+
+@pytest.mark.timeout(HANG)
+@pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists(NS_LAST_PID),
+                    reason="steering a pid through ns_last_pid needs root")
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_new_process_with_a_dead_peers_pid_is_not_the_peer(transport: str) -> None:
+    """Rank 1 announces a rendezvous and is killed and reaped; an unrelated process takes
+    its pid. Rank 0's Recv must raise PeerGone without reading that process's memory."""
+    ready_r, ready_w = os.pipe()
+    a, b = cma.Pipe(transport=transport, config=SMALL_RING)
+    proc = mp.get_context("fork").Process(target=victim_posts_a_rendezvous,
+                                          args=(b, ready_w, -1), daemon=True)
+    impostor = None
+    try:
+        proc.start()
+        b.close()
+        a.Barrier()
+        assert select.select([ready_r], [], [], HANG)[0], "the victim never got ready"
+        pid = proc.pid
+        assert pid is not None
+        proc.kill()
+        proc.join(HANG)  # reaped: its pid is free
+        impostor = fork_with_pid(pid)
+        if impostor is None:
+            pytest.skip(f"other processes kept taking pid {pid} first")
+        buf = np.zeros(RENDEZVOUS, np.uint8)
+        error = outcome(lambda comm: comm.Recv(buf, source=1, tag=TAG), a)
+        print(f"pid reuse, {transport}: {error}")
+        assert error.startswith("PeerGone") and "rank 1" in error
+        assert not buf.any(), "bytes were read into the receive buffer from the new process"
+    finally:
+        a.close()
+        stop_process(proc)
+        if impostor is not None:
+            os.close(impostor[1])
+            os.waitpid(impostor[0], 0)
+        os.close(ready_r)
+        os.close(ready_w)

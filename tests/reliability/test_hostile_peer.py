@@ -1,0 +1,298 @@
+"""A corrupted or hostile peer: bytes it shares that make no sense (issue #23).
+
+Whatever a peer writes into its ring, its packets or the world header, the receiver
+raises a ``cma.errors`` exception (``ProtocolError`` naming the peer where the bytes
+are decoded; ``CommBroken`` on every later call) or receives a message: never another
+exception, never a write outside the receive buffer, never a hang.
+
+Two layers: the decoders fed directly with hypothesis (sans-IO, many cheap examples),
+and processes, where a peer scribbles over its shared mappings after sending and the
+receiver (itself a child, so that a hang fails the test instead of blocking it) then
+receives. ``CMA_FUZZ_CASES`` sets how many process-level cases run (a handful in CI).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import select
+
+import numpy as np
+import pytest
+from conftest import run_ranks
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+import cma
+from cma.channel import HEAD, PAD, TAIL, ChannelConfig, Inbox, packet_bytes
+from cma.errors import CmaError, CommBroken, ProtocolError
+from cma.protocol import (
+    ADDRESS_LIMIT,
+    PIPELINE,
+    PULL,
+    PUSH,
+    Deliver,
+    Engine,
+    Policy,
+    Pull,
+    Push,
+    decode_cts,
+    decode_rts,
+    encode_cts,
+    encode_rts,
+)
+from cma.wire import CTS, EAGER, FIN, MORE, OBJECT, RTS, SYNC, Region
+
+PEER = 1
+CONFIG = ChannelConfig(eager_limit=1024, ring_bytes=4096, frag_size=4096, stage_slots=2)
+FUZZ_CASES = int(os.environ.get("CMA_FUZZ_CASES", "12"))
+GUARD = 64  # bytes either side of a receive buffer that must stay untouched
+GUARD_BYTE = 0xA5
+
+int64 = st.integers(-(2**63), 2**63 - 1)
+# lengths and words a forger would try first, then anything
+words = st.one_of(st.sampled_from([0, 1, -1, 8, 4095, 4096, 2**31, 2**62, -(2**63), 2**63 - 1]),
+                  int64)
+kinds = st.one_of(st.sampled_from([EAGER, RTS, CTS, FIN, PAD, EAGER | OBJECT, EAGER | SYNC,
+                                   RTS | OBJECT, CTS | OBJECT, FIN | SYNC, 0x5C43, 0]), int64)
+
+
+def make_engine() -> Engine:
+    policy = Policy(order=["self", "cma", "shm"], pullable={PEER: {"cma"}},
+                    pushable={PEER: {"cma"}}, staged={"shm"})
+    return Engine(0, CONFIG.eager_limit, policy, PULL | PUSH | PIPELINE,
+                  allocate=lambda n: memoryview(bytearray(n)),
+                  region_of=lambda mv: Region(0x10000, mv.nbytes))
+
+
+def engine_with_state() -> tuple[Engine, memoryview]:
+    """An engine with a receive posted, a rendezvous send awaiting its CTS and one awaiting
+    its sender's push: some forged CTS and FIN packets name something that exists."""
+    engine = make_engine()
+    buffer = memoryview(bytearray(256))
+    engine.recv(PEER, 5, buffer)
+    engine.send(PEER, 6, [memoryview(bytearray(5000))], eager=False)
+    engine.recv(PEER, 7, memoryview(bytearray(8192)))
+    engine.packet(PEER, RTS, 7, 8192, encode_rts(1, PUSH, [8192], None))
+    return engine, buffer
+
+
+def check_actions(actions: list, buffer: memoryview) -> None:
+    """What the engine asks the I/O layer to do stays within the buffers involved."""
+    for action in actions:
+        if isinstance(action, Deliver) and action.op.buffer is not None:
+            assert len(action.payload) <= action.op.buffer.nbytes
+        if isinstance(action, Pull | Push):
+            remote = sum(r.nbytes for r in action.remote)
+            local = sum(v.nbytes for v in action.local)
+            assert remote == local
+            assert all(0 <= r.addr and r.addr + r.nbytes <= ADDRESS_LIMIT for r in action.remote)
+
+
+# ------------------------------------------------------------------ the decoders, sans-IO
+
+rts_payloads = st.one_of(
+    st.binary(max_size=200),
+    st.builds(lambda msgid, offers, sizes, addrs: encode_rts(
+        msgid, offers, sizes, [Region(a, n) for a, n in zip(addrs, sizes, strict=False)]
+        if len(addrs) >= len(sizes) else None),
+        words, words, st.lists(words, max_size=4), st.lists(words, max_size=4)),
+)
+cts_payloads = st.one_of(
+    st.binary(max_size=200),
+    st.builds(lambda msgid, recvid, mode, name, spans: encode_cts(
+        msgid, recvid, mode, name, [Region(a, n) for a, n in spans]),
+        st.sampled_from([0, 1, 2, 99]), words, words,
+        st.sampled_from(["cma", "shm", "self", "nope", "x y"]),
+        st.lists(st.tuples(words, words), max_size=3)),
+)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(kinds, words, words, st.one_of(rts_payloads, cts_payloads))
+@example(0x5C43, 0, 0, b"").via("the issue's unknown packet kind")
+@example(CTS, 0, 0, encode_cts(12345, 1, PUSH, "cma", [])).via("a CTS for no message")
+@example(FIN, 0, 777, b"").via("a FIN for no message")
+@example(RTS, 7, 100, encode_rts(3, PULL, [100], [Region(2**63 - 50, 100)])).via("wrapping region")
+@example(RTS, 7, 100, encode_rts(3, PULL, [-5, 105], None)).via("a negative size")
+@example(RTS, 7, 99, encode_rts(3, PULL, [100], None)).via("sizes that do not add up")
+def test_engine_refuses_any_forged_packet_with_protocol_error(kind, tag, aux, payload):
+    engine, buffer = engine_with_state()
+    try:
+        actions = engine.packet(PEER, kind, tag, aux, payload)
+    except ProtocolError as exc:
+        assert exc.peer == PEER
+        assert f"rank {PEER} broke the protocol" in str(exc)
+        return
+    check_actions(actions, buffer)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=300))
+def test_decoders_return_or_raise_protocol_error(payload):
+    for decode in (decode_rts, decode_cts):
+        try:
+            decode(payload, PEER)
+        except ProtocolError as exc:
+            assert exc.peer == PEER
+
+
+def forged_ring(head: int, tail: int, at: list[int]) -> tuple[Inbox, memoryview]:
+    """An inbox over a ring whose control words and first packet's words are ``at``'s."""
+    pair = memoryview(bytearray(CONFIG.pair_bytes))
+    inbox = Inbox(pair, CONFIG, PEER)
+    inbox.ctl[HEAD] = head
+    inbox.ctl[TAIL] = tail
+    inbox.tail = inbox.tail_published = tail
+    pos = (tail & inbox.mask) >> 3
+    for i, word in enumerate(at):
+        inbox.words[(pos + i) % len(inbox.words)] = word
+    return inbox, pair
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.one_of(st.sampled_from([0, 64, 4096 - 64, 4096, 2**40]), words),
+       st.sampled_from([0, 64, 2048, 4096 - 64, 8192 + 128]),
+       st.lists(words, min_size=4, max_size=6), st.integers(0, 300))
+@example(64, 0, [EAGER, 0, -200, 0], 100).via("a negative length (read a huge one now)")
+@example(4096, 4096 - 64, [EAGER, 0, 100, 0], 100).via("a packet past the end of the ring")
+@example(4096, 0, [PAD, 0, 0, 0], 100).via("a skip-to-start at the start")
+@example(2**62, 0, [0x5C43, 0, 0, 0], 100).via("garbage kind, absurd head")
+def test_inbox_never_writes_outside_the_receive_buffer(head, tail, at, capacity):
+    inbox, _ = forged_ring(head, tail, at)
+    guarded = np.full(capacity + 2 * GUARD, GUARD_BYTE, np.uint8)
+    buf = memoryview(guarded)[GUARD : GUARD + capacity]
+    n = inbox.take_eager(buf, cma.ANY_TAG)
+    assert n in (-2, -1) or 0 <= n <= capacity
+    assert (guarded[:GUARD] == GUARD_BYTE).all() and (guarded[GUARD + capacity :] == GUARD_BYTE).all()
+    if n == -1:  # the general path's turn: a packet it can hand on, or ProtocolError
+        try:
+            kind, _, length, _, payload = inbox.take()
+        except ProtocolError as exc:
+            assert exc.peer == PEER
+            return
+        assert 0 <= length <= CONFIG.max_packet and len(payload) == length
+        assert packet_bytes(length) <= inbox.ctl[HEAD] - inbox.tail <= CONFIG.ring_bytes
+
+
+def test_negative_length_no_longer_completes_a_receive():
+    """The old fast path copied nothing and returned the negative length as the count."""
+    inbox, _ = forged_ring(64, 0, [EAGER, 0, -4000, 0])
+    buf = memoryview(bytearray(4000))
+    assert inbox.take_eager(buf, cma.ANY_TAG) == -1
+    with pytest.raises(ProtocolError, match="length of -4000 bytes"):
+        inbox.take()
+
+
+def test_forged_more_pieces_end_in_protocol_error():
+    """A split packet's pieces are joined, then decoded like any other packet."""
+    engine, _ = engine_with_state()
+    pieces = [(RTS | MORE, b"\x01" * 8), (RTS, b"\x02" * 12)]
+    joined = b"".join(p for _, p in pieces)
+    with pytest.raises(ProtocolError, match="an RTS of 20 bytes"):
+        engine.packet(PEER, RTS, 0, 0, joined)
+
+
+# ------------------------------------------------------------------ processes
+
+TARGETS = ["packet", "ring", "control", "rts", "header", "staging"]
+
+
+def scribble(view: memoryview, rng: np.random.Generator) -> None:
+    view[:] = rng.bytes(view.nbytes)
+
+
+def hostile(comm: cma.Comm, what: str, nbytes: int, target: str, seed: int,
+            pipes: dict[str, int]) -> str:
+    """Rank 1: once rank 0 is out of its Barrier, send, write random bytes over ``target``
+    in what it shares with rank 0, say so, and keep its own side moving until rank 0 is
+    through (or 5 s)."""
+    rng = np.random.default_rng(seed)
+    comm.Barrier()
+    select.select([pipes["ready_r"]], [], [], 30)
+    box = comm._outboxes[0]
+    at = box.head & box.mask
+    payload = np.frombuffer(rng.bytes(nbytes), np.uint8)
+    request = comm.isend({"x": payload}, dest=0, tag=3) if what == "object" else \
+        comm.Isend(payload, dest=0, tag=3)
+    if target == "packet":  # the four header words of the packet just sent
+        for i, word in enumerate(np.frombuffer(rng.bytes(32), np.int64).tolist()):
+            box.words[(at >> 3) + i] = word
+    elif target == "rts":  # the words after the header (an RTS's buffer list)
+        scribble(box.data[at + 32 : at + 32 + 64], rng)
+    elif target == "ring":
+        scribble(box.data, rng)
+    elif target == "control":
+        scribble(box.ctl[:64].cast("B"), rng)
+    elif target == "staging":
+        scribble(box.staging, rng)
+    else:  # the world header: every rank block and the reach matrix
+        world = comm._world
+        scribble(world.header[16:].cast("B"), rng)
+    os.write(pipes["scribbled_w"], b"x")
+    for _ in range(5000):
+        if select.select([pipes["done_r"]], [], [], 0.001)[0]:
+            break
+        try:
+            comm.progress()
+            request.Test()
+        except CmaError:
+            break
+    return "hostile done"
+
+
+def receiver(comm: cma.Comm, what: str, nbytes: int, pipes: dict[str, int]) -> str:
+    """Rank 0: receive what the hostile peer sent, after it scribbled; report the outcome."""
+    comm.Barrier()
+    os.write(pipes["ready_w"], b"x")
+    select.select([pipes["scribbled_r"]], [], [], 30)
+    guarded = np.full(nbytes + 2 * GUARD, GUARD_BYTE, np.uint8)
+    try:
+        if what == "object":
+            comm.recv(source=1, tag=3)
+        else:
+            comm.Recv(guarded[GUARD : GUARD + nbytes], source=1, tag=3)
+        outcome = "received"
+    except CmaError as exc:
+        outcome = type(exc).__name__
+        if isinstance(exc, ProtocolError):
+            assert exc.peer == 1 and "rank 1 broke the protocol" in str(exc)
+            try:
+                comm.Recv(bytearray(8), source=1, tag=4)
+                raise AssertionError("a communicator broken by a ProtocolError took a Recv")
+            except CommBroken as later:
+                assert "rank 1 broke the protocol" in str(later)
+    finally:
+        os.write(pipes["done_w"], b"x")
+    assert (guarded[:GUARD] == GUARD_BYTE).all(), "written before the receive buffer"
+    assert (guarded[GUARD + nbytes :] == GUARD_BYTE).all(), "written after the receive buffer"
+    comm.close()
+    return outcome
+
+
+@settings(max_examples=FUZZ_CASES, deadline=None, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(st.sampled_from(["shm", "cma"]), st.sampled_from(["eager", "rendezvous", "object"]),
+       st.sampled_from(TARGETS), st.integers(0, 2**32))
+@example("shm", "eager", "packet", 1).via("forged packet words")
+@example("cma", "rendezvous", "rts", 2).via("forged regions")
+@example("shm", "rendezvous", "control", 3).via("forged head and tail")
+@example("shm", "eager", "header", 4).via("forged world header")
+def test_a_peer_scribbling_over_its_mappings_gets_a_cma_error_or_its_message(
+        transport, what, target, seed):
+    nbytes = 100 if what == "eager" else 20000
+    pipes = {}
+    for name in ("ready", "scribbled", "done"):
+        pipes[f"{name}_r"], pipes[f"{name}_w"] = os.pipe()
+    try:
+        outcome, _ = run_ranks(transport, CONFIG, [
+            functools.partial(receiver, what=what, nbytes=nbytes, pipes=pipes),
+            functools.partial(hostile, what=what, nbytes=nbytes, target=target, seed=seed,
+                              pipes=pipes),
+        ], timeout=60)
+    finally:
+        for fd in pipes.values():
+            os.close(fd)
+    print(f"{transport} {what} {target} seed {seed}: {outcome}")
+    assert outcome in ("received", "ProtocolError", "CommBroken", "PeerGone", "TruncationError",
+                       "TransportFault", "WindowError")

@@ -10,6 +10,22 @@ from typing import Any
 
 from . import errors
 from .channel import ChannelConfig
+from .collectives import (
+    BAND,
+    BOR,
+    BXOR,
+    IN_PLACE,
+    LAND,
+    LOR,
+    LXOR,
+    MAX,
+    MAXLOC,
+    MIN,
+    MINLOC,
+    PROD,
+    SUM,
+    Op,
+)
 from .comm import AUTO, Comm, Pipe, Request, Status
 from .transports import REGISTRY
 from .wire import ANY_SOURCE, ANY_TAG, PROC_NULL
@@ -17,8 +33,9 @@ from .wire import ANY_SOURCE, ANY_TAG, PROC_NULL
 __version__ = "0.1.0"
 
 __all__ = [
-    "ANY_SOURCE", "ANY_TAG", "AUTO", "COMM_WORLD", "ChannelConfig", "Comm", "PROC_NULL",
-    "Pipe", "Request", "Status", "errors", "transport_names",
+    "ANY_SOURCE", "ANY_TAG", "AUTO", "BAND", "BOR", "BXOR", "COMM_WORLD", "ChannelConfig",
+    "Comm", "IN_PLACE", "LAND", "LOR", "LXOR", "MAX", "MAXLOC", "MIN", "MINLOC", "Op",
+    "PROC_NULL", "PROD", "Pipe", "Request", "SUM", "Status", "errors", "transport_names",
 ]
 
 

@@ -11,6 +11,7 @@ the ring and scatter algorithms run at small sizes as well as the trees.
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
 import signal
@@ -660,3 +661,32 @@ def test_rank_that_dies_inside_a_collective_makes_the_others_raise(nbytes: int) 
     finally:
         world.close()
 
+
+
+# ------------------------------------------------------------------ cma-bench
+
+@pytest.mark.parametrize(("kind", "nbytes"), [("allreduce", 8), ("bcast", 4 << 20)])
+def test_bench_times_collectives_and_counts_their_copies(tmp_path: Any, kind: str,
+                                                          nbytes: int) -> None:
+    """``cma-bench bcast|allreduce`` at 2 ranks: one result per size, and the copies
+    comm.stats() saw: an eager message is copied into the ring and out of it (a third
+    time when it arrives before its receive is posted); from 4 MiB auto uses cma,
+    one kernel copy, where both ranks may read each other."""
+    from conftest import TWO_WAY_PTRACE
+
+    from cma.bench.cli import main
+
+    out = tmp_path / "bench.json"
+    code = main([kind, "-n", "2", "--min-size", str(nbytes), "--max-size", str(nbytes),
+                 "--iterations", "5", "--warmup", "1", "--json", str(out)])
+    assert code == 0
+    (series,) = json.loads(out.read_text())["series"]
+    (result,) = series["results"]
+    assert result["size"] == nbytes and len(result["rank_means_us"]) == 2
+    user, kernel = result["user_copied"] / nbytes, result["kernel_copied"] / nbytes
+    if nbytes > cma.ChannelConfig().eager_limit:
+        if TWO_WAY_PTRACE:
+            assert (user, kernel) == (0.0, 1.0)
+    else:
+        # allreduce at 2 ranks: each rank sends its vector once (recursive doubling)
+        assert 2 * 2 <= user <= 3 * 2 and kernel == 0

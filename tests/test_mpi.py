@@ -173,3 +173,11 @@ def test_queued_messages_move_while_mpi_waits(n: int) -> None:
 def test_bad_pretend_nodes() -> None:
     code, out, _ = mpirun(3, "p2p.py", env={"CMA_MPI_NODES": "0,1"})
     assert code != 0 and "CMA_MPI_NODES='0,1' must list a node number" in out, out
+
+
+@pytest.mark.parametrize(("n", "env"), [(2, {}), (4, {}), (4, {"CMA_MPI_RANKS_PER_NODE": "2"})])
+def test_collectives_agree_with_mpi(n: int, env: dict[str, str]) -> None:
+    """cma.mpi.Comm's collectives give MPI's own results: through cma when every rank is
+    on one node (the program checks cma moved them), through MPI on pretend nodes and for
+    a user-defined op (collectives.py)."""
+    expect_ok(n, "collectives.py", env=env)

@@ -4,7 +4,8 @@ collectives in a world of N ranks, timed as OSU's osu_bcast, osu_allreduce ... t
 Each iteration is a barrier (not timed) and one collective (timed on every rank); the
 figure of a size is the mean over iterations of each rank, averaged over ranks, with the
 smallest and largest rank's mean beside it. Rank 0 is this process, the others are
-spawned children that get their end of the world by pickling. Copies are counted with
+spawned children that get their end of the world by pickling; under ``mpiexec -n N``
+the series are mpi4py's collective and ``cma.mpi.Comm``'s over the same ranks instead. Copies are counted with
 ``comm.stats()`` on every rank and summed: bytes copied per collective over the message
 size, in user space and in the kernel.
 """
@@ -29,6 +30,7 @@ from cma.world import WorldFds
 
 from .report import format_number, render_table
 from .results import machine_info
+from .runners import mpi_world
 from .sizes import MIB, counts_for, format_size, parse_size, size_range
 
 COLLECTIVES = {
@@ -108,18 +110,21 @@ def _copied(stats: dict[str, dict[str, float]] | None) -> tuple[float, float, fl
     return user, kernel, sum(s["messages"] for s in stats.values())
 
 
-def run_sizes(comm: Any, kind: str, plan: Sequence[tuple[int, int, int]]) -> list[CollectiveResult]:
+def run_sizes(comm: Any, kind: str, plan: Sequence[tuple[int, int, int]],
+              counter: Any = None) -> list[CollectiveResult]:
     """Every size of ``plan`` ((size, iterations, warmup), ...) on this rank; rank 0
-    returns the results gathered from all ranks, the others an empty list."""
+    returns the results gathered from all ranks, the others an empty list. ``counter``
+    has the ``stats()`` to read (default: ``comm``'s, if it has any)."""
     out = []
-    has_stats = callable(getattr(comm, "reset_stats", None))
+    counter = comm if counter is None else counter
+    has_stats = callable(getattr(counter, "reset_stats", None))
     for nbytes, iterations, warmup in plan:
         run = operation(comm, kind, nbytes)
         measure(comm, run, 0, warmup + 1)
         if has_stats:
-            comm.reset_stats()  # (no message of the warm-up is left: its last barrier came after)
+            counter.reset_stats()  # (no message of the warm-up is left: its last barrier came after)
         samples = measure(comm, run, iterations, 0)
-        copied = _copied(comm.stats() if has_stats else None)
+        copied = _copied(counter.stats() if has_stats else None)
         comm.Barrier()
         mine = (float(np.mean(samples)) / 1e3, copied)
         gathered = comm.gather(mine, root=0)
@@ -179,6 +184,28 @@ def run_world(kind: str, transport: str, ranks: int, plan: Sequence[tuple[int, i
     return series
 
 
+def run_mpi(kind: str, plan: Sequence[tuple[int, int, int]], bind: bool) -> list[CollectiveSeries]:
+    """Under mpiexec: mpi4py's collective on COMM_WORLD, then cma.mpi.Comm's (cma's
+    collectives when every rank is on this node), over the same processes."""
+    from mpi4py import MPI
+
+    import cma.mpi
+
+    world = MPI.COMM_WORLD
+    cpus = sorted(os.sched_getaffinity(0))
+    if bind and world.Get_size() <= len(cpus):
+        os.sched_setaffinity(0, {cpus[world.Get_rank()]})
+    out = [CollectiveSeries("mpi4py", world.Get_size(), run_sizes(world, kind, plan))]
+    wrapped = cma.mpi.Comm(world)
+    try:
+        out.append(CollectiveSeries("cma.mpi", world.Get_size(),
+                                    run_sizes(wrapped, kind, plan, counter=wrapped.cma)))
+    finally:
+        if wrapped.cma is not None:
+            wrapped.cma.close()  # (not Free: that would free COMM_WORLD)
+    return out
+
+
 def format_report(kind: str, series: Sequence[CollectiveSeries]) -> str:
     ok = [s for s in series if s.results]
     if not ok:
@@ -214,9 +241,11 @@ def format_report(kind: str, series: Sequence[CollectiveSeries]) -> str:
 
 def build_parser(kind: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=f"cma-bench {kind}", description=COLLECTIVES[kind])
-    parser.add_argument("-n", "--ranks", type=int, default=2, help="ranks (default 2)")
+    parser.add_argument("-n", "--ranks", type=int, default=2,
+                        help="ranks of the cma world (default 2; under mpiexec: mpiexec's)")
     parser.add_argument("--transport", default="auto", metavar="LIST",
-                        help="comma-separated cma transports, one series each (default auto)")
+                        help="comma-separated cma transports, one series each (default auto); "
+                             "under mpiexec the series are mpi4py and cma.mpi")
     parser.add_argument("--min-size", type=parse_size, default=8, metavar="SIZE")
     parser.add_argument("--max-size", type=parse_size, default=16 * MIB, metavar="SIZE")
     parser.add_argument("--iterations", type=int, metavar="N",
@@ -240,8 +269,14 @@ def main(kind: str, argv: Sequence[str]) -> int:
         iterations, warmup = counts_for("latency", nbytes, window=1, quick=args.quick,
                                         iterations=args.iterations, warmup=args.warmup)
         plan.append((nbytes, iterations, warmup))
-    series = [run_world(kind, t.strip(), args.ranks, plan, args.bind)
-              for t in args.transport.split(",") if t.strip()]
+    world = mpi_world()
+    if world is not None:
+        series = run_mpi(kind, plan, args.bind)
+        if world.Get_rank() != 0:
+            return 0
+    else:
+        series = [run_world(kind, t.strip(), args.ranks, plan, args.bind)
+                  for t in args.transport.split(",") if t.strip()]
     print(format_report(kind, series), flush=True)
     if args.json:
         with open(args.json, "w") as f:

@@ -36,7 +36,8 @@ __all__ = [
 ]
 
 # Thresholds in bytes of the whole message (the same on every rank, so every rank picks
-# the same algorithm). Measured with cma-bench bcast/allreduce: docs/guide.md.
+# the same algorithm). Not yet tuned here: MPICH's bcast switch, and first guesses for the
+# others (docs/guide.md section 7; measure with cma-bench bcast/allreduce/reduce).
 BCAST_SCATTER_FROM = 512 << 10  # and 3 ranks or more: van de Geijn instead of a binomial tree
 ALLREDUCE_RING_FROM = 64 << 10  # ring reduce-scatter + allgather instead of recursive doubling
 REDUCE_RING_FROM = 512 << 10  # reduce-scatter + gather to the root instead of a binomial tree

@@ -11,6 +11,22 @@ from typing import Any
 
 from . import errors
 from .channel import ChannelConfig
+from .collectives import (
+    BAND,
+    BOR,
+    BXOR,
+    IN_PLACE,
+    LAND,
+    LOR,
+    LXOR,
+    MAX,
+    MAXLOC,
+    MIN,
+    MINLOC,
+    PROD,
+    SUM,
+    Op,
+)
 from .comm import AUTO, Comm, Pipe, Request, Status
 from .heap import alloc, empty, empty_like, is_shared, zeros
 from .transports import REGISTRY
@@ -19,9 +35,10 @@ from .wire import ANY_SOURCE, ANY_TAG, PROC_NULL
 __version__ = "0.1.0"
 
 __all__ = [
-    "ANY_SOURCE", "ANY_TAG", "AUTO", "COMM_WORLD", "ChannelConfig", "Comm", "PROC_NULL",
-    "Pipe", "Request", "Status", "alloc", "empty", "empty_like", "errors", "is_shared",
-    "transport_names", "zeros",
+    "ANY_SOURCE", "ANY_TAG", "AUTO", "BAND", "BOR", "BXOR", "COMM_WORLD", "ChannelConfig",
+    "Comm", "IN_PLACE", "LAND", "LOR", "LXOR", "MAX", "MAXLOC", "MIN", "MINLOC", "Op",
+    "PROC_NULL", "PROD", "Pipe", "Request", "SUM", "Status", "alloc", "empty", "empty_like",
+    "errors", "is_shared", "transport_names", "zeros",
 ]
 
 

@@ -31,6 +31,7 @@ from . import _linux
 from ._exporters import cai_array, dlpack_array
 from ._pool import ProcessPool
 from .channel import ChannelConfig, Inbox, Outbox
+from .collectives import Collectives
 from .errors import (
     BufferError,
     Cancelled,
@@ -387,7 +388,7 @@ class Message:
 
 # ------------------------------------------------------------------ Comm
 
-class Comm:
+class Comm(Collectives):
     """A communicator of ``size`` ranks on one machine; this object is rank ``rank``."""
 
     # What the non-blocking calls return: a subclass may hand out requests of its own

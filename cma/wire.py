@@ -11,9 +11,10 @@ ANY_SOURCE = -2
 ANY_TAG = -1
 PROC_NULL = -1
 
-# Tags below zero are cma's own (barrier, ...): ANY_TAG never matches them.
+# Tags below zero are cma's own (barrier, collectives): ANY_TAG never matches them.
 BARRIER_TAG = -10
 TAG_MAX = 2**63 - 1  # a packet holds the tag in an int64 word
+COLLECTIVE_TAG = -11  # every message of cma.collectives
 
 # packet kinds (word 0 of a control packet)
 EAGER = 1

@@ -10,6 +10,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, replace
 
+from .collective import COLLECTIVES
+from .collective import main as collective_main
 from .endpoints import WAITALL_MODES
 from .guard import QUIET_RATIO
 from .kernels import BUFFER_FORMS, BUFFER_KINDS, COLD_WINDOW_LIMIT, Plan, build_plan
@@ -236,6 +238,9 @@ def write_json(path: str, args: argparse.Namespace, plans: dict[str, Plan],
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    given = list(sys.argv[1:] if argv is None else argv)
+    if given and given[0] in COLLECTIVES:
+        return collective_main(given[0], given[1:])
     args = parse_args(argv)
     world = mpi_world()
     rank = world.Get_rank() if world is not None else 0

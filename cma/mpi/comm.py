@@ -10,6 +10,7 @@ from typing import Any, Literal, NoReturn
 from mpi4py import MPI
 
 from .. import _linux
+from ..collectives import OPS, Op
 from ..comm import AUTO
 from ..comm import Comm as CmaComm
 from ..comm import Message as CmaMessage
@@ -439,6 +440,9 @@ class Comm(MPI.Intracomm):
 
     barrier = Barrier
 
+    # -- collectives: cma's (cma/collectives.py) when every rank is on this node, set
+    # below from ON_NODE_COLLECTIVES; MPI's otherwise and for user-defined ops
+
     # -- communicators made from this one
 
     def Dup(self, info: MPI.Info | None = None) -> Comm:
@@ -728,3 +732,42 @@ _REFUSED = {
 for _name, _peers in _REFUSED.items():
     if hasattr(MPI.Intracomm, _name):  # older mpi4py lacks some (Isendrecv, partitioned)
         setattr(Comm, _name, _refuse_on_node(_name, _peers))
+
+
+# The collectives cma runs for a communicator whose ranks are all on this node (cma's
+# ranks are then the communicator's). The uppercase reductions keep MPI's own for an op
+# that is not predefined: every rank passes the same op, so every rank makes that choice.
+ON_NODE_COLLECTIVES = (
+    "Bcast", "Reduce", "Allreduce", "Reduce_scatter_block", "Scan", "Exscan", "Gather",
+    "Gatherv", "Scatter", "Scatterv", "Allgather", "Allgatherv", "Alltoall", "Alltoallv",
+    "bcast", "reduce", "allreduce", "gather", "scatter", "allgather", "alltoall",
+)
+_OP_POSITION = {"Reduce": 2, "Allreduce": 2, "Reduce_scatter_block": 2, "Scan": 2, "Exscan": 2}
+_PREDEFINED = tuple(getattr(MPI, name) for name in OPS)
+
+
+def _collective(name: str) -> Callable[..., Any]:
+    through_mpi = getattr(MPI.Intracomm, name)
+    through_cma = getattr(CmaComm, name)
+    op_at = _OP_POSITION.get(name)
+
+    def collective(self: Comm, *args: Any, **kwargs: Any) -> Any:
+        if self._barrier != BARRIER_CMA:
+            return through_mpi(self, *args, **kwargs)
+        if op_at is not None:
+            op = args[op_at] if len(args) > op_at else kwargs.get("op", MPI.SUM)
+            if not isinstance(op, Op) and not any(op == known for known in _PREDEFINED):
+                return through_mpi(self, *args, **kwargs)
+        try:
+            return through_cma(self._cma, *args, **kwargs)
+        except CmaError as exc:
+            self._fail(exc)
+
+    collective.__name__ = collective.__qualname__ = name
+    collective.__doc__ = (f"``MPI.Intracomm.{name}``: through cma when every rank is on this "
+                          "node (docs/mpi.md), else MPI's.")
+    return collective
+
+
+for _name in ON_NODE_COLLECTIVES:
+    setattr(Comm, _name, _collective(_name))

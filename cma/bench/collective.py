@@ -1,0 +1,287 @@
+"""``cma-bench bcast|allreduce|reduce|allgather|alltoall``: the latency of cma.Comm's
+collectives in a world of N ranks, timed as OSU's osu_bcast, osu_allreduce ... time them.
+
+Each iteration is a barrier (not timed) and one collective (timed on every rank); the
+figure of a size is the mean over iterations of each rank, averaged over ranks, with the
+smallest and largest rank's mean beside it. Rank 0 is this process, the others are
+spawned children that get their end of the world by pickling; under ``mpiexec -n N``
+the series are mpi4py's collective and ``cma.mpi.Comm``'s over the same ranks instead. Copies are counted with
+``comm.stats()`` on every rank and summed: bytes copied per collective over the message
+size, in user space and in the kernel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+import cma
+from cma.comm import _shared_fds
+from cma.world import WorldFds
+
+from .report import format_number, render_table
+from .results import machine_info
+from .runners import mpi_world
+from .sizes import MIB, counts_for, format_size, parse_size, size_range
+
+COLLECTIVES = {
+    "bcast": "Bcast of SIZE bytes from rank 0 (osu_bcast)",
+    "allreduce": "Allreduce of SIZE bytes of float32 with SUM (osu_allreduce)",
+    "reduce": "Reduce of SIZE bytes of float32 with SUM to rank 0 (osu_reduce)",
+    "allgather": "Allgather of SIZE bytes from every rank (osu_allgather)",
+    "alltoall": "Alltoall of SIZE bytes to every rank (osu_alltoall)",
+}
+JOIN_TIMEOUT = 30.0
+
+
+@dataclass
+class CollectiveResult:
+    """One size of one series: per-rank mean microseconds and summed copy counts."""
+
+    size: int
+    iterations: int
+    rank_means_us: list[float]
+    user_copied: float = 0.0  # bytes copied in user space per collective, all ranks
+    kernel_copied: float = 0.0
+    messages: float = 0.0  # point-to-point messages per collective, all ranks, both ends
+
+    @property
+    def mean_us(self) -> float:
+        return float(np.mean(self.rank_means_us))
+
+
+@dataclass
+class CollectiveSeries:
+    name: str
+    ranks: int
+    results: list[CollectiveResult] = field(default_factory=list)
+    error: str = ""
+
+
+def operation(comm: Any, kind: str, nbytes: int) -> Callable[[], None]:
+    """The collective to time, with its buffers made (every page written) beforehand."""
+    size = comm.Get_size()
+    if kind == "bcast":
+        buf = np.full(nbytes, 1, np.uint8)
+        return lambda: comm.Bcast(buf, 0)
+    if kind in ("allreduce", "reduce"):
+        count = max(1, nbytes // 4)
+        send, recv = np.ones(count, np.float32), np.zeros(count, np.float32)
+        if kind == "reduce":
+            return lambda: comm.Reduce(send, recv, root=0)
+        return lambda: comm.Allreduce(send, recv)
+    if kind == "allgather":
+        send, recv = np.ones(nbytes, np.uint8), np.zeros(nbytes * size, np.uint8)
+        return lambda: comm.Allgather(send, recv)
+    if kind == "alltoall":
+        send, recv = np.ones(nbytes * size, np.uint8), np.zeros(nbytes * size, np.uint8)
+        return lambda: comm.Alltoall(send, recv)
+    raise ValueError(f"unknown collective {kind!r}")
+
+
+def measure(comm: Any, run: Callable[[], None], iterations: int, warmup: int) -> list[int]:
+    """This rank's timed samples (ns): barrier, then the collective, per iteration."""
+    clock = time.perf_counter_ns
+    samples = []
+    for i in range(warmup + iterations):
+        comm.Barrier()
+        t0 = clock()
+        run()
+        elapsed = clock() - t0
+        if i >= warmup:
+            samples.append(elapsed)
+    return samples
+
+
+def _copied(stats: dict[str, dict[str, float]] | None) -> tuple[float, float, float]:
+    if not stats:
+        return 0.0, 0.0, 0.0
+    user = sum(s["user_copies"] * s["bytes"] for s in stats.values())
+    kernel = sum(s["kernel_copies"] * s["bytes"] for s in stats.values())
+    return user, kernel, sum(s["messages"] for s in stats.values())
+
+
+def run_sizes(comm: Any, kind: str, plan: Sequence[tuple[int, int, int]],
+              counter: Any = None) -> list[CollectiveResult]:
+    """Every size of ``plan`` ((size, iterations, warmup), ...) on this rank; rank 0
+    returns the results gathered from all ranks, the others an empty list. ``counter``
+    has the ``stats()`` to read (default: ``comm``'s, if it has any)."""
+    out = []
+    counter = comm if counter is None else counter
+    has_stats = callable(getattr(counter, "reset_stats", None))
+    for nbytes, iterations, warmup in plan:
+        run = operation(comm, kind, nbytes)
+        measure(comm, run, 0, warmup + 1)
+        if has_stats:
+            counter.reset_stats()  # (no message of the warm-up is left: its last barrier came after)
+        samples = measure(comm, run, iterations, 0)
+        copied = _copied(counter.stats() if has_stats else None)
+        comm.Barrier()
+        mine = (float(np.mean(samples)) / 1e3, copied)
+        gathered = comm.gather(mine, root=0)
+        if gathered is not None:
+            # the barriers' messages are counted too: they carry no bytes
+            per = [c for _, c in gathered]
+            out.append(CollectiveResult(
+                nbytes, iterations, [m for m, _ in gathered],
+                user_copied=sum(c[0] for c in per) / iterations,
+                kernel_copied=sum(c[1] for c in per) / iterations,
+                messages=sum(c[2] for c in per) / iterations))
+    return out
+
+
+def _child(comm: cma.Comm, kind: str, plan: Sequence[tuple[int, int, int]], cpu: int | None) -> None:
+    if cpu is not None:
+        os.sched_setaffinity(0, {cpu})
+    try:
+        run_sizes(comm, kind, plan)
+    finally:
+        comm.close()
+
+
+def run_world(kind: str, transport: str, ranks: int, plan: Sequence[tuple[int, int, int]],
+              bind: bool) -> CollectiveSeries:
+    """One series: a cma world of ``ranks`` ranks with ``transport``, this process rank 0."""
+    series = CollectiveSeries(f"cma {transport}", ranks)
+    cpus = sorted(os.sched_getaffinity(0))
+    pin = bind and ranks <= len(cpus)  # (oversubscribed: the scheduler places them)
+    fds = WorldFds.create(ranks, cma.ChannelConfig())
+    comms = [cma.Comm(_shared_fds(fds), r, transport) for r in range(ranks)]
+    fds.close()
+    ctx = multiprocessing.get_context("spawn")
+    procs = []
+    original = os.sched_getaffinity(0)
+    try:
+        for r in range(1, ranks):
+            proc = ctx.Process(target=_child, name=f"cma-bench-rank{r}", daemon=True,
+                               args=(comms[r], kind, plan, cpus[r] if pin else None))
+            proc.start()
+            procs.append(proc)
+        for comm in comms[1:]:
+            comm.close()
+        if pin:
+            os.sched_setaffinity(0, {cpus[0]})
+        series.results = run_sizes(comms[0], kind, plan)
+    except Exception as exc:  # noqa: BLE001 - reported in the table, the other series go on
+        series.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        os.sched_setaffinity(0, original)
+        comms[0].close()
+        for proc in procs:
+            proc.join(JOIN_TIMEOUT)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    return series
+
+
+def run_mpi(kind: str, plan: Sequence[tuple[int, int, int]], bind: bool) -> list[CollectiveSeries]:
+    """Under mpiexec: mpi4py's collective on COMM_WORLD, then cma.mpi.Comm's (cma's
+    collectives when every rank is on this node), over the same processes."""
+    from mpi4py import MPI
+
+    import cma.mpi
+
+    world = MPI.COMM_WORLD
+    cpus = sorted(os.sched_getaffinity(0))
+    if bind and world.Get_size() <= len(cpus):
+        os.sched_setaffinity(0, {cpus[world.Get_rank()]})
+    out = [CollectiveSeries("mpi4py", world.Get_size(), run_sizes(world, kind, plan))]
+    wrapped = cma.mpi.Comm(world)
+    try:
+        out.append(CollectiveSeries("cma.mpi", world.Get_size(),
+                                    run_sizes(wrapped, kind, plan, counter=wrapped.cma)))
+    finally:
+        if wrapped.cma is not None:
+            wrapped.cma.close()  # (not Free: that would free COMM_WORLD)
+    return out
+
+
+def format_report(kind: str, series: Sequence[CollectiveSeries]) -> str:
+    ok = [s for s in series if s.results]
+    if not ok:
+        return "\n".join(f"{s.name}: {s.error}" for s in series)
+    sizes = [r.size for r in ok[0].results]
+    headers = ["size"] + [f"{s.name} us" for s in ok]
+    if len(ok) > 1:
+        headers += [f"{ok[0].name} / {s.name}" for s in ok[1:]]
+    rows = []
+    for i, nbytes in enumerate(sizes):
+        means = [s.results[i].mean_us for s in ok]
+        row = [format_size(nbytes)] + [format_number(m) for m in means]
+        row += [f"{m / means[0]:.2f}x" for m in means[1:]]  # (>1: the first series is faster)
+        rows.append(row)
+    parts = [f"{kind}, {ok[0].ranks} ranks: time per collective, mean over iterations "
+             "averaged over ranks (barrier between iterations not timed)",
+             render_table(headers, rows)]
+    copies = [[format_size(nbytes)] + [
+        f"{s.results[i].user_copied / nbytes:.2f} / {s.results[i].kernel_copied / nbytes:.2f}"
+        for s in ok if s.results[i].user_copied or s.results[i].kernel_copied]
+        for i, nbytes in enumerate(sizes)]
+    if any(len(row) > 1 for row in copies):
+        parts.append("bytes copied per collective / size, all ranks (user / kernel), "
+                     "from comm.stats()")
+        parts.append(render_table(["size"] + [s.name for s in ok if s.results[0].user_copied
+                                              or s.results[0].kernel_copied], copies))
+    spread = [f"{s.name} at {format_size(r.size)}: ranks {min(r.rank_means_us):.1f}-"
+              f"{max(r.rank_means_us):.1f} us" for s in ok for r in s.results[-1:]]
+    parts.append("slowest and fastest rank at the largest size: " + "; ".join(spread))
+    parts += [f"{s.name}: {s.error}" for s in series if s.error]
+    return "\n\n".join(parts)
+
+
+def build_parser(kind: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=f"cma-bench {kind}", description=COLLECTIVES[kind])
+    parser.add_argument("-n", "--ranks", type=int, default=2,
+                        help="ranks of the cma world (default 2; under mpiexec: mpiexec's)")
+    parser.add_argument("--transport", default="auto", metavar="LIST",
+                        help="comma-separated cma transports, one series each (default auto); "
+                             "under mpiexec the series are mpi4py and cma.mpi")
+    parser.add_argument("--min-size", type=parse_size, default=8, metavar="SIZE")
+    parser.add_argument("--max-size", type=parse_size, default=16 * MIB, metavar="SIZE")
+    parser.add_argument("--iterations", type=int, metavar="N",
+                        help="timed iterations per size (default: by size, OSU style)")
+    parser.add_argument("--warmup", type=int, metavar="N")
+    parser.add_argument("--quick", action="store_true", help="about 5-10x fewer iterations")
+    parser.add_argument("--bind", action=argparse.BooleanOptionalAction, default=True,
+                        help="pin rank r to CPU r when there are as many CPUs as ranks")
+    parser.add_argument("--json", metavar="FILE", help="write the results to FILE")
+    return parser
+
+
+def main(kind: str, argv: Sequence[str]) -> int:
+    args = build_parser(kind).parse_args(argv)
+    if args.ranks < 1:
+        print("cma-bench: -n must be at least 1", file=sys.stderr)
+        return 2
+    sizes = size_range(args.min_size, args.max_size)
+    plan = []
+    for nbytes in sizes:
+        iterations, warmup = counts_for("latency", nbytes, window=1, quick=args.quick,
+                                        iterations=args.iterations, warmup=args.warmup)
+        plan.append((nbytes, iterations, warmup))
+    world = mpi_world()
+    if world is not None:
+        series = run_mpi(kind, plan, args.bind)
+        if world.Get_rank() != 0:
+            return 0
+    else:
+        series = [run_world(kind, t.strip(), args.ranks, plan, args.bind)
+                  for t in args.transport.split(",") if t.strip()]
+    print(format_report(kind, series), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"tool": "cma-bench", "kind": kind, "argv": list(argv),
+                       "machine": machine_info(), "plan": plan,
+                       "series": [asdict(s) for s in series]}, f, indent=1)
+            f.write("\n")
+    return 1 if any(s.error for s in series) else 0

@@ -1,0 +1,879 @@
+"""Collective operations of ``cma.Comm`` (Bcast, Reduce, Allreduce, ...), with mpi4py's
+signatures, built on the communicator's own point-to-point messages.
+
+``Collectives`` is a mixin: ``cma.Comm`` inherits it, and it reaches the communicator
+only through three private primitives (``_coll_send``, ``_coll_recv``, ``_coll_wait``)
+that post messages with cma's own negative tags, which ``ANY_TAG`` and every user
+receive ignore, so a collective never matches a user's message. Large messages therefore
+move as any message of their size does (eager through the ring, or a rendezvous through
+the transport: single copy with cma), and ``comm.stats()`` counts them.
+
+Which algorithm runs where, and what each copies, is in docs/guide.md ("Collectives").
+The algorithms are the classic ones of MPICH and Open MPI's tuned component: binomial
+trees, van de Geijn's scatter + ring allgather broadcast, recursive doubling, and the
+ring reduce-scatter + allgather allreduce (Rabenseifner's shape, with a ring).
+"""
+
+from __future__ import annotations
+
+import operator
+import sys
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .errors import BufferError, CmaError, InvalidCount, InvalidDatatype, InvalidRank
+from .wire import COLLECTIVE_TAG
+
+if TYPE_CHECKING:
+    from .channel import Outbox
+    from .protocol import Engine, RecvOp, SendOp
+
+__all__ = [
+    "BAND", "BOR", "BXOR", "IN_PLACE", "LAND", "LOR", "LXOR", "MAX", "MAXLOC", "MIN",
+    "MINLOC", "Op", "PROD", "SUM", "Collectives",
+]
+
+# Thresholds in bytes of the whole message (the same on every rank, so every rank picks
+# the same algorithm). Not yet tuned here: MPICH's bcast switch, and first guesses for the
+# others (docs/guide.md section 7; measure with cma-bench bcast/allreduce/reduce).
+BCAST_SCATTER_FROM = 512 << 10  # and 3 ranks or more: van de Geijn instead of a binomial tree
+ALLREDUCE_RING_FROM = 64 << 10  # ring reduce-scatter + allgather instead of recursive doubling
+REDUCE_RING_FROM = 512 << 10  # reduce-scatter + gather to the root instead of a binomial tree
+
+
+# ------------------------------------------------------------------ IN_PLACE and ops
+
+class _InPlace:
+    """The type of ``cma.IN_PLACE``: one instance, which pickles to itself."""
+
+    _instance: _InPlace | None = None
+
+    def __new__(cls) -> _InPlace:
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        return "cma.IN_PLACE"
+
+    def __reduce__(self) -> str:
+        return "IN_PLACE"
+
+
+IN_PLACE = _InPlace()
+
+
+def _mpi() -> Any:
+    """mpi4py's MPI module if the program imported it, else None (cma never imports it)."""
+    return sys.modules.get("mpi4py.MPI")
+
+
+def _is_in_place(buf: Any) -> bool:
+    if buf is IN_PLACE:
+        return True
+    mpi = _mpi()
+    return mpi is not None and buf is getattr(mpi, "IN_PLACE", None)
+
+
+class Op:
+    """A predefined reduction operation (``cma.SUM``, ``cma.MAX``, ...).
+
+    ``op(a, b)`` combines two Python objects, as mpi4py's ``MPI.Op`` does for the
+    lowercase methods (two NumPy arrays of one dtype and shape elementwise, into a new
+    array); the uppercase methods combine arrays in place with ``combine``. Every
+    predefined operation is commutative.
+    """
+
+    __slots__ = ("name", "_combine", "_objects")
+
+    def __init__(self, name: str, combine: Callable[[np.ndarray, np.ndarray], None],
+                 objects: Callable[[Any, Any], Any]) -> None:
+        self.name = name
+        self._combine = combine
+        self._objects = objects
+
+    def __call__(self, a: Any, b: Any) -> Any:
+        if isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.dtype == b.dtype \
+                and a.shape == b.shape:
+            out = a.copy()
+            self._combine(out, b)
+            return out
+        return self._objects(a, b)
+
+    def combine(self, inout: np.ndarray, incoming: np.ndarray) -> None:
+        """``inout = inout op incoming``, elementwise, into ``inout``'s memory."""
+        self._combine(inout, incoming)
+
+    def check(self, dtype: np.dtype) -> None:
+        """Raise ``InvalidDatatype`` if this operation cannot combine arrays of ``dtype``
+        (called before any message moves, so a refusal leaves no peer waiting)."""
+        empty = np.empty(0, dtype)
+        try:
+            self._combine(empty, empty)
+        except (TypeError, ValueError, KeyError, IndexError) as exc:
+            raise InvalidDatatype(f"{self.name} cannot combine arrays of dtype {dtype}: {exc}") \
+                from exc
+
+    def __repr__(self) -> str:
+        return f"cma.{self.name}"
+
+    def __reduce__(self) -> str:
+        return self.name
+
+
+def _ufunc(ufunc: np.ufunc) -> Callable[[np.ndarray, np.ndarray], None]:
+    def combine(inout: np.ndarray, incoming: np.ndarray) -> None:
+        ufunc(inout, incoming, out=inout)
+    return combine
+
+
+def _loc(better: np.ufunc) -> Callable[[np.ndarray, np.ndarray], None]:
+    """MINLOC/MAXLOC over a structured dtype of two fields, (value, index): the better
+    value wins, a tie goes to the smaller index (MPI's rule)."""
+    def combine(inout: np.ndarray, incoming: np.ndarray) -> None:
+        names = inout.dtype.names
+        if names is None or len(names) != 2:
+            raise TypeError("MINLOC and MAXLOC need a structured dtype of two fields "
+                            "(value, index), e.g. [('v', 'f8'), ('i', 'i4')]")
+        value, index = names
+        a_value, b_value = inout[value], incoming[value]
+        take = better(b_value, a_value) | ((b_value == a_value) & (incoming[index] < inout[index]))
+        inout[take] = incoming[take]
+    return combine
+
+
+def _maxloc_objects(a: Any, b: Any) -> Any:
+    return a if (a[0], -a[1]) >= (b[0], -b[1]) else b
+
+
+SUM = Op("SUM", _ufunc(np.add), operator.add)
+PROD = Op("PROD", _ufunc(np.multiply), operator.mul)
+MIN = Op("MIN", _ufunc(np.minimum), min)
+MAX = Op("MAX", _ufunc(np.maximum), max)
+LAND = Op("LAND", _ufunc(np.logical_and), lambda a, b: a and b)
+LOR = Op("LOR", _ufunc(np.logical_or), lambda a, b: a or b)
+LXOR = Op("LXOR", _ufunc(np.logical_xor), lambda a, b: bool(a) != bool(b))
+BAND = Op("BAND", _ufunc(np.bitwise_and), operator.and_)
+BOR = Op("BOR", _ufunc(np.bitwise_or), operator.or_)
+BXOR = Op("BXOR", _ufunc(np.bitwise_xor), operator.xor)
+MINLOC = Op("MINLOC", _loc(np.less), min)  # (value, index) tuples compare as MPI ranks them
+MAXLOC = Op("MAXLOC", _loc(np.greater), _maxloc_objects)
+OPS = {op.name: op for op in (SUM, PROD, MIN, MAX, LAND, LOR, LXOR, BAND, BOR, BXOR,
+                              MINLOC, MAXLOC)}
+
+
+def _array_op(op: Any) -> Op:
+    """cma's op for ``op``: one of cma's, or mpi4py's predefined op of the same name."""
+    if isinstance(op, Op):
+        return op
+    mpi = _mpi()
+    if mpi is not None and isinstance(op, mpi.Op):
+        for name, ours in OPS.items():
+            if op == getattr(mpi, name):
+                return ours
+    raise TypeError(f"{op!r} is not a predefined reduction: the uppercase collectives take "
+                    f"cma.{', cma.'.join(OPS)} (or mpi4py's ops of those names)")
+
+
+def _object_op(op: Any) -> Callable[[Any, Any], Any]:
+    if callable(op):
+        return op
+    raise TypeError(f"op {op!r} is not callable: give a cma op or a function of two objects")
+
+
+# ------------------------------------------------------------------ buffer specs
+
+def _dtype(datatype: Any) -> np.dtype:
+    mpi = _mpi()
+    if mpi is not None and isinstance(datatype, mpi.Datatype):
+        from mpi4py.util import dtlib  # (already loaded with mpi4py.MPI's users)
+
+        return np.dtype(dtlib.to_numpy_dtype(datatype))
+    try:
+        dtype = None if datatype is None else np.dtype(datatype)
+    except (TypeError, ValueError):
+        dtype = None
+    if dtype is None or dtype.hasobject or dtype.itemsize == 0:
+        raise InvalidDatatype(f"unknown datatype {datatype!r}: give a NumPy typechar or dtype "
+                              "of fixed-size values")
+    return dtype
+
+
+def _whole(buf: Any, writable: bool) -> np.ndarray:
+    """The buffer as a flat array of its own element type (no copy)."""
+    if isinstance(buf, np.ndarray):
+        array = buf
+    else:
+        try:
+            array = np.asarray(memoryview(buf))
+        except (TypeError, ValueError) as exc:
+            raise BufferError(f"{type(buf).__name__} does not export a buffer") from exc
+    if array.dtype.hasobject:
+        raise BufferError("an array of Python objects: use the lowercase (object) methods")
+    if not array.flags.c_contiguous:
+        raise BufferError("buffer is not C-contiguous: pass np.ascontiguousarray(x)")
+    if writable and not array.flags.writeable:
+        raise BufferError("receive buffer is read-only: pass a writable array")
+    return array.reshape(-1)
+
+
+def _retype(array: np.ndarray, datatype: Any) -> np.ndarray:
+    dtype = _dtype(datatype)
+    if array.dtype == dtype:
+        return array
+    raw = array.view(np.uint8)
+    if raw.size % dtype.itemsize:
+        raise BufferError(f"a {raw.size}-byte buffer is no whole number of {dtype} elements")
+    return raw.view(dtype)
+
+
+def _count(value: Any) -> int:
+    try:
+        count = operator.index(value)
+    except TypeError:
+        count = -1
+    if count < 0:
+        raise InvalidCount(f"count {value!r} must be a non-negative int")
+    return count
+
+
+def _message(spec: Any, writable: bool, blocks: int = 1) -> np.ndarray:
+    """A buffer spec of ``blocks`` equal blocks: ``buf``, ``[buf, datatype]`` or
+    ``[buf, count, datatype]`` (count per block, as mpi4py counts); the flat array of
+    the blocks, ``blocks * count`` elements."""
+    count: int | None = None
+    if isinstance(spec, (list, tuple)):
+        if len(spec) == 2:
+            array = _retype(_whole(spec[0], writable), spec[1])
+        elif len(spec) == 3:
+            array = _retype(_whole(spec[0], writable), spec[2])
+            count = _count(spec[1])
+        else:
+            raise BufferError(f"buffer spec must be [buf, datatype] or [buf, count, datatype], "
+                              f"got {len(spec)} items")
+    else:
+        array = _whole(spec, writable)
+    if count is None:
+        count = array.size // blocks
+    if count * blocks > array.size:
+        raise BufferError(f"{blocks} block(s) of {count} elements do not fit a buffer of "
+                          f"{array.size}")
+    return array[: count * blocks]
+
+
+def _vmessage(spec: Any, writable: bool, size: int) -> tuple[np.ndarray, list[int], list[int]]:
+    """A v-form spec: ``[buf, counts, datatype]``, ``[buf, (counts, displs), datatype]``,
+    ``[buf, counts, displs, datatype]`` or ``[buf, (counts, displs)]`` (element counts and
+    displacements per rank; displacements default to the blocks laid end to end); a bare
+    buffer or ``[buf, datatype]`` is ``size`` equal blocks."""
+    counts: Any = None
+    displs: Any = None
+    if isinstance(spec, (list, tuple)):
+        if len(spec) == 4:
+            buf, counts, displs, datatype = spec
+        elif len(spec) == 3:
+            buf, counts, datatype = spec
+        elif len(spec) == 2:
+            buf, second = spec
+            if isinstance(second, (list, tuple)):
+                counts, datatype = second, None
+            else:
+                counts, datatype = None, second
+        else:
+            raise BufferError("v-form spec must be [buf, counts, datatype], "
+                              "[buf, (counts, displs), datatype] or [buf, counts, displs, datatype]")
+        array = _whole(buf, writable)
+        if datatype is not None:
+            array = _retype(array, datatype)
+        if isinstance(counts, tuple) and len(counts) == 2 and displs is None \
+                and not isinstance(counts[0], int):
+            counts, displs = counts
+    else:
+        array = _whole(spec, writable)
+    if counts is None:
+        counts = [array.size // size] * size
+    elif not isinstance(counts, (list, tuple, np.ndarray)):
+        counts = [_count(counts)] * size
+    counts = [_count(c) for c in counts]
+    if displs is None:
+        displs = [sum(counts[:i]) for i in range(len(counts))]
+    displs = [_count(d) for d in displs]
+    if len(counts) != size or len(displs) != size:
+        raise BufferError(f"v-form spec needs {size} counts and displacements, got "
+                          f"{len(counts)} and {len(displs)}")
+    for c, d in zip(counts, displs, strict=True):
+        if d + c > array.size:
+            raise BufferError(f"block of {c} elements at {d} overruns a buffer of {array.size}")
+    return array, counts, displs
+
+
+def _bytes(array: np.ndarray) -> memoryview:
+    return array.view(np.uint8).data
+
+
+def _copy_bytes(dst: np.ndarray, src: np.ndarray) -> None:
+    """Copy ``src``'s bytes over ``dst`` (a rank's own block: no message involved)."""
+    if src.nbytes < dst.nbytes:
+        raise BufferError(f"a block of {dst.nbytes} bytes cannot come from {src.nbytes}")
+    dst.view(np.uint8)[:] = src.view(np.uint8)[: dst.nbytes]
+
+
+def _cuts(n: int, parts: int) -> list[int]:
+    """Boundaries of ``parts`` nearly equal blocks of ``n`` elements: parts + 1 offsets."""
+    base, extra = divmod(n, parts)
+    return [i * base + min(i, extra) for i in range(parts + 1)]
+
+
+# ------------------------------------------------------------------ the mixin
+
+class Collectives:
+    """The collective operations of ``cma.Comm`` (mpi4py's names and signatures)."""
+
+    rank: int
+    size: int
+
+    if TYPE_CHECKING:  # what cma.Comm provides (docs/architecture.md, "What cma.Comm lets ...")
+        _attached: bool
+        _engine: Engine
+        _lanes: dict[int, Outbox]
+        _eager_limit: int
+
+        def _ring(self, peer: int) -> None: ...
+        def _attach(self) -> None: ...
+        def _start_send(self, segments: list[memoryview], dest: int, tag: int, is_object: bool,
+                        eager: bool = True, sync: bool = False) -> SendOp: ...
+        def _run(self, actions: list[Any]) -> None: ...
+        def _wait(self, op: SendOp | RecvOp) -> None: ...
+        def _withdraw(self, op: SendOp | RecvOp) -> None: ...
+        def _pickle(self, obj: Any) -> list[memoryview]: ...
+        def _unpickle(self, op: RecvOp) -> Any: ...
+
+    # -- the three primitives: private point-to-point under COLLECTIVE_TAG
+
+    def _coll_send(self, data: np.ndarray | None, dest: int, obj: Any = None) -> SendOp | None:
+        """Start sending ``data`` (an array) or, if None, the object ``obj`` to ``dest``;
+        None when it is complete already (an eager message written into the ring)."""
+        if data is None:
+            return self._start_send(self._pickle(obj), dest, COLLECTIVE_TAG, True)
+        view = _bytes(data)
+        lane = self._lanes.get(dest)
+        if lane is not None and view.nbytes <= self._eager_limit:
+            # Send's fast path: straight into the ring. The engine's path would first copy
+            # the payload into a packet (3 copies per eager message instead of 2: guide.md).
+            sleeping = lane.put_eager(COLLECTIVE_TAG, view, view.nbytes)
+            if sleeping >= 0:
+                if sleeping:
+                    self._ring(dest)
+                return None
+        return self._start_send([view], dest, COLLECTIVE_TAG, False)
+
+    def _coll_recv(self, data: np.ndarray | None, source: int) -> RecvOp:
+        """Post a receive into ``data`` (an array), or of an object if None, from ``source``."""
+        op, actions = self._engine.recv(source, COLLECTIVE_TAG, None if data is None else _bytes(data))
+        self._run(actions)
+        return op
+
+    def _coll_wait(self, *ops: SendOp | RecvOp | None) -> None:
+        """Wait for every one of ``ops`` (None: complete); on an error, take the receives
+        not yet matched out of matching, so that a later collective cannot match them."""
+        try:
+            for op in ops:
+                if op is None:
+                    continue
+                self._wait(op)
+                error = getattr(op, "error", None)
+                if error is not None:
+                    raise error
+        except BaseException:
+            for op in ops:
+                if op is not None:
+                    self._withdraw(op)
+            raise
+
+    def _coll_recv_object(self, source: int) -> Any:
+        op = self._coll_recv(None, source)
+        self._coll_wait(op)
+        return self._unpickle(op)
+
+    def _coll_start(self, root: int | None = None) -> None:
+        if not self._attached:
+            self._attach()
+        if root is not None and not (isinstance(root, int) and 0 <= root < self.size):
+            raise InvalidRank(f"root {root!r} is not in 0..{self.size - 1}")
+
+    def _sendrecv(self, send: np.ndarray, dest: int, recv: np.ndarray, source: int) -> None:
+        self._coll_wait(self._coll_recv(recv, source), self._coll_send(send, dest))
+
+    # -- broadcast
+
+    def Bcast(self, buf: Any, root: int = 0) -> None:
+        """Broadcast ``buf`` from ``root`` to every rank (``MPI_Bcast``)."""
+        self._coll_start(root)
+        data = _message(buf, writable=self.rank != root)
+        if self.size == 1:
+            return
+        raw = data.view(np.uint8)
+        if raw.size >= BCAST_SCATTER_FROM and self.size >= 3:
+            self._bcast_scatter_ring(raw, root)
+        else:
+            self._bcast_binomial(raw, root)
+
+    def _bcast_binomial(self, data: np.ndarray, root: int) -> None:
+        size, vr = self.size, (self.rank - root) % self.size
+        mask = 1
+        while mask < size:
+            if vr & mask:
+                self._coll_wait(self._coll_recv(data, (vr - mask + root) % size))
+                break
+            mask <<= 1
+        sends = []
+        mask >>= 1
+        while mask:
+            if vr + mask < size:
+                sends.append(self._coll_send(data, (vr + mask + root) % size))
+            mask >>= 1
+        self._coll_wait(*sends)
+
+    def _bcast_scatter_ring(self, data: np.ndarray, root: int) -> None:
+        """van de Geijn: the root sends block i to relative rank i, then the blocks pass
+        along the chain 0 -> 1 -> ... -> size-1 (no block goes back to the root)."""
+        size, vr = self.size, (self.rank - root) % self.size
+        cut = _cuts(data.size, size)
+
+        def block(i: int) -> np.ndarray:
+            i %= size
+            return data[cut[i] : cut[i + 1]]
+
+        if vr == 0:
+            self._coll_wait(*[self._coll_send(block(i), (i + root) % size) for i in range(1, size)])
+        else:
+            self._coll_wait(self._coll_recv(block(vr), root))
+        right, left = (vr + 1 + root) % size, (vr - 1 + root) % size
+        for step in range(size - 1):
+            ops: list[SendOp | RecvOp | None] = []
+            if vr != 0:
+                ops.append(self._coll_recv(block(vr - step - 1), left))
+            if vr != size - 1:
+                ops.append(self._coll_send(block(vr - step), right))
+            self._coll_wait(*ops)
+
+    def bcast(self, obj: Any, root: int = 0) -> Any:
+        """Broadcast a picklable object from ``root``; returns it on every rank."""
+        self._coll_start(root)
+        size, vr = self.size, (self.rank - root) % self.size
+        mask = 1
+        while mask < size:
+            if vr & mask:
+                obj = self._coll_recv_object((vr - mask + root) % size)
+                break
+            mask <<= 1
+        sends = []
+        mask >>= 1
+        while mask:
+            if vr + mask < size:
+                sends.append(self._coll_send(None, (vr + mask + root) % size, obj))
+            mask >>= 1
+        self._coll_wait(*sends)
+        return obj
+
+    # -- reductions
+
+    def _reduce_inputs(self, sendbuf: Any, recvbuf: Any, op: Any, *, result_here: bool,
+                       blocks: int = 1) -> tuple[np.ndarray, np.ndarray | None, Op]:
+        """(input, result buffer or None, op); the input is the result buffer for IN_PLACE."""
+        ours = _array_op(op)
+        result = _message(recvbuf, writable=True, blocks=blocks) if result_here else None
+        if _is_in_place(sendbuf):
+            if result is None:
+                raise BufferError("IN_PLACE is for the rank that receives the result")
+            source = result if blocks == 1 else _message(recvbuf, True, 1)
+        else:
+            source = _message(sendbuf, writable=False)
+        ours.check(source.dtype)
+        return source, result, ours
+
+    def Reduce(self, sendbuf: Any, recvbuf: Any, op: Any = SUM, root: int = 0) -> None:
+        """Combine every rank's ``sendbuf`` with ``op`` into ``recvbuf`` at ``root``
+        (``MPI_Reduce``); ``recvbuf`` is ignored elsewhere. ``IN_PLACE`` as ``sendbuf`` at
+        the root takes its input from ``recvbuf``."""
+        self._coll_start(root)
+        source, result, ours = self._reduce_inputs(sendbuf, recvbuf, op,
+                                                   result_here=self.rank == root)
+        if result is not None and result is not source:
+            if result.size != source.size:
+                raise BufferError(f"recvbuf holds {result.size} elements, sendbuf {source.size}")
+            np.copyto(result, source)
+        if self.size == 1:
+            return
+        if source.nbytes >= REDUCE_RING_FROM:
+            acc = result if result is not None else source.copy()
+            cut = _cuts(acc.size, self.size)
+            self._reduce_scatter_ring(acc, ours, cut)
+            self._gather_blocks(acc, cut, root)
+        else:
+            self._reduce_binomial(source, result, ours, root)
+
+    def _reduce_binomial(self, source: np.ndarray, result: np.ndarray | None, op: Op,
+                         root: int) -> None:
+        size, vr = self.size, (self.rank - root) % self.size
+        acc = result if result is not None else source
+        owned = result is not None  # acc may be written (else copy before the first combine)
+        tmp: np.ndarray | None = None
+        mask = 1
+        while mask < size:
+            if vr & mask:
+                self._coll_wait(self._coll_send(acc, (vr - mask + root) % size))
+                return
+            if vr + mask < size:
+                if tmp is None:
+                    tmp = np.empty_like(acc)
+                self._coll_wait(self._coll_recv(tmp, (vr + mask + root) % size))
+                if not owned:
+                    acc, owned = acc.copy(), True
+                op.combine(acc, tmp)
+            mask <<= 1
+
+    def _reduce_scatter_ring(self, acc: np.ndarray, op: Op, cut: list[int]) -> None:
+        """Ring reduce-scatter in place: afterwards block ``rank`` of ``acc`` (elements
+        cut[rank]:cut[rank+1]) holds the combination of every rank's block."""
+        size, rank = self.size, self.rank
+        right, left = (rank + 1) % size, (rank - 1) % size
+        tmp = np.empty(max(cut[i + 1] - cut[i] for i in range(size)), acc.dtype)
+        for step in range(size - 1):
+            out, into = (rank - step - 1) % size, (rank - step - 2) % size
+            incoming = tmp[: cut[into + 1] - cut[into]]
+            self._sendrecv(acc[cut[out] : cut[out + 1]], right, incoming, left)
+            op.combine(acc[cut[into] : cut[into + 1]], incoming)
+
+    def _allgather_ring(self, data: np.ndarray, cut: list[int]) -> None:
+        """Ring allgather in place: each rank starts with block ``rank`` (cut[rank]:
+        cut[rank+1]) and ends with all; each block received goes straight to its place."""
+        size, rank = self.size, self.rank
+        right, left = (rank + 1) % size, (rank - 1) % size
+        for step in range(size - 1):
+            out, into = (rank - step) % size, (rank - step - 1) % size
+            self._sendrecv(data[cut[out] : cut[out + 1]], right, data[cut[into] : cut[into + 1]], left)
+
+    def _gather_blocks(self, data: np.ndarray, cut: list[int], root: int) -> None:
+        """Every rank's block ``rank`` of ``data`` to the same place in the root's ``data``."""
+        if self.rank == root:
+            ops = [self._coll_recv(data[cut[r] : cut[r + 1]], r)
+                   for r in range(self.size) if r != root]
+            self._coll_wait(*ops)
+        else:
+            self._coll_wait(self._coll_send(data[cut[self.rank] : cut[self.rank + 1]], root))
+
+    def Allreduce(self, sendbuf: Any, recvbuf: Any, op: Any = SUM) -> None:
+        """Combine every rank's ``sendbuf`` with ``op`` into every rank's ``recvbuf``
+        (``MPI_Allreduce``); ``IN_PLACE`` as ``sendbuf`` takes the input from ``recvbuf``."""
+        self._coll_start()
+        source, result, ours = self._reduce_inputs(sendbuf, recvbuf, op, result_here=True)
+        assert result is not None
+        if result is not source:
+            if result.size != source.size:
+                raise BufferError(f"recvbuf holds {result.size} elements, sendbuf {source.size}")
+            np.copyto(result, source)
+        if self.size == 1:
+            return
+        if result.nbytes >= ALLREDUCE_RING_FROM and result.size >= self.size:
+            cut = _cuts(result.size, self.size)
+            self._reduce_scatter_ring(result, ours, cut)
+            self._allgather_ring(result, cut)
+        else:
+            self._allreduce_doubling(result, ours)
+
+    def _allreduce_doubling(self, acc: np.ndarray, op: Op) -> None:
+        """Recursive doubling; with a size that is no power of two, the first 2*rem ranks
+        pair up first (evens hand their input to odds) and get the result back at the end."""
+        size, rank = self.size, self.rank
+        pof2 = 1 << (size.bit_length() - 1)
+        rem = size - pof2
+        tmp = np.empty_like(acc)
+        if rank < 2 * rem:
+            if rank % 2 == 0:
+                self._coll_wait(self._coll_send(acc, rank + 1))
+                self._coll_wait(self._coll_recv(acc, rank + 1))
+                return
+            self._coll_wait(self._coll_recv(tmp, rank - 1))
+            op.combine(acc, tmp)
+            newrank = rank // 2
+        else:
+            newrank = rank - rem
+        mask = 1
+        while mask < pof2:
+            partner = newrank ^ mask
+            peer = partner * 2 + 1 if partner < rem else partner + rem
+            self._sendrecv(acc, peer, tmp, peer)
+            op.combine(acc, tmp)
+            mask <<= 1
+        if rank < 2 * rem:
+            self._coll_wait(self._coll_send(acc, rank - 1))
+
+    def Reduce_scatter_block(self, sendbuf: Any, recvbuf: Any, op: Any = SUM) -> None:
+        """Combine every rank's ``sendbuf`` (``size`` blocks of ``recvbuf``'s count) and
+        leave block ``rank`` of the result in ``recvbuf`` (``MPI_Reduce_scatter_block``);
+        ``IN_PLACE`` as ``sendbuf`` takes the input from ``recvbuf``, which then holds
+        ``size`` blocks and gets the result in its first."""
+        self._coll_start()
+        ours = _array_op(op)
+        if _is_in_place(sendbuf):
+            acc = _message(recvbuf, writable=True, blocks=self.size)
+            count = acc.size // self.size
+            result = acc[:count]
+        else:
+            result = _message(recvbuf, writable=True)
+            count = result.size
+            source = _message(sendbuf, writable=False, blocks=self.size)
+            if source.size < count * self.size:
+                raise BufferError(f"sendbuf holds {source.size} elements, needs {count * self.size}")
+            acc = source[: count * self.size].copy()
+        ours.check(acc.dtype)
+        cut = [i * count for i in range(self.size + 1)]
+        if self.size > 1:
+            self._reduce_scatter_ring(acc, ours, cut)
+        mine = acc[cut[self.rank] : cut[self.rank + 1]]
+        if mine.ctypes.data != result.ctypes.data:
+            np.copyto(result, mine)
+
+    def _scan(self, sendbuf: Any, recvbuf: Any, op: Any, exclusive: bool) -> None:
+        """Recursive doubling (MPICH's scan): ``partial`` combines the ranks of this rank's
+        current group, ``result`` those of them below (Exscan) or up to (Scan) this rank."""
+        self._coll_start()
+        source, result, ours = self._reduce_inputs(sendbuf, recvbuf, op, result_here=True)
+        assert result is not None
+        if result.size != source.size:
+            raise BufferError(f"recvbuf holds {result.size} elements, sendbuf {source.size}")
+        partial = source.copy()
+        have_result = not exclusive
+        if have_result and result is not source:
+            np.copyto(result, source)
+        tmp = np.empty_like(partial)
+        mask = 1
+        while mask < self.size:
+            peer = self.rank ^ mask
+            if peer < self.size:
+                self._sendrecv(partial, peer, tmp, peer)
+                ours.combine(partial, tmp)
+                if peer < self.rank:
+                    if have_result:
+                        ours.combine(result, tmp)
+                    else:
+                        np.copyto(result, tmp)
+                        have_result = True
+            mask <<= 1
+
+    def Scan(self, sendbuf: Any, recvbuf: Any, op: Any = SUM) -> None:
+        """Inclusive prefix reduction: rank r gets ranks 0..r combined (``MPI_Scan``)."""
+        self._scan(sendbuf, recvbuf, op, exclusive=False)
+
+    def Exscan(self, sendbuf: Any, recvbuf: Any, op: Any = SUM) -> None:
+        """Exclusive prefix reduction: rank r gets ranks 0..r-1 combined; rank 0's
+        ``recvbuf`` is left as it was (``MPI_Exscan``)."""
+        self._scan(sendbuf, recvbuf, op, exclusive=True)
+
+    def reduce(self, sendobj: Any, op: Any = SUM, root: int = 0) -> Any:
+        """Combine every rank's object with ``op`` (a cma op or any function of two
+        objects), in rank order; the result at ``root``, None elsewhere."""
+        self._coll_start(root)
+        combine = _object_op(op)
+        size, rank = self.size, self.rank
+        acc = sendobj
+        # A binomial tree over ranks as they are (rooted at 0), so that the combination
+        # keeps rank order for operations that do not commute; then rank 0 -> root.
+        mask = 1
+        while mask < size:
+            if rank & mask:
+                self._coll_wait(self._coll_send(None, rank - mask, acc))
+                break
+            if rank + mask < size:
+                acc = combine(acc, self._coll_recv_object(rank + mask))
+            mask <<= 1
+        if root != 0:
+            if rank == 0:
+                self._coll_wait(self._coll_send(None, root, acc))
+            elif rank == root:
+                acc = self._coll_recv_object(0)
+        return acc if rank == root else None
+
+    def allreduce(self, sendobj: Any, op: Any = SUM) -> Any:
+        """``reduce`` to rank 0, then ``bcast``: every rank gets the combination."""
+        return self.bcast(self.reduce(sendobj, op, 0), 0)
+
+    # -- gather, scatter, allgather, alltoall
+
+    def Gather(self, sendbuf: Any, recvbuf: Any, root: int = 0) -> None:
+        """Every rank's ``sendbuf`` to block ``rank`` of ``recvbuf`` at ``root``
+        (``MPI_Gather``); ``IN_PLACE`` as the root's ``sendbuf``: its block is in place."""
+        self._coll_start(root)
+        if self.rank == root:
+            data = _message(recvbuf, writable=True, blocks=self.size)
+            count = data.size // self.size
+            self._gatherv_root(sendbuf, data, [count] * self.size,
+                               [i * count for i in range(self.size)], root)
+        else:
+            self._coll_wait(self._coll_send(_message(sendbuf, writable=False), root))
+
+    def Gatherv(self, sendbuf: Any, recvbuf: Any, root: int = 0) -> None:
+        """``Gather`` with a count and displacement per rank in the root's v-form
+        ``recvbuf`` (``MPI_Gatherv``)."""
+        self._coll_start(root)
+        if self.rank == root:
+            data, counts, displs = _vmessage(recvbuf, writable=True, size=self.size)
+            self._gatherv_root(sendbuf, data, counts, displs, root)
+        else:
+            self._coll_wait(self._coll_send(_message(sendbuf, writable=False), root))
+
+    def _gatherv_root(self, sendbuf: Any, data: np.ndarray, counts: list[int],
+                      displs: list[int], root: int) -> None:
+        ops = [self._coll_recv(data[displs[r] : displs[r] + counts[r]], r)
+               for r in range(self.size) if r != root]
+        if not _is_in_place(sendbuf):
+            _copy_bytes(data[displs[root] : displs[root] + counts[root]],
+                        _message(sendbuf, writable=False))
+        self._coll_wait(*ops)
+
+    def Scatter(self, sendbuf: Any, recvbuf: Any, root: int = 0) -> None:
+        """Block ``r`` of the root's ``sendbuf`` to rank r's ``recvbuf`` (``MPI_Scatter``);
+        ``IN_PLACE`` as the root's ``recvbuf``: its block stays where it is."""
+        self._coll_start(root)
+        if self.rank == root:
+            data = _message(sendbuf, writable=False, blocks=self.size)
+            count = data.size // self.size
+            self._scatterv_root(data, [count] * self.size, [i * count for i in range(self.size)],
+                                recvbuf, root)
+        else:
+            self._coll_wait(self._coll_recv(_message(recvbuf, writable=True), root))
+
+    def Scatterv(self, sendbuf: Any, recvbuf: Any, root: int = 0) -> None:
+        """``Scatter`` with a count and displacement per rank in the root's v-form
+        ``sendbuf`` (``MPI_Scatterv``)."""
+        self._coll_start(root)
+        if self.rank == root:
+            data, counts, displs = _vmessage(sendbuf, writable=False, size=self.size)
+            self._scatterv_root(data, counts, displs, recvbuf, root)
+        else:
+            self._coll_wait(self._coll_recv(_message(recvbuf, writable=True), root))
+
+    def _scatterv_root(self, data: np.ndarray, counts: list[int], displs: list[int],
+                       recvbuf: Any, root: int) -> None:
+        ops = [self._coll_send(data[displs[r] : displs[r] + counts[r]], r)
+               for r in range(self.size) if r != root]
+        if not _is_in_place(recvbuf):
+            _copy_bytes(_message(recvbuf, writable=True),
+                        data[displs[root] : displs[root] + counts[root]])
+        self._coll_wait(*ops)
+
+    def Allgather(self, sendbuf: Any, recvbuf: Any) -> None:
+        """Every rank's ``sendbuf`` to block ``rank`` of every rank's ``recvbuf`` (a ring;
+        ``MPI_Allgather``); ``IN_PLACE`` as ``sendbuf``: each rank's block is in place."""
+        self._coll_start()
+        data = _message(recvbuf, writable=True, blocks=self.size)
+        count = data.size // self.size
+        self._allgatherv(sendbuf, data, [count] * self.size, [i * count for i in range(self.size)])
+
+    def Allgatherv(self, sendbuf: Any, recvbuf: Any) -> None:
+        """``Allgather`` with a count and displacement per rank in the v-form ``recvbuf``
+        (``MPI_Allgatherv``)."""
+        self._coll_start()
+        data, counts, displs = _vmessage(recvbuf, writable=True, size=self.size)
+        self._allgatherv(sendbuf, data, counts, displs)
+
+    def _allgatherv(self, sendbuf: Any, data: np.ndarray, counts: list[int],
+                    displs: list[int]) -> None:
+        size, rank = self.size, self.rank
+
+        def block(r: int) -> np.ndarray:
+            r %= size
+            return data[displs[r] : displs[r] + counts[r]]
+
+        if not _is_in_place(sendbuf):
+            _copy_bytes(block(rank), _message(sendbuf, writable=False))
+        right, left = (rank + 1) % size, (rank - 1) % size
+        for step in range(size - 1):
+            self._sendrecv(block(rank - step), right, block(rank - step - 1), left)
+
+    def Alltoall(self, sendbuf: Any, recvbuf: Any) -> None:
+        """Block ``d`` of each rank's ``sendbuf`` to block ``rank`` of rank d's ``recvbuf``
+        (pairwise exchange; ``MPI_Alltoall``). ``IN_PLACE`` as ``sendbuf`` sends from
+        ``recvbuf`` (from a copy of it)."""
+        self._coll_start()
+        recv = _message(recvbuf, writable=True, blocks=self.size)
+        count = recv.size // self.size
+        layout = ([count] * self.size, [i * count for i in range(self.size)])
+        if _is_in_place(sendbuf):
+            send = recv.copy()
+        else:
+            send = _message(sendbuf, writable=False, blocks=self.size)
+            if send.size // self.size != count:
+                send = send[: count * self.size]
+        self._alltoallv(send, layout, recv, layout)
+
+    def Alltoallv(self, sendbuf: Any, recvbuf: Any) -> None:
+        """``Alltoall`` with counts and displacements per rank in v-form ``sendbuf`` and
+        ``recvbuf`` (``MPI_Alltoallv``; ``IN_PLACE`` as ``sendbuf``: recvbuf's layout)."""
+        self._coll_start()
+        recv, rcounts, rdispls = _vmessage(recvbuf, writable=True, size=self.size)
+        if _is_in_place(sendbuf):
+            send, scounts, sdispls = recv.copy(), rcounts, rdispls
+        else:
+            send, scounts, sdispls = _vmessage(sendbuf, writable=False, size=self.size)
+        self._alltoallv(send, (scounts, sdispls), recv, (rcounts, rdispls))
+
+    def _alltoallv(self, send: np.ndarray, send_layout: tuple[list[int], list[int]],
+                   recv: np.ndarray, recv_layout: tuple[list[int], list[int]]) -> None:
+        size, rank = self.size, self.rank
+        (scounts, sdispls), (rcounts, rdispls) = send_layout, recv_layout
+
+        def sent(r: int) -> np.ndarray:
+            return send[sdispls[r] : sdispls[r] + scounts[r]]
+
+        def received(r: int) -> np.ndarray:
+            return recv[rdispls[r] : rdispls[r] + rcounts[r]]
+
+        _copy_bytes(received(rank), sent(rank))
+        for step in range(1, size):
+            dest, source = (rank + step) % size, (rank - step) % size
+            self._sendrecv(sent(dest), dest, received(source), source)
+
+    def gather(self, sendobj: Any, root: int = 0) -> list[Any] | None:
+        """Every rank's object, in rank order, as a list at ``root``; None elsewhere."""
+        self._coll_start(root)
+        if self.rank != root:
+            self._coll_wait(self._coll_send(None, root, sendobj))
+            return None
+        return [sendobj if r == root else self._coll_recv_object(r) for r in range(self.size)]
+
+    def scatter(self, sendobj: Sequence[Any] | None, root: int = 0) -> Any:
+        """Item ``r`` of the root's sequence of ``size`` objects to rank r."""
+        self._coll_start(root)
+        if self.rank != root:
+            return self._coll_recv_object(root)
+        items = list(sendobj) if sendobj is not None else []
+        if len(items) != self.size:
+            raise CmaError(f"scatter needs a sequence of {self.size} objects at the root, "
+                           f"got {len(items)}")
+        ops = [self._coll_send(None, r, items[r]) for r in range(self.size) if r != root]
+        self._coll_wait(*ops)
+        return items[root]
+
+    def allgather(self, sendobj: Any) -> list[Any]:
+        """Every rank's object, in rank order, as a list on every rank."""
+        return self.bcast(self.gather(sendobj, 0), 0)
+
+    def alltoall(self, sendobj: Sequence[Any]) -> list[Any]:
+        """Item ``d`` of each rank's sequence to rank d; returns the items sent to this
+        rank, in rank order."""
+        self._coll_start()
+        items = list(sendobj)
+        if len(items) != self.size:
+            raise CmaError(f"alltoall needs a sequence of {self.size} objects, got {len(items)}")
+        out: list[Any] = [None] * self.size
+        out[self.rank] = items[self.rank]
+        for step in range(1, self.size):
+            dest, source = (self.rank + step) % self.size, (self.rank - step) % self.size
+            recv = self._coll_recv(None, source)
+            self._coll_wait(recv, self._coll_send(None, dest, items[dest]))
+            out[source] = self._unpickle(recv)
+        return out

@@ -1,0 +1,146 @@
+"""cma.mpi.Comm's collectives against MPI's own over the same ranks (run with 1-4 ranks).
+
+Every case runs twice: through the wrapper (cma when every rank is on one node) and
+through mpi4py's own method on the wrapped MPI handle; the results must agree (exactly
+for integers, closely for floats, whose sums MPICH and cma may add in other orders).
+Cases are drawn from one seeded generator, the same on every rank. Then: the wrapper
+must have moved the bytes through cma (its stats grew; under CMA_MPI_* pretend nodes it
+must not have), and a user-defined op must go to MPI. Prints "OK <rank>".
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+from mpi4py import MPI
+
+import cma.mpi
+
+CASES = 12
+OPS = [MPI.SUM, MPI.PROD, MPI.MIN, MPI.MAX, MPI.BAND, MPI.BOR, MPI.BXOR, MPI.LAND, MPI.LOR]
+TYPES = [(np.int32, MPI.INT), (np.int64, MPI.INT64_T), (np.float64, MPI.DOUBLE)]
+
+
+def same(a: np.ndarray, b: np.ndarray, what: str) -> None:
+    if a.dtype.kind == "f":
+        assert np.allclose(a, b, rtol=1e-9, atol=1e-9), f"{what}: {a} != {b}"
+    else:
+        assert np.array_equal(a, b), f"{what}: {a} != {b}"
+
+
+def both(comm: cma.mpi.Comm, name: str, make: object) -> None:
+    """``make(call)`` runs the collective with ``call`` and returns the arrays to compare."""
+    ours = make(getattr(comm, name))  # type: ignore[operator]
+    theirs = make(lambda *a, **k: getattr(MPI.Intracomm, name)(comm, *a, **k))  # type: ignore[operator]
+    for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+        same(a, b, f"rank {comm.Get_rank()} {name} output {i}")
+
+
+def run_case(comm: cma.mpi.Comm, rng: np.random.Generator) -> None:
+    rank, size = comm.Get_rank(), comm.Get_size()
+    dtype, mpitype = TYPES[rng.integers(len(TYPES))]
+    count = int(rng.choice([0, 1, 7, 1000, 70_000]))
+    root = int(rng.integers(size))
+    op = OPS[rng.integers(len(OPS))]
+    if dtype is np.float64 and op not in (MPI.SUM, MPI.PROD, MPI.MIN, MPI.MAX):
+        op = MPI.MAX  # (MPI defines logical and bitwise ops on integers only)
+    seed = int(rng.integers(1 << 30))
+    mine = np.random.default_rng([seed, rank]).integers(-3, 4, count * size).astype(dtype)
+    if op == MPI.PROD and dtype is np.float64:
+        mine = np.random.default_rng([seed, rank]).uniform(0.5, 1.5, count * size)
+
+    def bcast(call):
+        buf = mine[:count].copy() if rank == root else np.zeros(count, dtype)
+        call([buf, mpitype], root=root)
+        return [buf]
+
+    def allreduce(call):
+        out = np.zeros(count, dtype)
+        call([mine[:count], mpitype], [out, mpitype], op=op)
+        inplace = mine[:count].copy()
+        call(MPI.IN_PLACE, inplace, op)
+        return [out, inplace]
+
+    def reduce(call):
+        out = np.zeros(count, dtype)
+        call(mine[:count], out, op=op, root=root)
+        return [out if rank == root else np.zeros(0)]
+
+    def scan(call):
+        out = np.zeros(count, dtype)
+        call(mine[:count], out, op=op)
+        return [out]
+
+    def exscan(call):
+        ex = np.zeros(count, dtype)
+        call(mine[:count], ex, op=op)
+        return [ex if rank else np.zeros(0)]
+
+    def reduce_scatter_block(call):
+        out = np.zeros(count, dtype)
+        call(mine, out, op=op)
+        return [out]
+
+    def allgather(call):
+        out = np.zeros(count * size, dtype)
+        call(mine[:count], out)
+        return [out]
+
+    def gatherv(call):
+        counts = [(r * 7 + count) % (count + 1) for r in range(size)]
+        out = np.zeros(sum(counts), dtype) if rank == root else None
+        call(mine[: counts[rank]], [out, (counts, None), mpitype] if rank == root else None,
+             root=root)
+        return [out if rank == root else np.zeros(0)]
+
+    def scatter(call):
+        out = np.zeros(count, dtype)
+        call([mine, count, mpitype] if rank == root else None, out, root=root)
+        return [out]
+
+    def alltoall(call):
+        out = np.zeros(count * size, dtype)
+        call(mine, out)
+        return [out]
+
+    for name, make in (("Bcast", bcast), ("Allreduce", allreduce), ("Reduce", reduce),
+                       ("Scan", scan), ("Exscan", exscan),
+                       ("Reduce_scatter_block", reduce_scatter_block),
+                       ("Allgather", allgather), ("Gatherv", gatherv), ("Scatter", scatter),
+                       ("Alltoall", alltoall)):
+        both(comm, name, make)
+    item = {"rank": rank, "array": mine[:count]}
+    for name, args in (("bcast", (item,)), ("allreduce", (rank + 1,)), ("gather", (item,)),
+                       ("allgather", (rank,)), ("alltoall", ([rank * 10 + d for d in range(size)],)),
+                       ("scatter", ([d * 3 for d in range(size)] if rank == root else None,))):
+        kwargs = {"root": root} if name in ("bcast", "gather", "scatter") else {}
+        ours = getattr(comm, name)(*args, **kwargs)
+        theirs = getattr(MPI.Intracomm, name)(comm, *args, **kwargs)
+        assert repr(ours) == repr(theirs), f"{name}: {ours!r} != {theirs!r}"
+
+
+def main() -> None:
+    comm = cma.mpi.Comm(MPI.COMM_WORLD)
+    rank = comm.Get_rank()
+    rng = np.random.default_rng(int(sys.argv[1]) if len(sys.argv) > 1 else 26)
+    before = comm.cma.stats()["eager"]["messages"] if comm.cma is not None else 0
+    for _ in range(CASES):
+        run_case(comm, rng)
+    one_node = comm.cma is not None and comm.node_ranks == list(range(comm.Get_size()))
+    if comm.cma is not None:
+        moved = comm.cma.stats()["eager"]["messages"] > before
+        assert moved == one_node, (moved, one_node)
+    # a user-defined op: MPI's own Allreduce, on every rank
+    add = MPI.Op.Create(lambda a, b, t: np.add(np.frombuffer(a, np.int32), np.frombuffer(b, np.int32),
+                                                out=np.frombuffer(b, np.int32)), commute=True)
+    out = np.zeros(3, np.int32)
+    comm.Allreduce(np.ones(3, np.int32), out, op=add)
+    assert (out == comm.Get_size()).all(), out
+    add.Free()
+    comm.Barrier()
+    print(f"OK {rank}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

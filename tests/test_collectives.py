@@ -1,0 +1,692 @@
+"""cma.Comm's collectives against NumPy, in worlds of 1, 2, 3 and 4 ranks.
+
+One world per rank count lives for the whole module (``world`` fixture): each rank is a
+forked child serving ``(function, args)`` commands over a multiprocessing pipe, so a
+hypothesis example costs a collective, not a world. The test process is no rank: it
+draws the cases, waits for every rank with a deadline (a hang fails, kills the world and
+never blocks), and computes the expected result with NumPy from the same seeded inputs
+the ranks built. Half the cases shrink the algorithm thresholds to zero in the ranks, so
+the ring and scatter algorithms run at small sizes as well as the trees.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from multiprocessing.connection import wait
+from typing import Any
+
+import numpy as np
+import pytest
+from conftest import stop_process
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import cma
+from cma import collectives
+from cma.comm import _shared_fds
+from cma.errors import InvalidDatatype, InvalidRank, PeerGone
+from cma.world import WorldFds
+
+RESULT_TIMEOUT = 60.0
+PAIR = np.dtype([("v", "f8"), ("i", "i4")])
+IPAIR = np.dtype([("v", "i4"), ("i", "i4")])
+NUMERIC = ["i1", "u2", "i4", "i8", "f4", "f8", "c16"]
+DTYPES_FOR = {
+    "SUM": NUMERIC, "PROD": NUMERIC,
+    "MIN": ["i1", "u2", "i4", "i8", "f4", "f8"], "MAX": ["i1", "u2", "i4", "i8", "f4", "f8"],
+    "LAND": ["?", "i1", "i4", "f8"], "LOR": ["?", "i1", "i4", "f8"], "LXOR": ["?", "i1", "i4", "f8"],
+    "BAND": ["?", "u1", "i4", "i8"], "BOR": ["?", "u1", "i4", "i8"], "BXOR": ["?", "u1", "i4", "i8"],
+    "MINLOC": [PAIR.descr, IPAIR.descr], "MAXLOC": [PAIR.descr, IPAIR.descr],
+}
+ALL_DTYPES = ["u1", "i2", "i4", "f4", "f8", "c16", PAIR.descr]
+REDUCTIONS = ["Reduce", "Allreduce", "Reduce_scatter_block", "Scan", "Exscan"]
+MOVES = ["Bcast", "Gather", "Gatherv", "Scatter", "Scatterv", "Allgather", "Allgatherv",
+         "Alltoall", "Alltoallv"]
+THRESHOLDS = ("BCAST_SCATTER_FROM", "ALLREDUCE_RING_FROM", "REDUCE_RING_FROM")
+DEFAULTS = {name: getattr(collectives, name) for name in THRESHOLDS}
+FIXTURE_HC = [HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+
+
+# ------------------------------------------------------------------ the world
+
+def _serve(comm: cma.Comm, conn: Any) -> None:
+    try:
+        while True:
+            command = conn.recv()
+            if command is None:
+                break
+            func, args = command
+            try:
+                out = ("ok", func(comm, *args))
+            except BaseException as exc:  # noqa: BLE001 - reported to the test process
+                out = ("error", "".join(traceback.format_exception(exc)))
+            conn.send(out)
+    finally:
+        comm.close()
+        conn.close()
+
+
+class World:
+    """``size`` forked ranks of one fresh cma world, each serving commands. A rank that
+    raises or hangs fails the call and ends the world; the next call starts a new one."""
+
+    def __init__(self, size: int, transport: str = "auto") -> None:
+        self.size = size
+        self.transport = transport
+        self.procs: list[Any] = []
+        self.conns: list[Any] = []
+        self._start()
+
+    def _start(self) -> None:
+        ctx = mp.get_context("fork")
+        fds = WorldFds.create(self.size, cma.ChannelConfig())
+        comms = [cma.Comm(_shared_fds(fds), rank, self.transport) for rank in range(self.size)]
+        fds.close()
+        self.procs, self.conns = [], []
+        try:
+            for comm in comms:
+                ours, theirs = ctx.Pipe()
+                proc = ctx.Process(target=_serve, args=(comm, theirs), daemon=True)
+                proc.start()
+                theirs.close()
+                self.procs.append(proc)
+                self.conns.append(ours)
+        finally:
+            for comm in comms:
+                comm.close()
+
+    def run(self, func: Callable[..., Any], *args: Any) -> list[Any]:
+        """``func(comm, *args)`` on every rank; the results in rank order."""
+        if not all(proc.is_alive() for proc in self.procs):
+            self.close()
+            self._start()
+        for conn in self.conns:
+            conn.send((func, args))
+        results: dict[int, Any] = {}
+        deadline = time.monotonic() + RESULT_TIMEOUT
+        while len(results) < self.size:
+            waiting = [c for r, c in enumerate(self.conns) if r not in results]
+            ready = wait(waiting, max(0.0, deadline - time.monotonic()))
+            if not ready:
+                self.kill()
+                pytest.fail(f"ranks {sorted(set(range(self.size)) - set(results))} gave no "
+                            f"result within {RESULT_TIMEOUT} s (deadlock)")
+            for conn in ready:
+                rank = self.conns.index(conn)
+                status, value = conn.recv()
+                if status != "ok":
+                    self.kill()  # (the others may wait for it forever)
+                    raise AssertionError(f"rank {rank} raised:\n{value}")
+                results[rank] = value
+        return [results[rank] for rank in range(self.size)]
+
+    def kill(self) -> None:
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.kill()
+
+    def close(self) -> None:
+        for conn, proc in zip(self.conns, self.procs, strict=True):
+            if proc.is_alive():
+                try:
+                    conn.send(None)
+                except OSError:
+                    proc.kill()
+        for conn, proc in zip(self.conns, self.procs, strict=True):
+            stop_process(proc, 10.0)
+            conn.close()
+
+
+@pytest.fixture(scope="module", params=[1, 2, 3, 4])
+def world(request: pytest.FixtureRequest) -> Any:
+    w = World(request.param)
+    try:
+        yield w
+    finally:
+        w.close()
+
+
+# ------------------------------------------------------------------ inputs, both sides
+
+def values(seed: int, rank: int, dtype: np.dtype, n: int, op: str | None) -> np.ndarray:
+    """Rank ``rank``'s input of case ``seed``: the same in the rank and in the test."""
+    rng = np.random.default_rng([seed, rank])
+    if dtype.names:
+        out = np.zeros(n, dtype)
+        out["v"] = rng.integers(0, 4, n)  # few values: ties, which go to the smaller index
+        out["i"] = rng.integers(0, 1000, n)
+        return out
+    if op in ("LAND", "LOR", "LXOR"):
+        return rng.integers(0, 3, n).astype(dtype)  # zeros and non-zeros
+    if dtype.kind == "b":
+        return rng.integers(0, 2, n).astype(dtype)
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        return rng.integers(info.min, info.max, n, dtype=dtype, endpoint=True)
+    low, high = (0.5, 1.5) if op == "PROD" else (-1.0, 1.0)
+    real = rng.uniform(low, high, n)
+    if dtype.kind == "c":
+        return (real + 1j * rng.uniform(low, high, n)).astype(dtype)
+    return real.astype(dtype)
+
+
+def layout(seed: int, n: int, size: int) -> tuple[list[int], list[int]]:
+    """Counts (0..n each) and displacements (blocks in reverse rank order, one element apart)."""
+    rng = np.random.default_rng([seed, 1 << 20])
+    counts = [int(c) for c in rng.integers(0, n + 1, size)]
+    displs, at = [0] * size, 0
+    for r in reversed(range(size)):
+        displs[r] = at
+        at += counts[r] + 1
+    return counts, displs
+
+
+def matrix(seed: int, n: int, size: int) -> np.ndarray:
+    """Alltoallv: element counts [source, dest]."""
+    return np.random.default_rng([seed, 1 << 21]).integers(0, n + 1, (size, size))
+
+
+def pack(counts: list[int], displs: list[int], dtype: np.dtype) -> np.ndarray:
+    return np.zeros(max([d + c for c, d in zip(counts, displs, strict=True)] + [0]) + 1, dtype)
+
+
+def wrap(form: str, array: np.ndarray, blocks: int = 1) -> tuple[Any, np.ndarray]:
+    """A buffer spec over ``array`` in the form ``form``, and the view that holds the
+    result (for the count form, a longer buffer whose tail must stay untouched)."""
+    if form == "bare":
+        return array, array
+    if form == "dtype":
+        return [array, array.dtype], array
+    padded = np.zeros(array.size + 3, array.dtype)
+    padded[: array.size] = array
+    return [padded, array.size // blocks, array.dtype], padded[: array.size]
+
+
+def vwrap(form: str, array: np.ndarray, counts: list[int], displs: list[int]) -> Any:
+    if form == "four":
+        return [array, counts, displs, array.dtype]
+    return [array, (counts, displs), array.dtype]
+
+
+# ------------------------------------------------------------------ what a rank runs
+
+def _set_thresholds(small: bool) -> None:
+    for name in THRESHOLDS:
+        setattr(collectives, name, 0 if small else DEFAULTS[name])
+
+
+def run_case(comm: cma.Comm, case: dict[str, Any]) -> Any:
+    _set_thresholds(case["small"])
+    name, n, root, seed = case["name"], case["count"], case["root"], case["seed"]
+    dtype, form, in_place = np.dtype(case["dtype"]), case["form"], case["in_place"]
+    op = getattr(cma, case["op"]) if case["op"] else None
+    size, rank = comm.Get_size(), comm.Get_rank()
+    mine = values(seed, rank, dtype, n, case["op"])
+    place = cma.IN_PLACE
+    if name == "Bcast":
+        buf = mine if rank == root else np.zeros(n, dtype)
+        spec, out = wrap(form, buf)
+        comm.Bcast(spec, root=root)
+        return out
+    if name in ("Reduce", "Allreduce", "Scan", "Exscan"):
+        result = np.zeros(n, dtype)
+        here = name != "Reduce" or rank == root
+        if in_place and here:
+            result[:] = mine
+            spec, out = wrap(form, result)
+            send: Any = place
+        else:
+            spec, out = wrap(form, result)
+            send = wrap(form, mine)[0]
+        if name == "Reduce":
+            comm.Reduce(send, spec, op=op, root=root)
+        else:
+            getattr(comm, name)(send, spec, op=op)
+        return out if here else None
+    if name == "Reduce_scatter_block":
+        full = values(seed, rank, dtype, n * size, case["op"])
+        if in_place:
+            spec, out = wrap(form, full.copy(), blocks=size)
+            comm.Reduce_scatter_block(place, spec, op=op)
+            return out[:n]
+        spec, out = wrap(form, np.zeros(n, dtype))
+        comm.Reduce_scatter_block(wrap(form, full, blocks=size)[0], spec, op=op)
+        return out
+    if name == "Gather":
+        if rank != root:
+            comm.Gather(wrap(form, mine)[0], None, root=root)
+            return None
+        recv = np.zeros(n * size, dtype)
+        if in_place:
+            recv[rank * n : (rank + 1) * n] = mine
+        spec, out = wrap(form, recv, blocks=size)
+        comm.Gather(place if in_place else wrap(form, mine)[0], spec, root=root)
+        return out
+    if name == "Gatherv":
+        counts, displs = layout(seed, n, size)
+        send = mine[: counts[rank]]
+        if rank != root:
+            comm.Gatherv(send, None, root=root)
+            return None
+        recv = pack(counts, displs, dtype)
+        if in_place:
+            recv[displs[rank] : displs[rank] + counts[rank]] = send
+        comm.Gatherv(place if in_place else send, vwrap(form, recv, counts, displs), root=root)
+        return recv
+    if name == "Scatter":
+        full = values(seed, root, dtype, n * size, None)
+        if rank != root:
+            spec, out = wrap(form, np.zeros(n, dtype))
+            comm.Scatter(None, spec, root=root)
+            return out
+        send = wrap(form, full, blocks=size)[0]
+        if in_place:
+            comm.Scatter(send, place, root=root)
+            return full[rank * n : (rank + 1) * n]
+        spec, out = wrap(form, np.zeros(n, dtype))
+        comm.Scatter(send, spec, root=root)
+        return out
+    if name == "Scatterv":
+        counts, displs = layout(seed, n, size)
+        recv = np.zeros(counts[rank], dtype)
+        if rank != root:
+            comm.Scatterv(None, recv, root=root)
+            return recv
+        full = values(seed, root, dtype, int(pack(counts, displs, dtype).size), None)
+        comm.Scatterv(vwrap(form, full, counts, displs), place if in_place else recv, root=root)
+        return full[displs[rank] : displs[rank] + counts[rank]] if in_place else recv
+    if name == "Allgather":
+        recv = np.zeros(n * size, dtype)
+        if in_place:
+            recv[rank * n : (rank + 1) * n] = mine
+        spec, out = wrap(form, recv, blocks=size)
+        comm.Allgather(place if in_place else wrap(form, mine)[0], spec)
+        return out
+    if name == "Allgatherv":
+        counts, displs = layout(seed, n, size)
+        send = mine[: counts[rank]]
+        recv = pack(counts, displs, dtype)
+        if in_place:
+            recv[displs[rank] : displs[rank] + counts[rank]] = send
+        comm.Allgatherv(place if in_place else send, vwrap(form, recv, counts, displs))
+        return recv
+    if name == "Alltoall":
+        full = values(seed, rank, dtype, n * size, None)
+        if in_place:
+            spec, out = wrap(form, full.copy(), blocks=size)
+            comm.Alltoall(place, spec)
+            return out
+        spec, out = wrap(form, np.zeros(n * size, dtype), blocks=size)
+        comm.Alltoall(wrap(form, full, blocks=size)[0], spec)
+        return out
+    if name == "Alltoallv":
+        sizes = matrix(seed, n, size)
+        scounts = [int(c) for c in sizes[rank]]
+        rcounts = [int(c) for c in sizes[:, rank]]
+        sdispls = [sum(scounts[:d]) for d in range(size)]
+        full = values(seed, rank, dtype, sum(scounts), None)
+        rdispls, at = [0] * size, 0
+        for r in reversed(range(size)):
+            rdispls[r] = at
+            at += rcounts[r] + 2
+        recv = np.zeros(at + 1, dtype)
+        comm.Alltoallv(vwrap(form, full, scounts, sdispls), vwrap(form, recv, rcounts, rdispls))
+        return recv
+    raise AssertionError(name)
+
+
+# ------------------------------------------------------------------ what the test expects
+
+def combine(op: str, stack: np.ndarray) -> np.ndarray:
+    """The reduction of ``stack`` (ranks along axis 0) by MPI's definition of ``op``."""
+    dtype = stack.dtype
+    if op in ("MINLOC", "MAXLOC"):
+        sign = 1 if op == "MINLOC" else -1
+        out = np.zeros(stack.shape[1], dtype)
+        for j in range(stack.shape[1]):
+            out[j] = min(((v, i) for v, i in zip(stack["v"][:, j], stack["i"][:, j], strict=True)),
+                         key=lambda t: (sign * t[0], t[1]))
+        return out
+    ufunc = {"SUM": np.add, "PROD": np.multiply, "MIN": np.minimum, "MAX": np.maximum,
+             "LAND": np.logical_and, "LOR": np.logical_or, "LXOR": np.logical_xor,
+             "BAND": np.bitwise_and, "BOR": np.bitwise_or, "BXOR": np.bitwise_xor}[op]
+    if stack.shape[0] == 1:
+        return stack[0]  # one rank's input is the result as it is (MPI applies no op)
+    return ufunc.reduce(stack, axis=0).astype(dtype)  # (integers wrap alike in any order)
+
+
+def expected(case: dict[str, Any], size: int) -> list[Any]:
+    name, n, root, seed, op = case["name"], case["count"], case["root"], case["seed"], case["op"]
+    dtype = np.dtype(case["dtype"])
+    inputs = [values(seed, r, dtype, n, op) for r in range(size)]
+    if name == "Bcast":
+        return [inputs[root]] * size
+    if name in ("Reduce", "Allreduce"):
+        total = combine(op, np.stack(inputs))
+        return [total if name == "Allreduce" or r == root else None for r in range(size)]
+    if name == "Scan":
+        return [combine(op, np.stack(inputs[: r + 1])) for r in range(size)]
+    if name == "Exscan":
+        # rank 0's recvbuf is left as it was: zeros, or its own input when in place
+        first = inputs[0] if case["in_place"] else np.zeros(n, dtype)
+        return [first] + [combine(op, np.stack(inputs[:r])) for r in range(1, size)]
+    if name == "Reduce_scatter_block":
+        fulls = [values(seed, r, dtype, n * size, op) for r in range(size)]
+        total = combine(op, np.stack(fulls))
+        return [total[r * n : (r + 1) * n] for r in range(size)]
+    if name == "Gather":
+        return [np.concatenate(inputs) if r == root else None for r in range(size)]
+    if name in ("Gatherv", "Allgatherv"):
+        counts, displs = layout(seed, n, size)
+        recv = pack(counts, displs, dtype)
+        for r in range(size):
+            recv[displs[r] : displs[r] + counts[r]] = inputs[r][: counts[r]]
+        return [recv if name == "Allgatherv" or r == root else None for r in range(size)]
+    if name == "Scatter":
+        full = values(seed, root, dtype, n * size, None)
+        return [full[r * n : (r + 1) * n] for r in range(size)]
+    if name == "Scatterv":
+        counts, displs = layout(seed, n, size)
+        full = values(seed, root, dtype, int(pack(counts, displs, dtype).size), None)
+        return [full[displs[r] : displs[r] + counts[r]] for r in range(size)]
+    if name == "Allgather":
+        return [np.concatenate(inputs)] * size
+    if name == "Alltoall":
+        fulls = [values(seed, r, dtype, n * size, None) for r in range(size)]
+        return [np.concatenate([fulls[s][r * n : (r + 1) * n] for s in range(size)])
+                for r in range(size)]
+    if name == "Alltoallv":
+        sizes = matrix(seed, n, size)
+        fulls = [values(seed, s, dtype, int(sizes[s].sum()), None) for s in range(size)]
+        out = []
+        for r in range(size):
+            rcounts = [int(c) for c in sizes[:, r]]
+            rdispls, at = [0] * size, 0
+            for s in reversed(range(size)):
+                rdispls[s] = at
+                at += rcounts[s] + 2
+            recv = np.zeros(at + 1, dtype)
+            for s in range(size):
+                start = int(sizes[s, :r].sum())
+                recv[rdispls[s] : rdispls[s] + rcounts[s]] = fulls[s][start : start + rcounts[s]]
+            out.append(recv)
+        return out
+    raise AssertionError(name)
+
+
+def assert_same(got: Any, want: Any, what: str) -> None:
+    if want is None:
+        assert got is None, what
+        return
+    assert got.dtype == want.dtype and got.shape == want.shape, f"{what}: {got!r} vs {want!r}"
+    if want.dtype.kind in "fc":
+        tolerance = 1e-4 if want.dtype.itemsize * (2 if want.dtype.kind == "f" else 1) <= 8 else 1e-9
+        np.testing.assert_allclose(got, want, rtol=tolerance, atol=tolerance, err_msg=what)
+    else:
+        assert np.array_equal(got, want), f"{what}:\n got {got!r}\nwant {want!r}"
+
+
+@st.composite
+def cases(draw: st.DrawFn, size: int) -> dict[str, Any]:
+    name = draw(st.sampled_from(REDUCTIONS + MOVES))
+    op = None
+    if name in REDUCTIONS:
+        op = draw(st.sampled_from(sorted(DTYPES_FOR)))
+        dtype = draw(st.sampled_from(DTYPES_FOR[op]))
+    else:
+        dtype = draw(st.sampled_from(ALL_DTYPES))
+    count = draw(st.one_of(st.just(0), st.integers(1, 50), st.integers(1000, 40_000)))
+    return {
+        "name": name, "op": op, "dtype": dtype, "count": count,
+        "root": draw(st.integers(0, size - 1)), "in_place": draw(st.booleans()),
+        "form": draw(st.sampled_from(["bare", "dtype", "count"] if name not in
+                                     ("Gatherv", "Scatterv", "Allgatherv", "Alltoallv")
+                                     else ["tuple", "four"])),
+        "small": draw(st.booleans()), "seed": draw(st.integers(0, 2**32 - 1)),
+    }
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=FIXTURE_HC)
+@given(data=st.data())
+def test_buffer_collectives_match_numpy(world: World, data: st.DataObject) -> None:
+    case = data.draw(cases(world.size))
+    got = world.run(run_case, case)
+    want = expected(case, world.size)
+    for rank in range(world.size):
+        assert_same(got[rank], want[rank], f"rank {rank} of {world.size}, {case}")
+
+
+# ------------------------------------------------------------------ object forms
+
+def _first(a: Any, b: Any) -> Any:
+    """Not commutative: the object reduction must keep rank order."""
+    return a if isinstance(a, list) else [a, b]
+
+
+def run_objects(comm: cma.Comm, name: str, root: int, seed: int, big: bool) -> Any:
+    size, rank = comm.Get_size(), comm.Get_rank()
+    array = np.full((3 << 20) // 4 if big else 5, rank, np.int32)  # 3 MiB: out of band
+    item = {"rank": rank, "seed": seed, "array": array}
+    if name == "bcast":
+        return comm.bcast(item if rank == root else None, root=root)
+    if name == "reduce":
+        return comm.reduce(rank + seed, op=cma.SUM, root=root)
+    if name == "reduce-ordered":  # list concatenation: the order of ranks must show
+        return comm.reduce([rank], op=lambda a, b: a + b, root=root)
+    if name == "allreduce":
+        return comm.allreduce(array, op=cma.MAX)
+    if name == "allreduce-default":
+        return comm.allreduce(rank + 1)
+    if name == "gather":
+        return comm.gather(item, root=root)
+    if name == "scatter":
+        return comm.scatter([(r, seed) for r in range(size)] if rank == root else None, root=root)
+    if name == "allgather":
+        return comm.allgather((rank, seed))
+    if name == "alltoall":
+        return comm.alltoall([(rank, d, seed) for d in range(size)])
+    raise AssertionError(name)
+
+
+OBJECT_CASES = ["bcast", "reduce", "reduce-ordered", "allreduce", "allreduce-default", "gather",
+                "scatter", "allgather", "alltoall"]
+
+
+def expected_objects(name: str, root: int, seed: int, size: int, big: bool) -> list[Any]:
+    def item(r: int) -> dict[str, Any]:
+        return {"rank": r, "seed": seed, "array": np.full((3 << 20) // 4 if big else 5, r, np.int32)}
+    at_root = {
+        "bcast": [item(root)] * size,
+        "reduce": [sum(range(size)) + size * seed if r == root else None for r in range(size)],
+        "reduce-ordered": [list(range(size)) if r == root else None for r in range(size)],
+        "allreduce": [np.full((3 << 20) // 4 if big else 5, size - 1, np.int32)] * size,
+        "allreduce-default": [size * (size + 1) // 2] * size,
+        "gather": [[item(s) for s in range(size)] if r == root else None for r in range(size)],
+        "scatter": [(r, seed) for r in range(size)],
+        "allgather": [[(s, seed) for s in range(size)]] * size,
+        "alltoall": [[(s, r, seed) for s in range(size)] for r in range(size)],
+    }
+    return at_root[name]
+
+
+def same_objects(got: Any, want: Any) -> bool:
+    if isinstance(want, dict):
+        return got.keys() == want.keys() and all(same_objects(got[k], want[k]) for k in want)
+    if isinstance(want, np.ndarray):
+        return isinstance(got, np.ndarray) and np.array_equal(got, want)
+    if isinstance(want, list):
+        return len(got) == len(want) and all(same_objects(g, w) for g, w in zip(got, want, strict=True))
+    return bool(got == want)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=FIXTURE_HC)
+@given(data=st.data())
+def test_object_collectives(world: World, data: st.DataObject) -> None:
+    name = data.draw(st.sampled_from(OBJECT_CASES))
+    root = data.draw(st.integers(0, world.size - 1))
+    seed = data.draw(st.integers(0, 1000))
+    big = name in ("bcast", "gather", "allreduce") and data.draw(st.booleans())
+    got = world.run(run_objects, name, root, seed, big)
+    want = expected_objects(name, root, seed, world.size, big)
+    for rank in range(world.size):
+        assert same_objects(got[rank], want[rank]), f"{name} rank {rank}: {got[rank]!r}"
+
+
+# ------------------------------------------------------------------ isolation, errors, stats
+
+def interleave_user_messages(comm: cma.Comm) -> Any:
+    """User messages sent before a collective (to ANY_TAG receives posted after it) and a
+    collective between them: neither may take the other's messages."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    comm.Send(np.full(4, 100 + rank, np.int64), dest=(rank + 1) % size, tag=7)
+    buf = np.full(4, rank, np.int64)
+    comm.Allreduce(cma.IN_PLACE, buf, op=cma.SUM)
+    got = np.zeros(4, np.int64)
+    status = cma.Status()
+    comm.Recv(got, source=cma.ANY_SOURCE, tag=cma.ANY_TAG, status=status)
+    pending = comm.Iprobe(cma.ANY_SOURCE, cma.ANY_TAG)
+    return int(buf[0]), int(got[0]), status.Get_source(), pending
+
+
+def test_collectives_do_not_match_user_messages(world: World) -> None:
+    results = world.run(interleave_user_messages)
+    size = world.size
+    for rank, (total, got, source, pending) in enumerate(results):
+        assert total == size * (size - 1) // 2
+        assert (got, source) == (100 + (rank - 1) % size, (rank - 1) % size)
+        assert not pending
+
+
+def refusals(comm: cma.Comm) -> list[str]:
+    """Errors a rank finds before any message moves (so every rank raises, none waits)."""
+    raised = []
+    for call in (lambda: comm.Bcast(np.zeros(2), root=comm.Get_size()),
+                 lambda: comm.Allreduce(np.zeros(2), np.zeros(2), op=cma.BAND),
+                 lambda: comm.Allreduce(np.zeros(2), np.zeros(2), op=np.add)):
+        try:
+            call()
+        except (InvalidRank, InvalidDatatype, TypeError) as exc:
+            raised.append(type(exc).__name__)
+    return raised
+
+
+def test_bad_root_dtype_and_op_are_refused_on_every_rank(world: World) -> None:
+    results = world.run(refusals)
+    assert results == [["InvalidRank", "InvalidDatatype", "TypeError"]] * world.size
+
+
+def mpi4py_names(comm: cma.Comm) -> Any:
+    import mpi4py
+
+    mpi4py.rc.initialize = False  # only its constants are needed here, not an MPI world
+    from mpi4py import MPI
+
+    buf = np.array([comm.Get_rank(), -comm.Get_rank()], np.int32)
+    comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.MAX)
+    out = np.zeros(2, np.int32)
+    comm.Allreduce(np.array([1, 2], np.int32), out, op=MPI.SUM)
+    return buf.tolist(), out.tolist()
+
+
+def test_mpi4py_in_place_and_ops_are_accepted(world: World) -> None:
+    results = world.run(mpi4py_names)
+    size = world.size
+    assert results == [([size - 1, 0], [size, 2 * size])] * size
+
+
+def traffic(comm: cma.Comm, nbytes: int) -> dict[str, dict[str, float]]:
+    buf = np.full(nbytes, 7 if comm.Get_rank() == 0 else 0, np.uint8)
+    comm.reset_stats()  # (before the barrier: a rank may take the Bcast's packet in it)
+    comm.Barrier()
+    comm.Bcast(buf, root=0)
+    assert (buf == 7).all()
+    return comm.stats()
+
+
+@pytest.mark.parametrize("nbytes", [1 << 10, 16 << 20])
+def test_stats_count_collective_traffic(world: World, nbytes: int) -> None:
+    """Every non-root rank receives the whole message once (a binomial tree, or the
+    root's scatter and the chain), so the bytes counted across ranks are (size-1) x n
+    received plus as many sent (the barrier's messages carry no bytes)."""
+    if world.size == 1:
+        pytest.skip("one rank moves nothing")
+    stats = world.run(traffic, nbytes)
+    moved = sum(s["bytes"] for per_rank in stats for s in per_rank.values())
+    assert moved == 2 * (world.size - 1) * nbytes
+    if nbytes > cma.ChannelConfig().eager_limit:
+        # no eager bytes: each block rode a rendezvous through a transport
+        assert all(per_rank["eager"]["bytes"] == 0 for per_rank in stats)
+
+
+# ------------------------------------------------------------------ a rank that dies
+
+def _die_soon() -> None:
+    threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGKILL)).start()
+
+
+RAISED_PEERGONE = 17
+
+
+def allreduce_until_someone_dies(comm: cma.Comm, victim: int, nbytes: int) -> None:
+    """Allreduce in a loop; the victim is killed in the middle of one. A survivor that
+    raises PeerGone exits as an uncaught exception would end it (and as cma-run ends a
+    world), which is what lets the ranks still waiting on it raise in turn."""
+    buf = np.ones(nbytes // 8)
+    if comm.Get_rank() == victim:
+        _die_soon()
+    try:
+        while True:
+            comm.Allreduce(cma.IN_PLACE, buf, op=cma.MAX)
+    except PeerGone:
+        os._exit(RAISED_PEERGONE)
+
+
+@pytest.mark.parametrize("nbytes", [64, 8 << 20])
+def test_rank_that_dies_inside_a_collective_makes_the_others_raise(nbytes: int) -> None:
+    world = World(3)
+    try:
+        for conn in world.conns:
+            conn.send((allreduce_until_someone_dies, (1, nbytes)))
+        for proc in world.procs:
+            proc.join(RESULT_TIMEOUT)
+        codes = [proc.exitcode for proc in world.procs]
+        assert codes == [RAISED_PEERGONE, -signal.SIGKILL, RAISED_PEERGONE]
+    finally:
+        world.close()
+
+
+
+# ------------------------------------------------------------------ cma-bench
+
+@pytest.mark.parametrize(("kind", "nbytes"), [("allreduce", 8), ("bcast", 4 << 20)])
+def test_bench_times_collectives_and_counts_their_copies(tmp_path: Any, kind: str,
+                                                          nbytes: int) -> None:
+    """``cma-bench bcast|allreduce`` at 2 ranks: one result per size, and the copies
+    comm.stats() saw: an eager message is copied into the ring and out of it (a third
+    time when it arrives before its receive is posted); from 4 MiB auto uses cma,
+    one kernel copy, where both ranks may read each other."""
+    from conftest import TWO_WAY_PTRACE
+
+    from cma.bench.cli import main
+
+    out = tmp_path / "bench.json"
+    code = main([kind, "-n", "2", "--min-size", str(nbytes), "--max-size", str(nbytes),
+                 "--iterations", "5", "--warmup", "1", "--json", str(out)])
+    assert code == 0
+    (series,) = json.loads(out.read_text())["series"]
+    (result,) = series["results"]
+    assert result["size"] == nbytes and len(result["rank_means_us"]) == 2
+    user, kernel = result["user_copied"] / nbytes, result["kernel_copied"] / nbytes
+    if nbytes > cma.ChannelConfig().eager_limit:
+        if TWO_WAY_PTRACE:
+            assert (user, kernel) == (0.0, 1.0)
+    else:
+        # allreduce at 2 ranks: each rank sends its vector once (recursive doubling)
+        assert 2 * 2 <= user <= 3 * 2 and kernel == 0

@@ -45,7 +45,7 @@ from cma.wire import CTS, EAGER, FIN, MORE, OBJECT, RTS, SYNC, Region
 
 PEER = 1
 CONFIG = ChannelConfig(eager_limit=1024, ring_bytes=4096, frag_size=4096, stage_slots=2)
-FUZZ_CASES = int(os.environ.get("CMA_FUZZ_CASES", "12"))
+FUZZ_CASES = int(os.environ.get("CMA_FUZZ_CASES", "8"))
 GUARD = 64  # bytes either side of a receive buffer that must stay untouched
 GUARD_BYTE = 0xA5
 
@@ -108,7 +108,7 @@ cts_payloads = st.one_of(
 )
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(kinds, words, words, st.one_of(rts_payloads, cts_payloads))
 @example(0x5C43, 0, 0, b"").via("the issue's unknown packet kind")
 @example(CTS, 0, 0, encode_cts(12345, 1, PUSH, "cma", [])).via("a CTS for no message")
@@ -127,7 +127,7 @@ def test_engine_refuses_any_forged_packet_with_protocol_error(kind, tag, aux, pa
     check_actions(actions, buffer)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(st.binary(max_size=300))
 def test_decoders_return_or_raise_protocol_error(payload):
     for decode in (decode_rts, decode_cts):
@@ -150,7 +150,7 @@ def forged_ring(head: int, tail: int, at: list[int]) -> tuple[Inbox, memoryview]
     return inbox, pair
 
 
-@settings(max_examples=500, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(st.one_of(st.sampled_from([0, 64, 4096 - 64, 4096, 2**40]), words),
        st.sampled_from([0, 64, 2048, 4096 - 64, 8192 + 128]),
        st.lists(words, min_size=4, max_size=6), st.integers(0, 300))

@@ -45,7 +45,7 @@ from cma.wire import CTS, EAGER, FIN, MORE, OBJECT, RTS, SYNC, Region
 
 PEER = 1
 CONFIG = ChannelConfig(eager_limit=1024, ring_bytes=4096, frag_size=4096, stage_slots=2)
-FUZZ_CASES = int(os.environ.get("CMA_FUZZ_CASES", "8"))
+FUZZ_CASES = int(os.environ.get("CMA_FUZZ_CASES", "4"))
 GUARD = 64  # bytes either side of a receive buffer that must stay untouched
 GUARD_BYTE = 0xA5
 

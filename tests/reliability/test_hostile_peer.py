@@ -14,17 +14,19 @@ receives. ``CMA_FUZZ_CASES`` sets how many process-level cases run (a handful in
 from __future__ import annotations
 
 import functools
+import multiprocessing as mp
 import os
 import select
 
 import numpy as np
 import pytest
-from conftest import run_ranks
+from conftest import run_ranks, stop_process
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import cma
-from cma.channel import HEAD, PAD, TAIL, ChannelConfig, Inbox, packet_bytes
+import cma.world
+from cma.channel import HEAD, PAD, PID, TAIL, ChannelConfig, Inbox, packet_bytes
 from cma.errors import CmaError, CommBroken, ProtocolError
 from cma.protocol import (
     ADDRESS_LIMIT,
@@ -296,3 +298,28 @@ def test_a_peer_scribbling_over_its_mappings_gets_a_cma_error_or_its_message(
     print(f"{transport} {what} {target} seed {seed}: {outcome}")
     assert outcome in ("received", "ProtocolError", "CommBroken", "PeerGone", "TruncationError",
                        "TransportFault", "WindowError")
+
+
+def attach_and_close(comm: cma.Comm) -> None:
+    comm.Barrier()
+    comm.close()
+
+
+def test_close_stops_the_fd_server_whatever_the_header_says():
+    """close() decided from the header's pid word whether this process runs the fd server;
+    a peer that overwrote that word left the server thread running (and close() waiting
+    out its 5 s join)."""
+    a, b = cma.Pipe(transport="shm")
+    child = mp.get_context("fork").Process(target=attach_and_close, args=(b,))
+    try:
+        child.start()
+        b.close()
+        a.Barrier()
+        world = a._world
+        server = world._server_thread
+        world.header[world._word(0, PID)] = 12345  # as a peer could write it
+        a.close()
+        assert not server.is_alive()
+    finally:
+        a.close()
+        stop_process(child)

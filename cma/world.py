@@ -161,6 +161,7 @@ class World:
         self._launched: dict[int, tuple[int, int]] = {}
         self._exposed: dict[str, Callable[[], int]] = {}
         self._server: socket.socket | None = None
+        self._server_pid = 0
         self._server_thread: threading.Thread | None = None
 
     def _map_pair(self, src: int, dst: int) -> memoryview:
@@ -304,6 +305,7 @@ class World:
             ) from exc
         server.listen(max(4, self.size))
         self._server = server
+        self._server_pid = os.getpid()
         self._server_thread = threading.Thread(target=self._serve, name="cma-fd-server", daemon=True)
         self._server_thread.start()
 
@@ -436,7 +438,9 @@ class World:
 
     def close(self) -> None:
         if self._server is not None:
-            if self.owned_here():  # (in a forked child the listener is still the parent's)
+            # (in a forked child the listener is still the parent's; the pid is kept here,
+            # not read from the header, which a peer can overwrite)
+            if self._server_pid == os.getpid():
                 try:
                     self._server.shutdown(socket.SHUT_RDWR)
                 except OSError:

@@ -752,7 +752,7 @@ def _collective(name: str) -> Callable[..., Any]:
     op_at = _OP_POSITION.get(name)
 
     def collective(self: Comm, *args: Any, **kwargs: Any) -> Any:
-        if self._barrier != BARRIER_CMA:
+        if self._barrier != BARRIER_CMA or _derived_datatype(args, kwargs):
             return through_mpi(self, *args, **kwargs)
         if op_at is not None:
             op = args[op_at] if len(args) > op_at else kwargs.get("op", MPI.SUM)
@@ -760,6 +760,9 @@ def _collective(name: str) -> Callable[..., Any]:
                 return through_mpi(self, *args, **kwargs)
         try:
             return through_cma(self._cma, *args, **kwargs)
+        except InvalidRank as exc:  # (the only rank a collective takes is its root)
+            self.Call_errhandler(MPI.ERR_ROOT)
+            raise MPI.Exception(MPI.ERR_ROOT) from exc
         except CmaError as exc:
             self._fail(exc)
 
@@ -767,6 +770,17 @@ def _collective(name: str) -> Callable[..., Any]:
     collective.__doc__ = (f"``MPI.Intracomm.{name}``: through cma when every rank is on this "
                           "node (docs/mpi.md), else MPI's.")
     return collective
+
+
+def _derived_datatype(args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+    """Whether a buffer spec names a derived datatype: cma's collectives take predefined
+    ones (as NumPy dtypes); the others, gaps and all, are MPI's to lay out."""
+    for spec in (*args, *kwargs.values()):
+        if isinstance(spec, (list, tuple)):
+            for item in spec:
+                if isinstance(item, MPI.Datatype) and not item.is_predefined:
+                    return True
+    return False
 
 
 for _name in ON_NODE_COLLECTIVES:

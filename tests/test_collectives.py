@@ -454,7 +454,7 @@ def cases(draw: st.DrawFn, size: int) -> dict[str, Any]:
     }
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=FIXTURE_HC)
+@settings(max_examples=70, deadline=None, suppress_health_check=FIXTURE_HC)
 @given(data=st.data())
 def test_buffer_collectives_match_numpy(world: World, data: st.DataObject) -> None:
     case = data.draw(cases(world.size))
@@ -527,7 +527,7 @@ def same_objects(got: Any, want: Any) -> bool:
     return bool(got == want)
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=FIXTURE_HC)
+@settings(max_examples=16, deadline=None, suppress_health_check=FIXTURE_HC)
 @given(data=st.data())
 def test_object_collectives(world: World, data: st.DataObject) -> None:
     name = data.draw(st.sampled_from(OBJECT_CASES))

@@ -205,7 +205,10 @@ def _dtype(datatype: Any) -> np.dtype:
 
 
 def _whole(buf: Any, writable: bool) -> np.ndarray:
-    """The buffer as a flat array of its own element type (no copy)."""
+    """The buffer as a flat array of its own element type (no copy); None is an empty
+    buffer, as in mpi4py's specs ``[None, "B"]``."""
+    if buf is None:
+        return np.empty(0, np.uint8)
     if isinstance(buf, np.ndarray):
         array = buf
     else:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, NoReturn
@@ -746,10 +747,16 @@ _OP_POSITION = {"Reduce": 2, "Allreduce": 2, "Reduce_scatter_block": 2, "Scan": 
 _PREDEFINED = tuple(getattr(MPI, name) for name in OPS)
 
 
+# mpi4py serialises each communicator's object collectives per name with a lock from this
+# table (threads calling bcast at once); through cma they take the same lock.
+_LOCK_TABLE: Callable[[MPI.Comm], dict[str, Any]] | None = getattr(MPI, "_comm_lock_table", None)
+
+
 def _collective(name: str) -> Callable[..., Any]:
     through_mpi = getattr(MPI.Intracomm, name)
     through_cma = getattr(CmaComm, name)
     op_at = _OP_POSITION.get(name)
+    locked = name.islower() and _LOCK_TABLE is not None
 
     def collective(self: Comm, *args: Any, **kwargs: Any) -> Any:
         if self._barrier != BARRIER_CMA or _derived_datatype(args, kwargs):
@@ -759,6 +766,10 @@ def _collective(name: str) -> Callable[..., Any]:
             if not isinstance(op, Op) and not any(op == known for known in _PREDEFINED):
                 return through_mpi(self, *args, **kwargs)
         try:
+            if locked:
+                assert _LOCK_TABLE is not None
+                with _LOCK_TABLE(self).setdefault(name, threading.Lock()):
+                    return through_cma(self._cma, *args, **kwargs)
             return through_cma(self._cma, *args, **kwargs)
         except InvalidRank as exc:  # (the only rank a collective takes is its root)
             self.Call_errhandler(MPI.ERR_ROOT)

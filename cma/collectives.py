@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ._exporters import cai_array, dlpack_array
 from .errors import BufferError, CmaError, InvalidCount, InvalidDatatype, InvalidRank
 from .wire import COLLECTIVE_TAG
 
@@ -71,7 +72,9 @@ def _mpi() -> Any:
 
 
 def _is_in_place(buf: Any) -> bool:
-    if buf is IN_PLACE:
+    """``IN_PLACE``, mpi4py's, or ``None``, which mpi4py reads as IN_PLACE where a
+    collective allows it (e.g. the root's sendbuf of Gather, recvbuf of Scatter)."""
+    if buf is IN_PLACE or buf is None:
         return True
     mpi = _mpi()
     return mpi is not None and buf is getattr(mpi, "IN_PLACE", None)
@@ -202,14 +205,29 @@ def _dtype(datatype: Any) -> np.dtype:
 
 
 def _whole(buf: Any, writable: bool) -> np.ndarray:
-    """The buffer as a flat array of its own element type (no copy)."""
+    """The buffer as a flat array of its own element type (no copy); None is an empty
+    buffer, as in mpi4py's specs ``[None, "B"]``."""
+    if buf is None:
+        return np.empty(0, np.uint8)
     if isinstance(buf, np.ndarray):
         array = buf
     else:
         try:
             array = np.asarray(memoryview(buf))
         except (TypeError, ValueError) as exc:
-            raise BufferError(f"{type(buf).__name__} does not export a buffer") from exc
+            if hasattr(buf, "__dlpack__"):
+                # cma's reading (bytes, read-only as the capsule says), typed as NumPy reads
+                # it where NumPy can (it failed on mpi4py's test exporters: bytes then)
+                array = dlpack_array(buf)
+                try:
+                    array = array.view(np.from_dlpack(buf).dtype)
+                except Exception:  # noqa: BLE001 - any failure of NumPy's reading
+                    pass
+            elif hasattr(buf, "__cuda_array_interface__"):
+                array = cai_array(buf).view(np.dtype(buf.__cuda_array_interface__["typestr"]))
+            else:
+                raise BufferError(f"{type(buf).__name__} exports neither a buffer nor DLPack "
+                                  "nor the CUDA array interface") from exc
     if array.dtype.hasobject:
         raise BufferError("an array of Python objects: use the lowercase (object) methods")
     if not array.flags.c_contiguous:
@@ -239,20 +257,30 @@ def _count(value: Any) -> int:
     return count
 
 
+def _is_count(value: Any) -> bool:
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
+
+
 def _message(spec: Any, writable: bool, blocks: int = 1) -> np.ndarray:
-    """A buffer spec of ``blocks`` equal blocks: ``buf``, ``[buf, datatype]`` or
-    ``[buf, count, datatype]`` (count per block, as mpi4py counts); the flat array of
-    the blocks, ``blocks * count`` elements."""
+    """A buffer spec of ``blocks`` equal blocks: ``buf``, ``[buf, datatype]``,
+    ``[buf, count]`` or ``[buf, count, datatype]`` (count per block, as mpi4py counts);
+    the flat array of the blocks, ``blocks * count`` elements."""
     count: int | None = None
     if isinstance(spec, (list, tuple)):
-        if len(spec) == 2:
+        if len(spec) == 2 and _is_count(spec[1]):
+            array, count = _whole(spec[0], writable), _count(spec[1])
+        elif len(spec) == 2:
             array = _retype(_whole(spec[0], writable), spec[1])
         elif len(spec) == 3:
             array = _retype(_whole(spec[0], writable), spec[2])
             count = _count(spec[1])
         else:
-            raise BufferError(f"buffer spec must be [buf, datatype] or [buf, count, datatype], "
-                              f"got {len(spec)} items")
+            raise BufferError(f"buffer spec must be [buf, datatype], [buf, count] or "
+                              f"[buf, count, datatype], got {len(spec)} items")
     else:
         array = _whole(spec, writable)
     if count is None:
@@ -264,41 +292,45 @@ def _message(spec: Any, writable: bool, blocks: int = 1) -> np.ndarray:
 
 
 def _vmessage(spec: Any, writable: bool, size: int) -> tuple[np.ndarray, list[int], list[int]]:
-    """A v-form spec: ``[buf, counts, datatype]``, ``[buf, (counts, displs), datatype]``,
-    ``[buf, counts, displs, datatype]`` or ``[buf, (counts, displs)]`` (element counts and
-    displacements per rank; displacements default to the blocks laid end to end); a bare
-    buffer or ``[buf, datatype]`` is ``size`` equal blocks."""
+    """A v-form spec, as mpi4py reads it: ``[buf, counts, datatype]``, ``[buf, (counts,
+    displs), datatype]``, ``[buf, counts, displs, datatype]`` or those without the
+    datatype. ``counts`` is a sequence of element counts per rank or one count for all;
+    ``displs`` a sequence of displacements, one stride (rank r's block at r * stride), or
+    None (blocks end to end). A bare buffer or ``[buf, datatype]`` is ``size`` equal blocks."""
     counts: Any = None
     displs: Any = None
+    datatype: Any = None
     if isinstance(spec, (list, tuple)):
-        if len(spec) == 4:
-            buf, counts, displs, datatype = spec
-        elif len(spec) == 3:
-            buf, counts, datatype = spec
-        elif len(spec) == 2:
-            buf, second = spec
-            if isinstance(second, (list, tuple)):
-                counts, datatype = second, None
-            else:
-                counts, datatype = None, second
+        buf, *rest = spec
+        if len(rest) == 3:
+            counts, displs, datatype = rest
+        elif len(rest) == 2 and isinstance(rest[0], tuple) or len(rest) == 1 and \
+                isinstance(rest[0], tuple):
+            counts, displs = rest[0]
+            datatype = rest[1] if len(rest) == 2 else None
+        elif len(rest) == 2 and (_is_count(rest[1]) or isinstance(rest[1], (list, np.ndarray))):
+            counts, displs = rest  # [buf, counts, displs]
+        elif len(rest) == 2:
+            counts, datatype = rest
+        elif len(rest) == 1 and (_is_count(rest[0]) or isinstance(rest[0], (list, np.ndarray))):
+            counts = rest[0]
+        elif len(rest) == 1:
+            datatype = rest[0]
         else:
             raise BufferError("v-form spec must be [buf, counts, datatype], "
                               "[buf, (counts, displs), datatype] or [buf, counts, displs, datatype]")
         array = _whole(buf, writable)
         if datatype is not None:
             array = _retype(array, datatype)
-        if isinstance(counts, tuple) and len(counts) == 2 and displs is None \
-                and not isinstance(counts[0], int):
-            counts, displs = counts
     else:
         array = _whole(spec, writable)
     if counts is None:
-        counts = [array.size // size] * size
-    elif not isinstance(counts, (list, tuple, np.ndarray)):
-        counts = [_count(counts)] * size
-    counts = [_count(c) for c in counts]
+        counts = array.size // size
+    counts = [_count(counts)] * size if _is_count(counts) else [_count(c) for c in counts]
     if displs is None:
         displs = [sum(counts[:i]) for i in range(len(counts))]
+    elif _is_count(displs):
+        displs = [i * _count(displs) for i in range(size)]
     displs = [_count(d) for d in displs]
     if len(counts) != size or len(displs) != size:
         raise BufferError(f"v-form spec needs {size} counts and displacements, got "
@@ -619,9 +651,10 @@ class Collectives:
         self._coll_start()
         ours = _array_op(op)
         if _is_in_place(sendbuf):
-            acc = _message(recvbuf, writable=True, blocks=self.size)
-            count = acc.size // self.size
-            result = acc[:count]
+            data = _message(recvbuf, writable=True, blocks=self.size)
+            count = data.size // self.size
+            result = data[:count]
+            acc = data.copy()  # (MPI leaves the rest of recvbuf as it was)
         else:
             result = _message(recvbuf, writable=True)
             count = result.size

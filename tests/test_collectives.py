@@ -229,7 +229,7 @@ def run_case(comm: cma.Comm, case: dict[str, Any]) -> Any:
     op = getattr(cma, case["op"]) if case["op"] else None
     size, rank = comm.Get_size(), comm.Get_rank()
     mine = values(seed, rank, dtype, n, case["op"])
-    place = cma.IN_PLACE
+    place = cma.IN_PLACE if seed % 2 else None  # (mpi4py reads None as IN_PLACE there)
     if name == "Bcast":
         buf = mine if rank == root else np.zeros(n, dtype)
         spec, out = wrap(form, buf)
@@ -255,6 +255,7 @@ def run_case(comm: cma.Comm, case: dict[str, Any]) -> Any:
         if in_place:
             spec, out = wrap(form, full.copy(), blocks=size)
             comm.Reduce_scatter_block(place, spec, op=op)
+            assert np.array_equal(out[n:], full[n:]), "IN_PLACE changed recvbuf past block 0"
             return out[:n]
         spec, out = wrap(form, np.zeros(n, dtype))
         comm.Reduce_scatter_block(wrap(form, full, blocks=size)[0], spec, op=op)
@@ -453,7 +454,7 @@ def cases(draw: st.DrawFn, size: int) -> dict[str, Any]:
     }
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=FIXTURE_HC)
+@settings(max_examples=70, deadline=None, suppress_health_check=FIXTURE_HC)
 @given(data=st.data())
 def test_buffer_collectives_match_numpy(world: World, data: st.DataObject) -> None:
     case = data.draw(cases(world.size))
@@ -526,7 +527,7 @@ def same_objects(got: Any, want: Any) -> bool:
     return bool(got == want)
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=FIXTURE_HC)
+@settings(max_examples=16, deadline=None, suppress_health_check=FIXTURE_HC)
 @given(data=st.data())
 def test_object_collectives(world: World, data: st.DataObject) -> None:
     name = data.draw(st.sampled_from(OBJECT_CASES))

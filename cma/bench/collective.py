@@ -212,16 +212,17 @@ def format_report(kind: str, series: Sequence[CollectiveSeries]) -> str:
         return "\n".join(f"{s.name}: {s.error}" for s in series)
     sizes = [r.size for r in ok[0].results]
     headers = ["size"] + [f"{s.name} us" for s in ok]
-    if len(ok) > 1:
-        headers += [f"{ok[0].name} / {s.name}" for s in ok[1:]]
+    if len(ok) > 1:  # time ratios: above 1, slower than the first series
+        headers += [f"{s.name} / {ok[0].name}" for s in ok[1:]]
     rows = []
     for i, nbytes in enumerate(sizes):
         means = [s.results[i].mean_us for s in ok]
         row = [format_size(nbytes)] + [format_number(m) for m in means]
-        row += [f"{m / means[0]:.2f}x" for m in means[1:]]  # (>1: the first series is faster)
+        row += [f"{m / means[0]:.2f}x" for m in means[1:]]
         rows.append(row)
     parts = [f"{kind}, {ok[0].ranks} ranks: time per collective, mean over iterations "
-             "averaged over ranks (barrier between iterations not timed)",
+             "averaged over ranks (barrier between iterations not timed); a / b: a's time "
+             "over b's",
              render_table(headers, rows)]
     copies = [[format_size(nbytes)] + [
         f"{s.results[i].user_copied / nbytes:.2f} / {s.results[i].kernel_copied / nbytes:.2f}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, NoReturn
@@ -746,20 +747,33 @@ _OP_POSITION = {"Reduce": 2, "Allreduce": 2, "Reduce_scatter_block": 2, "Scan": 
 _PREDEFINED = tuple(getattr(MPI, name) for name in OPS)
 
 
+# mpi4py serialises each communicator's object collectives per name with a lock from this
+# table (threads calling bcast at once); through cma they take the same lock.
+_LOCK_TABLE: Callable[[MPI.Comm], dict[str, Any]] | None = getattr(MPI, "_comm_lock_table", None)
+
+
 def _collective(name: str) -> Callable[..., Any]:
     through_mpi = getattr(MPI.Intracomm, name)
     through_cma = getattr(CmaComm, name)
     op_at = _OP_POSITION.get(name)
+    locked = name.islower() and _LOCK_TABLE is not None
 
     def collective(self: Comm, *args: Any, **kwargs: Any) -> Any:
-        if self._barrier != BARRIER_CMA:
+        if self._barrier != BARRIER_CMA or _derived_datatype(args, kwargs):
             return through_mpi(self, *args, **kwargs)
         if op_at is not None:
             op = args[op_at] if len(args) > op_at else kwargs.get("op", MPI.SUM)
             if not isinstance(op, Op) and not any(op == known for known in _PREDEFINED):
                 return through_mpi(self, *args, **kwargs)
         try:
+            if locked:
+                assert _LOCK_TABLE is not None
+                with _LOCK_TABLE(self).setdefault(name, threading.Lock()):
+                    return through_cma(self._cma, *args, **kwargs)
             return through_cma(self._cma, *args, **kwargs)
+        except InvalidRank as exc:  # (the only rank a collective takes is its root)
+            self.Call_errhandler(MPI.ERR_ROOT)
+            raise MPI.Exception(MPI.ERR_ROOT) from exc
         except CmaError as exc:
             self._fail(exc)
 
@@ -767,6 +781,17 @@ def _collective(name: str) -> Callable[..., Any]:
     collective.__doc__ = (f"``MPI.Intracomm.{name}``: through cma when every rank is on this "
                           "node (docs/mpi.md), else MPI's.")
     return collective
+
+
+def _derived_datatype(args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+    """Whether a buffer spec names a derived datatype: cma's collectives take predefined
+    ones (as NumPy dtypes); the others, gaps and all, are MPI's to lay out."""
+    for spec in (*args, *kwargs.values()):
+        if isinstance(spec, (list, tuple)):
+            for item in spec:
+                if isinstance(item, MPI.Datatype) and not item.is_predefined:
+                    return True
+    return False
 
 
 for _name in ON_NODE_COLLECTIVES:

@@ -51,20 +51,21 @@ _MAP_FAILED = ctypes.c_void_p(-1).value
 _MAP_FIXED = 0x10
 
 
-def map_shared(fd: int, nbytes: int, offset: int = 0) -> mmap.mmap:
-    """Map ``nbytes`` of ``fd`` from ``offset`` (a multiple of the page size) read-write, shared.
+def map_shared(fd: int, nbytes: int, offset: int = 0, writable: bool = True) -> mmap.mmap:
+    """Map ``nbytes`` of ``fd`` from ``offset`` (a multiple of the page size) shared,
+    read-write, or read-only when ``writable`` is false.
 
     ``mmap.mmap(fd, ...)`` keeps a dup of ``fd`` for as long as the mapping lives (before
     Python 3.13's ``trackfd``), which made a rank hold an fd per channel it maps. So the
     range is reserved as an anonymous ``mmap.mmap`` (no fd; it still refuses to close while
-    a view is exported) and the file is mapped over it in place with MAP_FIXED.
+    a view is exported) and the file is mapped over it in place with MAP_FIXED. A read-only
+    reservation exports read-only buffers, so a NumPy view of it cannot be made writable
+    (a write would otherwise fault on the read-only pages instead of raising).
     """
-    mm = mmap.mmap(-1, nbytes, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
-    anchor = ctypes.c_char.from_buffer(mm)
-    address = ctypes.addressof(anchor)
-    del anchor  # releases the export, so the mmap can be closed later
-    got = _mmap(address, nbytes, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | _MAP_FIXED,
-                fd, offset)
+    prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+    mm = mmap.mmap(-1, nbytes, mmap.MAP_PRIVATE, prot)
+    address = local_address(memoryview(mm))  # (the view is released here: mm can close later)
+    got = _mmap(address, nbytes, prot, mmap.MAP_SHARED | _MAP_FIXED, fd, offset)
     if got == _MAP_FAILED:
         err = ctypes.get_errno()
         mm.close()

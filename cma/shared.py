@@ -1,8 +1,9 @@
 """``cma.shared_array``: one array per node, in the root's shared heap, mapped by every rank.
 
-The root makes the array with ``cma.zeros``, exposes its heap segment's fd on its
-world's fd server (SO_PEERCRED-checked, ``World.expose_fd``) and broadcasts where the
-array lies; every other rank fetches the fd, maps the pages covering the array through
+The root makes the array with ``cma.zeros``, exposes a dup of its heap segment's fd on
+its world's fd server (SO_PEERCRED-checked, ``World.expose_fd``) and broadcasts where the
+array lies and that fd's number; every other rank takes the fd with ``pidfd_getfd`` where
+ptrace rules allow, else fetches it from the fd server, maps the pages covering the array through
 the heap (``Heap.imported``, so the mapping is freed with the array) and wraps them in
 an ndarray. The call ends with an allgather of the ranks' errors, so it either succeeds
 on every rank or raises on every rank, and the root's fd is exposed only during the call.
@@ -24,7 +25,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import DTypeLike
 
-from . import heap
+from . import _linux, heap
 from .comm import Comm
 from .errors import CmaError, InvalidRank
 from .world import World
@@ -104,7 +105,7 @@ def _share(node: Comm, world: World, shape: int | tuple[int, ...] | list[int], d
     name = f"shared-{segment.index}-{segment.generation}-{next(_calls)}"
     world.expose_fd(name, lambda: os.dup(fd))
     try:
-        node.bcast((name, where.offset, arr.shape, arr.dtype, order), node.rank)
+        node.bcast((name, fd, where.offset, arr.shape, arr.dtype, order), node.rank)
         _all_succeeded(node, None)
     finally:
         world.withdraw_fd(name)
@@ -116,11 +117,11 @@ def _map(node: Comm, world: World, root: int, writable: bool) -> np.ndarray[Any,
     message = node.bcast(None, root)
     if message[0] == "error":
         raise CmaError(message[1])
-    name, offset, shape, dtype, order = message
+    name, root_fd, offset, shape, dtype, order = message
     arr = None
     error = None
     try:
-        fd = world.fetch_fd(root, name)
+        fd = _take_fd(world, root, name, root_fd)
         # whole pages around the array (at least one byte, so a 0-size array maps too)
         first = offset - offset % mmap.ALLOCATIONGRANULARITY
         end = offset + max(math.prod(shape) * dtype.itemsize, 1)
@@ -131,6 +132,16 @@ def _map(node: Comm, world: World, root: int, writable: bool) -> np.ndarray[Any,
     _all_succeeded(node, error)
     assert arr is not None  # no error anywhere
     return arr
+
+
+def _take_fd(world: World, root: int, name: str, root_fd: int) -> int:
+    """The root's fd: taken with pidfd_getfd where ptrace rules allow (the root's fd
+    server thread would have to win the GIL from a root spinning in the call), else
+    fetched from its fd server."""
+    try:
+        return _linux.pidfd_getfd(world.pidfds[root], root_fd)
+    except OSError:  # EPERM (ptrace rules), ENOSYS (before Linux 5.6)
+        return world.fetch_fd(root, name)
 
 
 def _all_succeeded(node: Comm, error: str | None) -> None:

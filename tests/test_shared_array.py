@@ -7,6 +7,7 @@ has a deadline and its children are killed at the end (conftest).
 
 from __future__ import annotations
 
+import errno
 import gc
 import multiprocessing as mp
 import os
@@ -18,9 +19,10 @@ from conftest import run_ranks, stop_process
 from test_run import cma_run
 
 import cma
-from cma import heap
+from cma import _linux, heap
 from cma.errors import CmaError, InvalidRank
 from cma.shared import _world_of
+from cma.world import World
 
 PAIR = np.dtype([("v", "f8"), ("i", "i4")])
 # (shape, dtype, order): 0-size, a slab block, a segment of its own, Fortran, structured
@@ -153,6 +155,37 @@ def _exposed_after(comm: cma.Comm) -> list[str]:
     return names
 
 
+def _fd_paths(comm: cma.Comm) -> str:
+    """Make one array and say how the fd reached this rank ("pidfd_getfd" or "fd server")."""
+    world = _world_of(comm)  # attach first: the vmfd transport fetches fds when connecting
+    refused = comm.rank and _linux.cma_access_errno(world.pid_of(0)) == errno.EPERM
+    used = ["ptrace refused"] if refused else []
+    take, fetch = _linux.pidfd_getfd, World.fetch_fd
+
+    def counted_take(pidfd: int, fd: int) -> int:
+        got = take(pidfd, fd)
+        used.append("pidfd_getfd")
+        return got
+
+    def counted_fetch(self: World, peer: int, name: str) -> int:
+        used.append("fd server")
+        return fetch(self, peer, name)
+
+    _linux.pidfd_getfd = counted_take  # type: ignore[assignment]
+    World.fetch_fd = counted_fetch  # type: ignore[method-assign]
+    arr = cma.shared_array(comm, 1000, np.int16)
+    if comm.rank == 0:
+        arr[:] = 3
+    comm.Barrier()
+    assert (arr == 3).all()
+    comm.Barrier()
+    return ",".join(used) if comm.rank else "root"
+
+
+def _refuse(pidfd: int, fd: int) -> int:
+    raise PermissionError(errno.EPERM, "ptrace rules refuse (as under Yama scope 1)")
+
+
 # ------------------------------------------------------------------ tests
 
 def test_every_layout_reaches_every_rank() -> None:
@@ -265,3 +298,17 @@ def test_cma_run_world_of_three(tmp_path) -> None:
     code, out, err, _ = cma_run(["-n", "3"], textwrap.dedent(RUN_PROGRAM), tmp_path, timeout=90)
     assert code == 0, err
     assert [(tmp_path / f"rank{r}").read_text() for r in range(3)] == ["ok"] * 3
+
+
+def test_the_fd_comes_by_pidfd_getfd_where_ptrace_allows() -> None:
+    paths = run_ranks("auto", None, [_fd_paths] * 3, timeout=60)
+    if any(path.startswith("ptrace refused") for path in paths):
+        pytest.skip("ptrace rules (Yama) refuse the ranks access to the root: no pidfd_getfd")
+    assert paths == ["root", "pidfd_getfd", "pidfd_getfd"]
+
+
+def test_the_fd_server_serves_when_ptrace_rules_refuse(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_linux, "pidfd_getfd", _refuse)  # the forked ranks inherit it
+    paths = run_ranks("auto", None, [_fd_paths] * 3, timeout=60)
+    assert [path.removeprefix("ptrace refused,") for path in paths] == \
+        ["root", "fd server", "fd server"]

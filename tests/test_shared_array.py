@@ -117,22 +117,25 @@ def _released(comm: cma.Comm) -> list[tuple[int, int]]:
     return counts
 
 
-def _no_alias(comm: cma.Comm) -> list[int]:
-    """The root drops a small shared array while the others keep it; its next arrays of
-    that size must not take the same block, which the others still see."""
-    arr = cma.shared_array(comm, 16, np.int32, writable=True)
+def _no_alias(comm: cma.Comm) -> list[list[int]]:
+    """The root drops a small and a large shared array while the others keep them; its
+    next arrays of those sizes must not take the same memory, and the others' pages must
+    stay valid."""
+    small = cma.shared_array(comm, 16, np.int32, writable=True)  # a slab block
+    large = cma.shared_array(comm, 1 << 18, np.int32, writable=True)  # a segment of its own
     if comm.rank == 0:
-        arr[:] = 7
-        del arr
+        small[:] = 7
+        large[:] = 8
+        del small, large
         gc.collect()
-        fresh = [cma.zeros(16, np.int32) for _ in range(4)]
+        fresh = [cma.zeros(16, np.int32) for _ in range(4)] + [cma.zeros(1 << 18, np.int32)]
         for a in fresh:
             a[:] = -1
         comm.Barrier()
         comm.Barrier()
         return []
     comm.Barrier()
-    result = arr.tolist()
+    result = [sorted(set(small.tolist())), sorted(set(large.tolist()))]
     comm.Barrier()
     return result
 
@@ -215,9 +218,9 @@ def test_no_fd_or_mapping_is_left_after_the_array_is_dropped() -> None:
         assert alive[1] == before[1] + 1, f"rank {rank} does not map the array: {alive}"
 
 
-def test_a_shared_block_is_not_handed_out_again() -> None:
+def test_memory_the_root_dropped_stays_valid_and_unaliased() -> None:
     results = run_ranks("auto", None, [_no_alias] * 3, timeout=60)
-    assert results[1] == results[2] == [7] * 16
+    assert results[1] == results[2] == [[7], [8]]
 
 
 def test_a_root_that_fails_fails_every_rank() -> None:

@@ -2,7 +2,8 @@
 
 ``cma.Pipe()`` gives two connected communicators; ``cma.COMM_WORLD`` is the world of a
 program started by ``cma-run``. The API follows mpi4py's ``Comm``. ``cma.empty`` and
-``cma.zeros`` make arrays in the shared heap, which ``multiprocessing`` passes by handle.
+``cma.zeros`` make arrays in the shared heap, which ``multiprocessing`` passes by handle;
+``cma.shared_array`` makes one array that every rank of a node maps.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from .collectives import (
 )
 from .comm import AUTO, Comm, Pipe, Request, Status
 from .heap import alloc, empty, empty_like, is_shared, zeros
+from .shared import shared_array
 from .transports import REGISTRY
 from .wire import ANY_SOURCE, ANY_TAG, PROC_NULL
 
@@ -38,7 +40,7 @@ __all__ = [
     "ANY_SOURCE", "ANY_TAG", "AUTO", "BAND", "BOR", "BXOR", "COMM_WORLD", "ChannelConfig",
     "Comm", "IN_PLACE", "LAND", "LOR", "LXOR", "MAX", "MAXLOC", "MIN", "MINLOC", "Op",
     "PROC_NULL", "PROD", "Pipe", "Request", "SUM", "Status", "alloc", "empty", "empty_like",
-    "errors", "is_shared", "transport_names", "zeros",
+    "errors", "is_shared", "shared_array", "transport_names", "zeros",
 ]
 
 

@@ -51,20 +51,21 @@ _MAP_FAILED = ctypes.c_void_p(-1).value
 _MAP_FIXED = 0x10
 
 
-def map_shared(fd: int, nbytes: int, offset: int = 0) -> mmap.mmap:
-    """Map ``nbytes`` of ``fd`` from ``offset`` (a multiple of the page size) read-write, shared.
+def map_shared(fd: int, nbytes: int, offset: int = 0, writable: bool = True) -> mmap.mmap:
+    """Map ``nbytes`` of ``fd`` from ``offset`` (a multiple of the page size) shared,
+    read-write, or read-only when ``writable`` is false.
 
     ``mmap.mmap(fd, ...)`` keeps a dup of ``fd`` for as long as the mapping lives (before
     Python 3.13's ``trackfd``), which made a rank hold an fd per channel it maps. So the
     range is reserved as an anonymous ``mmap.mmap`` (no fd; it still refuses to close while
-    a view is exported) and the file is mapped over it in place with MAP_FIXED.
+    a view is exported) and the file is mapped over it in place with MAP_FIXED. A read-only
+    reservation exports read-only buffers, so a NumPy view of it cannot be made writable
+    (a write would otherwise fault on the read-only pages instead of raising).
     """
-    mm = mmap.mmap(-1, nbytes, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
-    anchor = ctypes.c_char.from_buffer(mm)
-    address = ctypes.addressof(anchor)
-    del anchor  # releases the export, so the mmap can be closed later
-    got = _mmap(address, nbytes, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | _MAP_FIXED,
-                fd, offset)
+    prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+    mm = mmap.mmap(-1, nbytes, mmap.MAP_PRIVATE, prot)
+    address = local_address(memoryview(mm))  # (the view is released here: mm can close later)
+    got = _mmap(address, nbytes, prot, mmap.MAP_SHARED | _MAP_FIXED, fd, offset)
     if got == _MAP_FAILED:
         err = ctypes.get_errno()
         mm.close()
@@ -153,6 +154,25 @@ def pidfd_open(pid: int) -> int:
         return os.pidfd_open(pid)
     except ProcessLookupError as exc:
         raise PeerGone(f"process {pid} has exited") from exc
+
+
+_syscall = _libc.syscall
+_syscall.restype = ctypes.c_long
+_SYS_PIDFD_GETFD = 438  # x86-64 and the generic table alike (Linux 5.6)
+
+
+def pidfd_getfd(pidfd: int, target_fd: int) -> int:
+    """A duplicate, close-on-exec, of the process's fd ``target_fd`` (pidfd_getfd(2)).
+
+    Needs ptrace-attach permission over the process (OSError EPERM otherwise, ENOSYS
+    before Linux 5.6); no help from the process, so no thread of it must run.
+    """
+    fd = _syscall(ctypes.c_long(_SYS_PIDFD_GETFD), ctypes.c_long(pidfd), ctypes.c_long(target_fd),
+                  ctypes.c_long(0))
+    if fd < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return int(fd)
 
 
 def process_alive(pidfd: int) -> bool:

@@ -255,16 +255,17 @@ class Heap:
             if slab is not None and slab.segment is location.segment:
                 slab.exported.add(location.offset // slab.block)
 
-    def imported(self, fd: int, start: int, length: int) -> mmap.mmap:
-        """Map ``[start, start + length)`` of another process's segment (``start`` page-aligned);
-        the heap owns ``fd`` from here on, and closes it when the mapping is gone."""
+    def imported(self, fd: int, start: int, length: int, writable: bool = True) -> mmap.mmap:
+        """Map ``[start, start + length)`` of another process's segment (``start`` page-aligned),
+        read-only unless ``writable``; the heap owns ``fd`` from here on, and closes it when
+        the mapping is gone."""
         try:
             _linux.close_on_exec([fd])  # fds received over SCM_RIGHTS arrive inheritable
             size = _linux.file_size(fd)
             if start + length > size:
                 raise CmaError(f"a heap handle names bytes [{start}, {start + length}) of a segment "
                                f"of {size} bytes: it does not come from a cma heap, or was altered")
-            mm = _linux.map_shared(fd, length, start)
+            mm = _linux.map_shared(fd, length, start, writable)
         except BaseException:
             os.close(fd)
             raise

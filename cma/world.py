@@ -291,6 +291,10 @@ class World:
     def expose_fd(self, name: str, opener: Callable[[], int]) -> None:
         self._exposed[name] = opener
 
+    def withdraw_fd(self, name: str) -> None:
+        """Stop answering requests for ``name`` (a request already being answered finishes)."""
+        self._exposed.pop(name, None)
+
     def _start_server(self) -> None:
         if self._server is not None:
             return

@@ -199,3 +199,11 @@ def test_collectives_agree_with_mpi(n: int, env: dict[str, str]) -> None:
     on one node (the program checks cma moved them), through MPI on pretend nodes and for
     a user-defined op (collectives.py)."""
     expect_ok(n, "collectives.py", env=env)
+
+
+@pytest.mark.parametrize("env", [{}, {"CMA_MPI_RANKS_PER_NODE": "2"}, {"CMA_MPI_DISABLE": "1"}])
+def test_shared_array_per_node(env: dict[str, str]) -> None:
+    """cma.shared_array gives one array per node (pretend nodes: one of them a single
+    rank), read-only off the node's root; with cma disabled every rank gets CmaError
+    (shared.py)."""
+    expect_ok(3, "shared.py", env=env)

@@ -39,12 +39,13 @@ Unix socket (SO_PEERCRED checked), the socket's name travelling in an MPI bcast.
 The modules: ``comm`` (the communicator: dispatch; its ``Message``), ``node`` (the
 node's cma communicator), ``requests`` (and the hook's use), ``persistent``
 (``Prequest``), ``libmpi`` (the MPI library's progress hook, through ctypes), ``specs``
-(buffer specs), ``bootstrap``, ``mixed`` (wildcards across both channels), ``errors``
-and ``mpiapi`` (what is taken from mpi4py).
+(buffer specs), ``bootstrap``, ``mixed`` (wildcards across both channels), ``errors``,
+``mpiapi`` (what is taken from mpi4py) and ``shared`` (``cma.shared_array`` per node).
 """
 
 from __future__ import annotations
 
+from . import shared  # noqa: F401 - registers cma.shared_array for cma.mpi.Comm
 from .bootstrap import ENV_DISABLE, ENV_NODES, ENV_RANKS_PER_NODE
 from .comm import Comm, Message
 from .errors import PeerGoneError, TruncateError

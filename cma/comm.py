@@ -1,4 +1,4 @@
-"""Comm, Request and Status: the one send/recv API, shaped like mpi4py's.
+"""Comm: the one send/recv API, shaped like mpi4py's (its requests: requests.py).
 
 The I/O half of the protocol: ``protocol.Engine`` decides, this module acts (rings,
 transports, staging, doorbells). Two paths:
@@ -69,6 +69,7 @@ from .protocol import (
     slice_views,
     split_packet,
 )
+from .requests import Message, Request, Status, null_recv
 from .transports import REGISTRY, Region, Transport, TransportStats
 from .wire import ANY_SOURCE, ANY_TAG, BARRIER_TAG, EAGER, KIND_MASK, MORE, PROC_NULL
 from .world import ENV_TRANSPORT, ENV_WORLD, PeerLink, World, WorldFds, announce
@@ -195,190 +196,6 @@ def _region(mv: memoryview) -> Region:
 
 def _allocate(nbytes: int) -> memoryview:
     return np.empty(nbytes, dtype=np.uint8).data
-
-
-# ------------------------------------------------------------------ Status and Request
-
-class Status:
-    """Source, tag and size of a received message, as mpi4py's ``MPI.Status``."""
-
-    __slots__ = ("source", "tag", "count", "error")
-
-    def __init__(self) -> None:
-        self.source = ANY_SOURCE
-        self.tag = ANY_TAG
-        self.count = 0
-        self.error = 0
-
-    def Get_source(self) -> int:
-        return self.source
-
-    def Get_tag(self) -> int:
-        return self.tag
-
-    def Get_error(self) -> int:
-        return self.error
-
-    def Get_count(self, datatype: Any = None) -> int:
-        """Number of elements of ``datatype`` (a typechar or NumPy dtype; bytes by default)."""
-        if datatype is None:
-            return self.count
-        return self.count // np.dtype(datatype).itemsize
-
-    def Get_elements(self, datatype: Any) -> int:
-        return self.Get_count(datatype)
-
-    def _fill(self, source: int, tag: int, count: int) -> None:
-        self.source = source
-        self.tag = tag
-        self.count = count
-
-    def __repr__(self) -> str:
-        return f"Status(source={self.source}, tag={self.tag}, count={self.count})"
-
-
-class Request:
-    """A non-blocking operation, as mpi4py's ``MPI.Request``."""
-
-    __slots__ = ("_comm", "_op", "_object", "_also")
-
-    def __init__(self, comm: Comm, op: SendOp | RecvOp | None, is_object: bool = False,
-                 also: SendOp | None = None) -> None:
-        self._comm = comm
-        self._op = op
-        self._object = is_object
-        self._also = also  # Isendrecv: the send this receive's request also waits for
-
-    def _done(self) -> bool:
-        op, also = self._op, self._also
-        return (op is None or op.done) and (also is None or also.done)
-
-    def Test(self, status: Status | None = None) -> bool:
-        if not self._done():
-            self._comm._progress()
-            if not self._done():
-                return False
-        self._finish(status)
-        return True
-
-    def Wait(self, status: Status | None = None) -> Literal[True]:
-        for op in (self._op, self._also):
-            if op is not None and not op.done:
-                try:
-                    self._comm._wait(op)
-                except BaseException:
-                    self._comm._withdraw(op)  # the caller gives up on it (a Ctrl-C, say)
-                    raise
-        self._finish(status)
-        return True
-
-    def test(self, status: Status | None = None) -> tuple[bool, Any]:
-        if not self.Test(status):
-            return False, None
-        return True, self._result()
-
-    def wait(self, status: Status | None = None) -> Any:
-        self.Wait(status)
-        return self._result()
-
-    def _finish(self, status: Status | None) -> None:
-        op = self._op
-        if isinstance(op, RecvOp):
-            if status is not None:
-                status._fill(op.matched_source, op.matched_tag, op.nbytes)
-            if op.error is not None:
-                error, op.error = op.error, None
-                raise error
-
-    def _result(self) -> Any:
-        op = self._op
-        if self._object and isinstance(op, RecvOp) and op.matched_source != PROC_NULL:
-            return self._comm._unpickle(op)
-        return None
-
-    @classmethod
-    def Waitall(cls, requests: Sequence[Request], statuses: list[Status] | None = None
-                ) -> Literal[True]:
-        for i, req in enumerate(requests):
-            req.Wait(statuses[i] if statuses is not None else None)
-        return True
-
-    @classmethod
-    def waitall(cls, requests: Sequence[Request], statuses: list[Status] | None = None) -> list[Any]:
-        return [req.wait(statuses[i] if statuses is not None else None)
-                for i, req in enumerate(requests)]
-
-    @classmethod
-    def Testall(cls, requests: Sequence[Request], statuses: list[Status] | None = None) -> bool:
-        if not all(req._done() or req.Test() for req in requests):
-            return False
-        return cls.Waitall(requests, statuses)
-
-    @classmethod
-    def testall(cls, requests: Sequence[Request], statuses: list[Status] | None = None
-                ) -> tuple[bool, list[Any] | None]:
-        if not cls.Testall(requests, statuses):
-            return False, None
-        return True, [req._result() for req in requests]
-
-    @classmethod
-    def Waitany(cls, requests: Sequence[Request], status: Status | None = None) -> int:
-        if not requests:
-            raise ValueError("Waitany of no requests")
-        comm = requests[0]._comm
-        box: list[int] = []
-
-        def any_done() -> bool:
-            for i, req in enumerate(requests):
-                if req._done():
-                    box.append(i)
-                    return True
-            return False
-
-        comm._wait_until(any_done, None)
-        requests[box[0]].Wait(status)
-        return box[0]
-
-    @classmethod
-    def waitany(cls, requests: Sequence[Request], status: Status | None = None) -> tuple[int, Any]:
-        index = cls.Waitany(requests, status)
-        return index, requests[index]._result()
-
-
-class Message:
-    """A message that a matched probe took out of matching, as mpi4py's ``MPI.Message``.
-
-    Receive it once, with ``Recv``/``Irecv`` into a buffer or ``recv``/``irecv`` as an
-    object; it is false afterwards. A probe of ``PROC_NULL`` gives an empty message.
-    """
-
-    __slots__ = ("_comm", "_arrival", "_taken")
-
-    def __init__(self, comm: Comm, arrival: Arrival | None) -> None:
-        self._comm = comm
-        self._arrival = arrival  # None: PROC_NULL's
-        self._taken = False
-
-    def __bool__(self) -> bool:
-        return not self._taken
-
-    def _take(self) -> Arrival | None:
-        if self._taken:
-            raise CmaError("this message was received already")
-        self._taken = True
-        return self._arrival
-
-    def Irecv(self, buf: Any) -> Request:
-        return self._comm._mrecv(self._take(), buf, False)
-
-    def Recv(self, buf: Any, status: Status | None = None) -> None:
-        self.Irecv(buf).Wait(status)
-
-    def irecv(self) -> Request:
-        return self._comm._mrecv(self._take(), None, True)
-
-    def recv(self, status: Status | None = None) -> Any:
-        return self.irecv().wait(status)
 
 
 # ------------------------------------------------------------------ Comm
@@ -728,7 +545,7 @@ class Comm:
         source = self._check_source(source)
         recvtag = self._check_tag(recvtag, wildcard=True)
         if source == PROC_NULL:
-            op = _null_recv()
+            op = null_recv()
         else:
             op, actions = self._engine.recv(source, recvtag, rmv)
             self._run(actions)
@@ -840,7 +657,7 @@ class Comm:
         source = self._check_source(source)
         tag = self._check_tag(tag, wildcard=True)
         if source == PROC_NULL:
-            return self._request(self, _null_recv())
+            return self._request(self, null_recv())
         op, actions = self._engine.recv(source, tag, mv)
         self._run(actions)
         return self._request(self, op)
@@ -912,7 +729,7 @@ class Comm:
         source = self._check_source(source)
         tag = self._check_tag(tag, wildcard=True)
         if source == PROC_NULL:
-            return self._request(self, _null_recv(), is_object=True)
+            return self._request(self, null_recv(), is_object=True)
         op, actions = self._engine.recv(source, tag, None)
         self._run(actions)
         return self._request(self, op, is_object=True)
@@ -979,7 +796,7 @@ class Comm:
     def _mrecv(self, arrival: Arrival | None, buf: Any, is_object: bool) -> Request:
         """Receive the message of a matched probe (``buf`` unused for an object receive)."""
         if arrival is None:
-            return self._request(self, _null_recv(), is_object=is_object)
+            return self._request(self, null_recv(), is_object=is_object)
         mv = None if is_object else self._cached_view(buf, recv_view)
         op, actions = self._engine.mrecv(arrival, mv)
         self._run(actions)
@@ -1612,12 +1429,6 @@ def _as_int(value: Any) -> int | None:
         return operator.index(value)
     except TypeError:
         return None
-
-
-def _null_recv() -> RecvOp:
-    op = RecvOp(PROC_NULL, ANY_TAG, None, matched_source=PROC_NULL, matched_tag=ANY_TAG)
-    op.done = True
-    return op
 
 
 # Ends announced by this process (see _rebuild_comm) and not attached yet.

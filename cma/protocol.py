@@ -541,6 +541,7 @@ class Engine:
         offers: int,
         allocate: Callable[[int], memoryview],
         region_of: Callable[[memoryview], Region],
+        matcher: Matcher | None = None,
     ) -> None:
         self.rank = rank
         self.allocate = allocate
@@ -548,7 +549,8 @@ class Engine:
         self.eager_limit = eager_limit
         self.policy = policy
         self.offers = offers
-        self.matcher = Matcher()
+        # (given: the communicator's, which its fast paths hold from before the engine exists)
+        self.matcher = matcher if matcher is not None else Matcher()
         self._ids = itertools.count(1)
         self.sends: dict[int, SendOp] = {}
         self.recvs: dict[int, RecvOp] = {}

@@ -75,7 +75,7 @@ class Request:
 
     def Test(self, status: Status | None = None) -> bool:
         if not self._done():
-            self._comm._progress()
+            self._comm.progress()
             if not self._done():
                 return False
         self._finish(status)
@@ -84,10 +84,11 @@ class Request:
     def Wait(self, status: Status | None = None) -> Literal[True]:
         for op in (self._op, self._also):
             if op is not None and not op.done:
+                progress = self._comm._progress or self._comm._attach()
                 try:
-                    self._comm._wait(op)
+                    progress.wait(op)
                 except BaseException:
-                    self._comm._withdraw(op)  # the caller gives up on it (a Ctrl-C, say)
+                    progress.withdraw(op)  # the caller gives up on it (a Ctrl-C, say)
                     raise
         self._finish(status)
         return True
@@ -155,7 +156,7 @@ class Request:
                     return True
             return False
 
-        comm._wait_until(any_done, None)
+        (comm._progress or comm._attach()).wait_until(any_done, None)
         requests[box[0]].Wait(status)
         return box[0]
 

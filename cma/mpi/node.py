@@ -81,7 +81,7 @@ class NodeComm(CmaComm):
         if buf.__class__ is tuple:  # (lists are cma's to convert and remember, as specs)
             buf = self._spec_view(buf, convert)
             if buf.__class__ is Typed:  # stands in for the view (protocol.Scattered)
-                if not self._attached:
+                if self._progress is None:
                     self._attach()
                 return cast(memoryview, buf)
         elif buf is None:  # mpi4py's message of nothing (towards PROC_NULL, say)
@@ -175,16 +175,12 @@ class NodeComm(CmaComm):
         self._keep_moving()
         return req
 
-    def _in_flight(self) -> bool:
-        """Whether this rank holds data its peers wait for that moves only when it runs
-        cma: packets queued behind a full ring, pipelines, background pulls."""
-        return bool(self._txq_pending or self._out_streams or self._in_streams or self._pulls)
-
     def _keep_moving(self) -> None:
         """Keep MPI's progress hook armed while anything is in flight: a peer may wait for
         it while this rank waits in MPI's own calls (osu_bibw hung so: its eager sends
         completed into the queue, and the sender went on into MPI_Barrier)."""
-        if self._in_flight():
+        progress = self._progress
+        if progress is not None and progress.in_flight():
             PROGRESS.serve(self)
 
     # -- the requests cma completes
@@ -213,8 +209,7 @@ class NodeComm(CmaComm):
         buf = req._spec[0]
         req._spec = None
         mv = None if req._object else self._cached_view(buf, recv_view)
-        op, actions = self._engine.recv(peer, tag, mv)
-        self._run(actions)
+        op = (self._progress or self._attach()).post_recv(peer, tag, mv)
         req._op = op
         if op.done:
             req._finish()
@@ -226,9 +221,10 @@ class NodeComm(CmaComm):
         if self._mixed or req._op is None:
             self._mpi._settle(req)
             return
+        progress = self._progress or self._attach()
         for op in (req._op, req._also):
             if op is not None and not op.done:
-                self._wait(op)
+                progress.wait(op)
         self._keep_moving()
 
     def settle_any(self, reqs: list[Request]) -> None:
@@ -236,7 +232,8 @@ class NodeComm(CmaComm):
         if self._mixed:
             self._mpi._progress_until(lambda: any(r._progress() for r in reqs), None)
             return
-        self._wait_until(lambda: any(r._done_in_cma() for r in reqs), None)
+        (self._progress or self._attach()).wait_until(
+            lambda: any(r._done_in_cma() for r in reqs), None)
         self._keep_moving()
 
     def step(self, req: Request) -> None:
@@ -244,7 +241,7 @@ class NodeComm(CmaComm):
         if self._mixed:
             self._mpi._step()
         else:
-            self._progress()
+            self.progress()
 
     def post_waiting(self, req: Request) -> None:
         """MPI is about to wait for ``req``: it must be posted and the hook armed."""
@@ -257,7 +254,7 @@ class NodeComm(CmaComm):
         op = req._op
         if op is None:
             return self._mpi._withdraw(req)
-        posted = self._engine.matcher.posted if self._attached else []
+        posted = self._matcher.posted
         if isinstance(op, RecvOp) and not op.done and op in posted:
             posted.remove(op)
             op.done = True
@@ -269,7 +266,7 @@ class NodeComm(CmaComm):
         persistent requests; whether to stay."""
         if self._closed:
             return False
-        self._progress()
+        self.progress()
         if self._mixed:
             if self._mpi._wildcards:
                 self._mpi._advance(probe_mpi=False)
@@ -287,7 +284,9 @@ class NodeComm(CmaComm):
                 del self._persistent[tag]
             else:
                 preq.poll()
-        return self._mixed or bool(self._pending) or bool(self._persistent) or self._in_flight()
+        progress = self._progress
+        return self._mixed or bool(self._pending) or bool(self._persistent) or \
+            progress is not None and progress.in_flight()
 
     def _warn_deferred(self) -> None:
         """Say once why a wait inside MPI may never end: a wildcard receive on a rank with
@@ -336,9 +335,7 @@ class NodeComm(CmaComm):
         tag = self._check_tag(tag, wildcard=True)
 
         def begin() -> SendOp | RecvOp | None:
-            op, actions = self._engine.recv(source, tag, mv)
-            self._run(actions)
-            return op
+            return (self._progress or self._attach()).post_recv(source, tag, mv)
         return persistent_request(self, begin)
 
     def watch(self, preq: Prequest) -> None:
@@ -354,27 +351,29 @@ class NodeComm(CmaComm):
             peer = op.dest if isinstance(op, SendOp) else op.source
             self._mpi._progress_until(lambda: op.done, peer if peer >= 0 else None)
         else:
-            self._wait(op)
+            (self._progress or self._attach()).wait(op)
 
     def step_all(self) -> None:
         if self._mixed:
             self._mpi._step()
         else:
-            self._progress()
+            self.progress()
 
     def _check_peers(self) -> None:
         """Fail the pending requests that wait for a peer that has exited."""
-        world = self._world
-        assert world is not None
+        progress = self._progress
+        assert progress is not None
+        world = progress.world
         live = [fd for fd in world.pidfds if fd >= 0]
         ready = _linux.wait_readable(live, 0)
         if not ready:
             return
-        self._bury([r for r, fd in enumerate(world.pidfds) if fd in ready])
-        everyone_gone = self._dead.issuperset(self._peers)
+        progress.bury([r for r, fd in enumerate(world.pidfds) if fd in ready])
+        dead = progress.dead
+        everyone_gone = dead.issuperset(progress.peers)
         for op, req in list(self._pending.items()):
             peer = op.dest if isinstance(op, SendOp) else op.source
-            if peer in self._dead or peer == CMA_ANY_SOURCE and everyone_gone:
+            if peer in dead or peer == CMA_ANY_SOURCE and everyone_gone:
                 req._fail(PeerGone(f"rank {self.comm_rank(peer) if peer >= 0 else peer} exited "
                                    "before completing this operation"))
 

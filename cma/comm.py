@@ -136,18 +136,26 @@ def recv_view(buf: Any) -> memoryview:
 
 
 def _export(base: Any, cut: tuple[int, int]) -> memoryview:
-    """Bytes [start, stop) of a fresh export of a bytearray or mmap (see _remember_spec)."""
+    """Bytes [start, stop) of a fresh export of a bytearray or mmap (see remember_spec)."""
     return memoryview(base)[cut[0] : cut[1]]
 
 
 # ------------------------------------------------------------------ Comm
 
 class Comm:
-    """A communicator of ``size`` ranks on one machine; this object is rank ``rank``."""
+    """A communicator of ``size`` ranks on one machine; this object is rank ``rank``.
+
+    Hooks for subclasses (``cma.mpi``'s node communicator overrides them; their contract
+    is docs/architecture.md, "What cma.Comm lets a subclass change"): ``make_request``,
+    ``buffer_view``, ``spec_view``, ``remember_spec``, ``general_send``,
+    ``general_recv``, ``general_isend``, ``general_irecv``, ``start_send``,
+    ``start_buffered_send``, ``operation_completed`` and ``load_object``. The fast paths
+    call them on their way out only, so overriding one costs a hot path nothing.
+    """
 
     # What the non-blocking calls return: a subclass may hand out requests of its own
     # (cma.mpi's node communicator: mpi4py's statuses and errors) at no cost per call.
-    _request: type[Request] = Request
+    make_request: type[Request] = Request
 
     def __init__(self, fds: WorldFds, rank: int, transport: str = AUTO,
                  thresholds: dict[str, int] | None = None, **transport_options: Any) -> None:
@@ -181,7 +189,7 @@ class Comm:
         self._recv_view = memoryview(bytearray())
         # The same for the last buffer spec list: its buffer, a copy of the list, and the
         # view (arrays, bytes) or where in a fresh export of it the bytes are (bytearray,
-        # mmap); see _remember_spec.
+        # mmap); see remember_spec.
         self._send_base: Any = _NOTHING
         self._send_spec: list[Any] = []
         self._send_spec_view = memoryview(b"")
@@ -251,7 +259,7 @@ class Comm:
                                 self._user_thresholds)
         self._progress = Progress(
             world, connection, self._matcher, self._lanes, self._rlanes, self._rlane_rank,
-            self._eager_counts, self._ring, self._completed,
+            self._eager_counts, self._ring, self.operation_completed,
             overlap=bool(self._transport_options.get("overlap")))
         return self._progress
 
@@ -279,7 +287,7 @@ class Comm:
         elif buf.__class__ is bytearray:
             mv = memoryview(buf)
         else:
-            mv = self._cached_view(buf, send_view)
+            mv = self.buffer_view(buf, send_view)
         n = mv.nbytes
         lane = self._lanes.get(dest)
         if lane is not None and n <= self._eager_limit and type(tag) is int and tag >= 0:
@@ -289,7 +297,7 @@ class Comm:
             if sleeping > 0:
                 self._ring(dest)
                 return
-        self._send(mv, dest, tag)
+        self.general_send(mv, dest, tag)
 
     def Recv(self, buf: Any, source: int = ANY_SOURCE, tag: int = ANY_TAG,
              status: Status | None = None) -> None:
@@ -301,7 +309,7 @@ class Comm:
         elif buf.__class__ is bytearray:
             mv = memoryview(buf)
         else:
-            mv = self._cached_view(buf, recv_view)
+            mv = self.buffer_view(buf, recv_view)
         matcher = self._matcher
         box = self._rlanes.get(self._only_peer if source == ANY_SOURCE else source)
         if box is not None and type(tag) is int and tag >= ANY_TAG and not matcher.posted \
@@ -317,7 +325,7 @@ class Comm:
                     status.tag = box.last_tag
                     status.count = n
                 return
-        self._recv(mv, source, tag, status)
+        self.general_recv(mv, source, tag, status)
 
     def Sendrecv(self, sendbuf: Any, dest: int, sendtag: int = 0, recvbuf: Any = None,
                  source: int = ANY_SOURCE, recvtag: int = ANY_TAG,
@@ -333,12 +341,12 @@ class Comm:
         self.Issend(buf, dest, tag).Wait()
 
     def Issend(self, buf: Any, dest: int, tag: int = 0) -> Request:
-        mv = self._cached_view(buf, send_view)
+        mv = self.buffer_view(buf, send_view)
         dest = self._check_dest(dest)
         tag = self._check_tag(tag)
         if dest == PROC_NULL:
-            return self._request(self, None)
-        return self._request(self, self._start_send([mv], dest, tag, False, sync=True))
+            return self.make_request(self, None)
+        return self.make_request(self, self.start_send([mv], dest, tag, False, sync=True))
 
     def Bsend(self, buf: Any, dest: int, tag: int = 0) -> None:
         """A send that returns at once, the message copied (``MPI_Bsend``).
@@ -350,58 +358,58 @@ class Comm:
         self.Ibsend(buf, dest, tag)
 
     def Ibsend(self, buf: Any, dest: int, tag: int = 0) -> Request:
-        mv = self._cached_view(buf, send_view)
+        mv = self.buffer_view(buf, send_view)
         dest = self._check_dest(dest)
         tag = self._check_tag(tag)
         if dest != PROC_NULL:
-            self._start_buffered([mv], dest, tag, False)
-        return self._request(self, None)
+            self.start_buffered_send([mv], dest, tag, False)
+        return self.make_request(self, None)
 
-    def _start_buffered(self, segments: list[memoryview], dest: int, tag: int, is_object: bool
+    def start_buffered_send(self, segments: list[memoryview], dest: int, tag: int, is_object: bool
                         ) -> None:
         if sum(s.nbytes for s in segments) <= self._eager_limit and len(segments) == 1:
-            self._start_send(segments, dest, tag, is_object)  # complete once in a packet
+            self.start_send(segments, dest, tag, is_object)  # complete once in a packet
             return
         copies = [memoryview(bytearray(s)) for s in segments]
-        op = self._start_send(copies, dest, tag, is_object)
+        op = self.start_send(copies, dest, tag, is_object)
         progress = self._progress or self._attach()
         progress.buffered = [*(op for op in progress.buffered if not op.done), op]
 
     def Isendrecv(self, sendbuf: Any, dest: int, sendtag: int = 0, recvbuf: Any = None,
                   source: int = ANY_SOURCE, recvtag: int = ANY_TAG) -> Request:
         """Send and receive at once (``MPI_Isendrecv``): one request, the receive's status."""
-        smv = self._cached_view(sendbuf, send_view)
+        smv = self.buffer_view(sendbuf, send_view)
         dest = self._check_dest(dest)
         sendtag = self._check_tag(sendtag)
-        send = None if dest == PROC_NULL else self._start_send([smv], dest, sendtag, False)
-        rmv = self._cached_view(recvbuf, recv_view)
+        send = None if dest == PROC_NULL else self.start_send([smv], dest, sendtag, False)
+        rmv = self.buffer_view(recvbuf, recv_view)
         source = self._check_source(source)
         recvtag = self._check_tag(recvtag, wildcard=True)
         if source == PROC_NULL:
             op = null_recv()
         else:
             op = (self._progress or self._attach()).post_recv(source, recvtag, rmv)
-        return self._request(self, op, also=send)
+        return self.make_request(self, op, also=send)
 
     def Isendrecv_replace(self, buf: Any, dest: int, sendtag: int = 0,
                           source: int = ANY_SOURCE, recvtag: int = ANY_TAG) -> Request:
         """``Isendrecv`` with one buffer: what is sent is copied first."""
-        outgoing = bytes(self._cached_view(buf, send_view))
+        outgoing = bytes(self.buffer_view(buf, send_view))
         return self.Isendrecv(outgoing, dest, sendtag, buf, source, recvtag)
 
     # The general paths of Send and Recv, apart so that a subclass can adapt what they
     # raise and fill (cma.mpi's node communicator) without a frame on the hot paths.
 
-    def _send(self, mv: memoryview, dest: Any, tag: Any) -> None:
+    def general_send(self, mv: memoryview, dest: Any, tag: Any) -> None:
         # (a bytearray's fast path comes here before attaching)
         progress = self._progress or self._attach()
         dest = self._check_dest(dest)
         tag = self._check_tag(tag)
         if dest == PROC_NULL:
             return
-        progress.wait(self._start_send([mv], dest, tag, False))
+        progress.wait(self.start_send([mv], dest, tag, False))
 
-    def _recv(self, mv: memoryview, source: Any, tag: Any, status: Status | None) -> None:
+    def general_recv(self, mv: memoryview, source: Any, tag: Any, status: Status | None) -> None:
         # (a bytearray's fast path comes here before attaching)
         progress = self._progress or self._attach()
         source = self._check_source(source)
@@ -422,7 +430,7 @@ class Comm:
         elif buf.__class__ is bytearray:
             mv = memoryview(buf)
         else:
-            mv = self._cached_view(buf, send_view)
+            mv = self.buffer_view(buf, send_view)
         n = mv.nbytes
         if n <= self._eager_limit:
             # An eager send is complete once its packet is in the ring or queued, so it
@@ -434,11 +442,11 @@ class Comm:
                 if sleeping >= 0:
                     if sleeping:
                         self._ring(dest)
-                    return self._request(self, None)
+                    return self.make_request(self, None)
             if n < QUEUED_COPY_LIMIT or lane is not None and lane.fits(n):
-                self._send(mv, dest, tag)
-                return self._request(self, None)
-        return self._isend(mv, dest, tag)
+                self.general_send(mv, dest, tag)
+                return self.make_request(self, None)
+        return self.general_isend(mv, dest, tag)
 
     def Irecv(self, buf: Any, source: int = ANY_SOURCE, tag: int = ANY_TAG) -> Request:
         # (Recv's view lookup, written out again as Isend writes out Send's)
@@ -450,7 +458,7 @@ class Comm:
         elif buf.__class__ is bytearray:
             mv = memoryview(buf)
         else:
-            mv = self._cached_view(buf, recv_view)
+            mv = self.buffer_view(buf, recv_view)
         matcher = self._matcher
         box = self._rlanes.get(self._only_peer if source == ANY_SOURCE else source)
         if box is not None and type(tag) is int and tag >= ANY_TAG:
@@ -465,31 +473,31 @@ class Comm:
                 # order: complete now, as Recv would, instead of posting to the engine.
                 n = box.take_eager(mv, tag)
                 if n >= 0:
-                    return self._request(self, completed_recv(source, tag, mv, peer, box.last_tag, n))
-        return self._irecv(mv, source, tag)
+                    return self.make_request(self, completed_recv(source, tag, mv, peer, box.last_tag, n))
+        return self.general_irecv(mv, source, tag)
 
-    # Their general paths, apart for the same reason as _send and _recv.
+    # Their general paths, apart for the same reason as general_send and general_recv.
 
-    def _isend(self, mv: memoryview, dest: Any, tag: Any) -> Request:
+    def general_isend(self, mv: memoryview, dest: Any, tag: Any) -> Request:
         if self._progress is None:  # (a bytearray's fast path comes here before attaching)
             self._attach()
         dest = self._check_dest(dest)
         tag = self._check_tag(tag)
         if dest == PROC_NULL:
-            return self._request(self, None)
+            return self.make_request(self, None)
         # (for a message within the eager limit: the ring is full, and a rendezvous costs
         # less than copying the payload into a packet that waits for the ring; the
         # receiver pulls it where it can, see Policy.choose)
-        return self._request(self, self._start_send([mv], dest, tag, False, eager=False))
+        return self.make_request(self, self.start_send([mv], dest, tag, False, eager=False))
 
-    def _irecv(self, mv: memoryview, source: Any, tag: Any) -> Request:
+    def general_irecv(self, mv: memoryview, source: Any, tag: Any) -> Request:
         # (a bytearray's fast path comes here before attaching)
         progress = self._progress or self._attach()
         source = self._check_source(source)
         tag = self._check_tag(tag, wildcard=True)
         if source == PROC_NULL:
-            return self._request(self, null_recv())
-        return self._request(self, progress.post_recv(source, tag, mv))
+            return self.make_request(self, null_recv())
+        return self.make_request(self, progress.post_recv(source, tag, mv))
 
     # -- objects (pickle protocol 5, large buffers out of band through the transport)
 
@@ -507,7 +515,7 @@ class Comm:
         stream = pickle.dumps(obj, protocol=5, buffer_callback=out_of_band)
         return [memoryview(stream), *oob]
 
-    def _unpickle(self, op: RecvOp) -> Any:
+    def load_object(self, op: RecvOp) -> Any:
         if not op.is_object:
             return bytearray(op.segments[0]) if op.segments else bytearray()
         stream, *buffers = op.segments
@@ -540,12 +548,12 @@ class Comm:
         dest = self._check_dest(dest)
         tag = self._check_tag(tag)
         if dest == PROC_NULL:
-            return self._request(self, None)
+            return self.make_request(self, None)
         segments = self._pickle(obj)
         if buffered:
-            self._start_buffered(segments, dest, tag, True)
-            return self._request(self, None)
-        return self._request(self, self._start_send(segments, dest, tag, True, sync=sync))
+            self.start_buffered_send(segments, dest, tag, True)
+            return self.make_request(self, None)
+        return self.make_request(self, self.start_send(segments, dest, tag, True, sync=sync))
 
     def recv(self, buf: Any = None, source: int = ANY_SOURCE, tag: int = ANY_TAG,
              status: Status | None = None) -> Any:
@@ -557,8 +565,8 @@ class Comm:
         source = self._check_source(source)
         tag = self._check_tag(tag, wildcard=True)
         if source == PROC_NULL:
-            return self._request(self, null_recv(), is_object=True)
-        return self._request(self, progress.post_recv(source, tag, None), is_object=True)
+            return self.make_request(self, null_recv(), is_object=True)
+        return self.make_request(self, progress.post_recv(source, tag, None), is_object=True)
 
     def sendrecv(self, sendobj: Any, dest: int, sendtag: int = 0, recvbuf: Any = None,
                  source: int = ANY_SOURCE, recvtag: int = ANY_TAG,
@@ -620,12 +628,12 @@ class Comm:
     def _mrecv(self, arrival: Arrival | None, buf: Any, is_object: bool) -> Request:
         """Receive the message of a matched probe (``buf`` unused for an object receive)."""
         if arrival is None:
-            return self._request(self, null_recv(), is_object=is_object)
-        mv = None if is_object else self._cached_view(buf, recv_view)
+            return self.make_request(self, null_recv(), is_object=is_object)
+        mv = None if is_object else self.buffer_view(buf, recv_view)
         progress = self._progress or self._attach()
         op, actions = progress.engine.mrecv(arrival, mv)
         progress.run(actions)
-        return self._request(self, op, is_object=is_object)
+        return self.make_request(self, op, is_object=is_object)
 
     def Probe(self, source: int = ANY_SOURCE, tag: int = ANY_TAG,
               status: Status | None = None) -> Literal[True]:
@@ -651,7 +659,7 @@ class Comm:
         while step < self.size:
             dest = (self.rank + step) % self.size
             source = (self.rank - step) % self.size
-            sent = self._start_send([empty], dest, BARRIER_TAG, False)
+            sent = self.start_send([empty], dest, BARRIER_TAG, False)
             op = progress.post_recv(source, BARRIER_TAG, empty)
             progress.wait(op)
             progress.wait(sent)
@@ -717,14 +725,14 @@ class Comm:
 
     # -- argument checks
 
-    def _cached_view(self, buf: Any, convert: Callable[[Any], memoryview]) -> memoryview:
+    def buffer_view(self, buf: Any, convert: Callable[[Any], memoryview]) -> memoryview:
         """Convert, attach if needed, and remember arrays and bytes (never resizable objects)
         and buffer specs (lists) over them, over bytearrays and over mmaps."""
         if self._progress is None:
             self._attach()
         if buf.__class__ is list:
-            mv = self._spec_view(buf, convert)
-            self._remember_spec(buf, mv, convert is send_view)
+            mv = self.spec_view(buf, convert)
+            self.remember_spec(buf, mv, convert is send_view)
             return mv
         mv = convert(buf)
         if type(buf) is np.ndarray or type(buf) is bytes:
@@ -734,11 +742,11 @@ class Comm:
                 self._recv_obj, self._recv_view = buf, mv
         return mv
 
-    def _spec_view(self, spec: list[Any], convert: Callable[[Any], memoryview]) -> memoryview:
+    def spec_view(self, spec: list[Any], convert: Callable[[Any], memoryview]) -> memoryview:
         """The bytes a buffer spec names (cma's: [buf, typechar], [buf, count, typechar])."""
         return convert(spec)
 
-    def _remember_spec(self, spec: list[Any], mv: memoryview, sending: bool) -> None:
+    def remember_spec(self, spec: list[Any], mv: memoryview, sending: bool) -> None:
         """Keep what ``spec`` converted to, for the next call given an equal spec list (one
         written inline, ``[buf, n, MPI.BYTE]``, is a new list every call).
 
@@ -790,11 +798,11 @@ class Comm:
 
     # -- the general path
 
-    def _start_send(self, segments: list[memoryview], dest: int, tag: int, is_object: bool,
+    def start_send(self, segments: list[memoryview], dest: int, tag: int, is_object: bool,
                     eager: bool = True, sync: bool = False) -> SendOp:
         return (self._progress or self._attach()).send(segments, dest, tag, is_object, eager, sync)
 
-    def _completed(self, op: SendOp | RecvOp) -> None:
+    def operation_completed(self, op: SendOp | RecvOp) -> None:
         """Told of every operation the engine completes (after its transport's stats
         counted it); here to be overridden."""
 

@@ -114,7 +114,7 @@ class Request:
     def _result(self) -> Any:
         op = self._op
         if self._object and isinstance(op, RecvOp) and op.matched_source != PROC_NULL:
-            return self._comm._unpickle(op)
+            return self._comm.load_object(op)
         return None
 
     @classmethod

@@ -46,7 +46,7 @@ class NodeComm(CmaComm):
     ones cma completes wait in ``_pending`` for their operation.
     """
 
-    _request = staticmethod(node_request)  # type: ignore[assignment]
+    make_request = staticmethod(node_request)  # type: ignore[assignment]
 
     def __init__(self, mpi: Comm, *args: Any, ranks: Sequence[int], mixed: bool,
                  **options: Any) -> None:
@@ -73,22 +73,22 @@ class NodeComm(CmaComm):
 
     # -- buffer specs, statuses and errors as mpi4py's
 
-    def _cached_view(self, buf: Any, convert: Callable[[Any], memoryview]) -> memoryview:
+    def buffer_view(self, buf: Any, convert: Callable[[Any], memoryview]) -> memoryview:
         typed = self._typed
         if typed is not None and buf.__class__ is list and buf and buf[0] is typed.owner \
                 and buf == self._typed_spec and convert is send_view:
             return self._outgoing(typed)
         if buf.__class__ is tuple:  # (lists are cma's to convert and remember, as specs)
-            buf = self._spec_view(buf, convert)
+            buf = self.spec_view(buf, convert)
             if buf.__class__ is Typed:  # stands in for the view (protocol.Scattered)
                 if self._progress is None:
                     self._attach()
                 return cast(memoryview, buf)
         elif buf is None:  # mpi4py's message of nothing (towards PROC_NULL, say)
             buf = NO_BYTES
-        return super()._cached_view(buf, convert)
+        return super().buffer_view(buf, convert)
 
-    def _spec_view(self, spec: Sequence[Any], convert: Callable[[Any], memoryview]) -> Any:
+    def spec_view(self, spec: Sequence[Any], convert: Callable[[Any], memoryview]) -> Any:
         """mpi4py's buffer specs: [buf, count, MPI.BYTE], [buf, (count, displ), dt] & co.
 
         A datatype with gaps gives a ``Typed`` buffer in place of a view: a receive
@@ -113,63 +113,63 @@ class NodeComm(CmaComm):
             return typed
         return typed.pack()
 
-    def _remember_spec(self, spec: list[Any], mv: memoryview, sending: bool) -> None:
+    def remember_spec(self, spec: list[Any], mv: memoryview, sending: bool) -> None:
         if mv.__class__ is Typed:  # a receive's: kept as a view would be (sends: _typed)
             if not sending and mv.kept:
                 self._recv_base, self._recv_spec = spec[0], list(spec)
                 self._recv_spec_view, self._recv_cut = mv, None
             return
-        super()._remember_spec(spec, mv, sending)
+        super().remember_spec(spec, mv, sending)
 
-    def _unpickle(self, op: RecvOp) -> Any:
+    def load_object(self, op: RecvOp) -> Any:
         """An object receive that matched a buffer message loads it as mpi4py does: zero
         bytes are None, anything else is unpickled."""
         if op.is_object:
-            return super()._unpickle(op)
+            return super().load_object(op)
         data = op.segments[0] if op.segments else b""
         return MPI.pickle.loads(data) if len(data) else None
 
-    def _send(self, mv: memoryview, dest: Any, tag: Any) -> None:
+    def general_send(self, mv: memoryview, dest: Any, tag: Any) -> None:
         try:
-            super()._send(mv, dest, tag)
+            super().general_send(mv, dest, tag)
         except CmaError as exc:
             self._mpi._fail(exc)
         self._keep_moving()
 
-    def _recv(self, mv: memoryview, source: Any, tag: Any, status: Any) -> None:
+    def general_recv(self, mv: memoryview, source: Any, tag: Any, status: Any) -> None:
         mpi_status = None if status is None or status.__class__ is CmaStatus else status
         scratch = self._mpi_scratch if mpi_status is not None else status
         try:
-            super()._recv(mv, source, tag, scratch)
+            super().general_recv(mv, source, tag, scratch)
         except CmaError as exc:
             self._mpi._fail(exc, mpi_status)
         self._keep_moving()
         if mpi_status is not None:
             fill(mpi_status, scratch.source, scratch.tag, scratch.count)
 
-    def _start_send(self, segments: list[memoryview], dest: int, tag: int, is_object: bool,
+    def start_send(self, segments: list[memoryview], dest: int, tag: int, is_object: bool,
                     eager: bool = True, sync: bool = False) -> SendOp:
         if segments and segments[0].__class__ is Typed:  # a datatype's blocks, as one iovec
             segments = segments[0].views()
-        return super()._start_send(segments, dest, tag, is_object, eager, sync)
+        return super().start_send(segments, dest, tag, is_object, eager, sync)
 
-    def _start_buffered(self, segments: list[memoryview], dest: int, tag: int, is_object: bool
+    def start_buffered_send(self, segments: list[memoryview], dest: int, tag: int, is_object: bool
                         ) -> None:
         if segments and segments[0].__class__ is Typed:
             segments = [segments[0].pack()]
-        super()._start_buffered(segments, dest, tag, is_object)
+        super().start_buffered_send(segments, dest, tag, is_object)
 
-    def _isend(self, mv: memoryview, dest: Any, tag: Any) -> CmaRequest:
+    def general_isend(self, mv: memoryview, dest: Any, tag: Any) -> CmaRequest:
         try:
-            req = super()._isend(mv, dest, tag)
+            req = super().general_isend(mv, dest, tag)
         except CmaError as exc:
             self._mpi._fail(exc)
         self._keep_moving()
         return req
 
-    def _irecv(self, mv: memoryview, source: Any, tag: Any) -> CmaRequest:
+    def general_irecv(self, mv: memoryview, source: Any, tag: Any) -> CmaRequest:
         try:
-            req = super()._irecv(mv, source, tag)
+            req = super().general_irecv(mv, source, tag)
         except CmaError as exc:
             self._mpi._fail(exc)
         self._keep_moving()
@@ -185,8 +185,8 @@ class NodeComm(CmaComm):
 
     # -- the requests cma completes
 
-    def _completed(self, op: SendOp | RecvOp) -> None:
-        super()._completed(op)
+    def operation_completed(self, op: SendOp | RecvOp) -> None:
+        super().operation_completed(op)
         if op.__class__ is RecvOp and op.buffer.__class__ is Typed:
             op.buffer.finish()
         if self._pending:
@@ -208,7 +208,7 @@ class NodeComm(CmaComm):
         assert req._spec is not None
         buf = req._spec[0]
         req._spec = None
-        mv = None if req._object else self._cached_view(buf, recv_view)
+        mv = None if req._object else self.buffer_view(buf, recv_view)
         op = (self._progress or self._attach()).post_recv(peer, tag, mv)
         req._op = op
         if op.done:
@@ -312,25 +312,25 @@ class NodeComm(CmaComm):
 
     def send_init(self, buf: Any, dest: int, tag: int, mode: str) -> Prequest:
         """A persistent send (mode: "standard", "sync" or "buffered") of a bound buffer."""
-        bound = self._cached_view(buf, send_view)
+        bound = self.buffer_view(buf, send_view)
         dest = self._check_dest(dest)
         tag = self._check_tag(tag)
         repack = specs.has_gaps(buf)  # packed at each start: the buffer changes in between
 
         def view() -> memoryview:
-            return self._cached_view(buf, send_view) if repack else bound
+            return self.buffer_view(buf, send_view) if repack else bound
 
         if mode == "buffered":
             def begin() -> SendOp | RecvOp | None:
-                self._start_buffered([view()], dest, tag, False)
+                self.start_buffered_send([view()], dest, tag, False)
                 return None
         else:
             def begin() -> SendOp | RecvOp | None:
-                return self._start_send([view()], dest, tag, False, sync=mode == "sync")
+                return self.start_send([view()], dest, tag, False, sync=mode == "sync")
         return persistent_request(self, begin)
 
     def recv_init(self, buf: Any, source: int, tag: int) -> Prequest:
-        mv = self._cached_view(buf, recv_view)
+        mv = self.buffer_view(buf, recv_view)
         source = self._check_source(source)
         tag = self._check_tag(tag, wildcard=True)
 

@@ -26,7 +26,7 @@ import numpy as np
 
 from . import _linux
 from ._exporters import cai_array, dlpack_array
-from .channel import ChannelConfig, Inbox, Outbox
+from .channel import RING_EMPTY, ChannelConfig, Inbox, Outbox
 from .connect import AUTO, Connection, check_transport_name
 from .errors import (
     BufferError,
@@ -173,9 +173,9 @@ class Comm:
         # What the fast paths read, made here and filled in place at attach (so that a
         # fast path holds them directly): the ring ends it may use now, by peer (empty:
         # take the general path), which peer an inbox is from, and the matcher.
-        self._lanes: dict[int, Outbox] = {}
-        self._rlanes: dict[int, Inbox] = {}
-        self._rlane_rank: dict[Inbox, int] = {}
+        self._fast_outboxes: dict[int, Outbox] = {}
+        self._fast_inboxes: dict[int, Inbox] = {}
+        self._inbox_peer: dict[Inbox, int] = {}
         self._matcher = Matcher()
         self._only_peer = 1 - rank if self.size == 2 else ANY_SOURCE
         self._eager_counts = EagerCounts()
@@ -258,7 +258,7 @@ class Comm:
         connection = Connection(world, self.rank, self._transport_name, self._transport_options,
                                 self._user_thresholds)
         self._progress = Progress(
-            world, connection, self._matcher, self._lanes, self._rlanes, self._rlane_rank,
+            world, connection, self._matcher, self._fast_outboxes, self._fast_inboxes, self._inbox_peer,
             self._eager_counts, self._ring, self.operation_completed,
             overlap=bool(self._transport_options.get("overlap")))
         return self._progress
@@ -289,9 +289,9 @@ class Comm:
         else:
             mv = self.buffer_view(buf, send_view)
         n = mv.nbytes
-        lane = self._lanes.get(dest)
-        if lane is not None and n <= self._eager_limit and type(tag) is int and tag >= 0:
-            sleeping = lane.put_eager(tag, mv, n)
+        outbox = self._fast_outboxes.get(dest)
+        if outbox is not None and n <= self._eager_limit and type(tag) is int and tag >= 0:
+            sleeping = outbox.put_eager(tag, mv, n)
             if sleeping == 0:
                 return
             if sleeping > 0:
@@ -311,18 +311,18 @@ class Comm:
         else:
             mv = self.buffer_view(buf, recv_view)
         matcher = self._matcher
-        box = self._rlanes.get(self._only_peer if source == ANY_SOURCE else source)
-        if box is not None and type(tag) is int and tag >= ANY_TAG and not matcher.posted \
+        inbox = self._fast_inboxes.get(self._only_peer if source == ANY_SOURCE else source)
+        if inbox is not None and type(tag) is int and tag >= ANY_TAG and not matcher.posted \
                 and not matcher.unexpected:
-            n = box.take_eager(mv, tag)
+            n = inbox.take_eager(mv, tag)
             spins = _FAST_SPINS
-            while n == -2 and spins:
+            while n == RING_EMPTY and spins:
                 spins -= 1
-                n = box.take_eager(mv, tag)
+                n = inbox.take_eager(mv, tag)
             if n >= 0:
                 if status is not None:
-                    status.source = self._rlane_rank[box]
-                    status.tag = box.last_tag
+                    status.source = self._inbox_peer[inbox]
+                    status.tag = inbox.last_tag
                     status.count = n
                 return
         self.general_recv(mv, source, tag, status)
@@ -436,14 +436,14 @@ class Comm:
             # An eager send is complete once its packet is in the ring or queued, so it
             # never blocks. Send's hot path is written out here again: calling Send cost
             # ~75 ns (a frame and a second view lookup) of a ~715 ns Isend.
-            lane = self._lanes.get(dest)
-            if lane is not None and type(tag) is int and tag >= 0:
-                sleeping = lane.put_eager(tag, mv, n)
+            outbox = self._fast_outboxes.get(dest)
+            if outbox is not None and type(tag) is int and tag >= 0:
+                sleeping = outbox.put_eager(tag, mv, n)
                 if sleeping >= 0:
                     if sleeping:
                         self._ring(dest)
                     return self.make_request(self, None)
-            if n < QUEUED_COPY_LIMIT or lane is not None and lane.fits(n):
+            if n < QUEUED_COPY_LIMIT or outbox is not None and outbox.fits(n):
                 self.general_send(mv, dest, tag)
                 return self.make_request(self, None)
         return self.general_isend(mv, dest, tag)
@@ -460,20 +460,20 @@ class Comm:
         else:
             mv = self.buffer_view(buf, recv_view)
         matcher = self._matcher
-        box = self._rlanes.get(self._only_peer if source == ANY_SOURCE else source)
-        if box is not None and type(tag) is int and tag >= ANY_TAG:
-            peer = self._rlane_rank[box]
+        inbox = self._fast_inboxes.get(self._only_peer if source == ANY_SOURCE else source)
+        if inbox is not None and type(tag) is int and tag >= ANY_TAG:
+            peer = self._inbox_peer[inbox]
             progress = self._progress
-            if matcher.posted and progress is not None:  # (None: closed, lanes emptied)
+            if matcher.posted and progress is not None:  # (None: closed, its ring ends dropped)
                 # Receives posted earlier match first: let them take what has arrived
                 # for them (a window of Irecvs then finds its messages waiting, below).
                 progress.drain(peer, True)
             if not matcher.posted and not matcher.unexpected:
                 # Already at the head of the ring with nothing ahead of it in matching
                 # order: complete now, as Recv would, instead of posting to the engine.
-                n = box.take_eager(mv, tag)
+                n = inbox.take_eager(mv, tag)
                 if n >= 0:
-                    return self.make_request(self, completed_recv(source, tag, mv, peer, box.last_tag, n))
+                    return self.make_request(self, completed_recv(source, tag, mv, peer, inbox.last_tag, n))
         return self.general_irecv(mv, source, tag)
 
     # Their general paths, apart for the same reason as general_send and general_recv.

@@ -274,7 +274,7 @@ class Progress:
 
     # -- progress
 
-    def poll(self, skip: int = -1) -> bool:
+    def poll(self) -> bool:
         """One pass over everything that can move without blocking; True if anything did."""
         moved = False
         engine = self.engine
@@ -286,8 +286,7 @@ class Progress:
                 self.fast_inboxes.update(self.inboxes)
             moved = True
         for peer in self.peers:
-            if peer != skip:
-                moved = self.drain(peer, False) or moved
+            moved = self.drain(peer, False) or moved
         if self.txq_pending:
             moved = self._flush() or moved
         if self.out_streams or self.in_streams:

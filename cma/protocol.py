@@ -161,7 +161,7 @@ class SendOp:
     is_object: bool
     msgid: int = 0
     mechanism: str = "eager"
-    halves: int = 1  # copies still to finish before done: 2 for SPLIT (ours and the peer's)
+    copies_left: int = 1  # copies still to finish before done: 2 for SPLIT (ours and the peer's)
     done: bool = False
 
 
@@ -192,7 +192,7 @@ class RecvOp:
     segments: list[memoryview] = field(default_factory=list)
     mechanism: str = "eager"
     error: Exception | None = None
-    halves: int = 1
+    copies_left: int = 1
     done: bool = False
 
     @property
@@ -242,7 +242,7 @@ class Transmit:
     dest: int
     kind: int
     tag: int
-    aux: int
+    aux: int  # the packet's fourth word: what it holds depends on the kind (wire.py)
     payload: bytes
 
 
@@ -392,7 +392,7 @@ class Pipeline:
             return None
         return self._fragment()
 
-    def advance(self) -> int:
+    def finish_fragment(self) -> int:
         """Mark the current fragment done; returns the new running count to publish."""
         self.next += 1
         return self.first + self.next
@@ -435,7 +435,7 @@ class Stream:
     def copied(self) -> int:
         """The fragment ``next`` gave is copied: the running count to publish."""
         assert self.pipe is not None
-        return self.pipe.advance()
+        return self.pipe.finish_fragment()
 
     def through(self) -> SendOp | RecvOp | None:
         """The first message, taken out, if all its fragments are through."""
@@ -693,7 +693,7 @@ class Engine:
         if mode == SPLIT and rts.regions is not None:
             # CTS first, so the sender copies its half while we copy ours
             n, cut = arrival.nbytes, split_point(arrival.nbytes)
-            op.halves = 2
+            op.copies_left = 2
             ours = slice_regions([self.region_of(s) for s in op.segments], cut, n)
             actions.append(Transmit(arrival.source, CTS, 0, rts.msgid,
                                     encode_cts(rts.msgid, op.recvid, SPLIT, transport, ours)))
@@ -716,7 +716,7 @@ class Engine:
         if cts.mode == PUSH:
             return [Push(op, cts.transport, cts.regions, op.segments, cts.recvid)]
         if cts.mode == SPLIT:
-            op.halves = 2
+            op.copies_left = 2
             cut = op.nbytes - sum(region.nbytes for region in cts.regions)
             return [Push(op, cts.transport, cts.regions, slice_views(op.segments, cut, op.nbytes),
                          cts.recvid)]
@@ -725,13 +725,13 @@ class Engine:
     def _fin(self, msgid: int) -> list[Action]:
         """The peer finished its copy: all of an RGET/RPUT message, or its half of a SPLIT."""
         if msgid in self.sends:
-            return self._half_done(self.sends, msgid)
-        return self._half_done(self.recvs, msgid)
+            return self._copy_done(self.sends, msgid)
+        return self._copy_done(self.recvs, msgid)
 
-    def _half_done(self, table: dict[int, SendOp] | dict[int, RecvOp], key: int) -> list[Action]:
+    def _copy_done(self, table: dict[int, SendOp] | dict[int, RecvOp], key: int) -> list[Action]:
         op = table[key]
-        op.halves -= 1
-        if op.halves:
+        op.copies_left -= 1
+        if op.copies_left:
             return []
         del table[key]
         op.done = True
@@ -742,12 +742,12 @@ class Engine:
     def pulled(self, op: RecvOp, msgid: int) -> list[Action]:
         fin = Transmit(op.matched_source, FIN, 0, msgid, b"")
         if op.recvid in self.recvs:  # SPLIT: done when the sender's half is in too
-            return [fin, *self._half_done(self.recvs, op.recvid)]
+            return [fin, *self._copy_done(self.recvs, op.recvid)]
         op.done = True
         return [fin, Complete(op)]
 
     def pushed(self, op: SendOp, recvid: int) -> list[Action]:
-        return [Transmit(op.dest, FIN, 0, recvid, b""), *self._half_done(self.sends, op.msgid)]
+        return [Transmit(op.dest, FIN, 0, recvid, b""), *self._copy_done(self.sends, op.msgid)]
 
     def streamed_out(self, op: SendOp) -> list[Action]:
         del self.sends[op.msgid]

@@ -269,7 +269,7 @@ class NodeComm(CmaComm):
         self.progress()
         if self._mixed:
             if self._mpi._wildcards:
-                self._mpi._advance(probe_mpi=False)
+                self._mpi._match_wildcards(probe_mpi=False)
                 self._warn_deferred()
             else:
                 self._deferred_since = 0.0

@@ -79,11 +79,11 @@ class Progress:
     def __init__(self, world: World, connection: Connection, matcher: Matcher,
                  fast_outboxes: dict[int, Outbox], fast_inboxes: dict[int, Inbox],
                  inbox_peer: dict[Inbox, int], counts: EagerCounts,
-                 ring: Callable[[int], None], completed: Callable[[SendOp | RecvOp], None],
-                 overlap: bool) -> None:
+                 ring: Callable[[int], None],
+                 completed: Callable[[SendOp | RecvOp], None] | None, overlap: bool) -> None:
         """``matcher``, ``fast_outboxes``, ``fast_inboxes`` and ``inbox_peer`` are the
         communicator's, filled here; ``ring(peer)`` rings a peer's doorbell, and
-        ``completed(op)`` is told of every operation the engine completes."""
+        ``completed(op)``, if given, is told of every operation the engine completes."""
         self.world = world
         self.rank = rank = world.rank
         self.size = size = world.size
@@ -162,7 +162,8 @@ class Progress:
                 self._stream_of(self.in_streams, action.op.matched_source, False).add(action.op)
             elif isinstance(action, Complete):
                 self._count_completed(action.op)
-                self.completed(action.op)
+                if self.completed is not None:
+                    self.completed(action.op)
 
     def transmit(self, dest: int, kind: int, tag: int, aux: int, payload: bytes) -> None:
         if dest == self.rank:

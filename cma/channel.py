@@ -54,6 +54,13 @@ PACKET_MASK = -ALIGN
 # reads as a huge one and fails take_eager's size test, at no cost to the hot path
 EAGER_HEADER = struct.Struct("qqQ")
 
+# What the hot paths' calls answer instead of a size or a flag: put_eager found the ring
+# full; take_eager found it empty, or found a packet that is not for it (not EAGER, another
+# tag, too large for the buffer) and so for the general path.
+RING_FULL = -1
+RING_EMPTY = -2
+NOT_EAGER = -1
+
 # control page word offsets (128 bytes apart, to defeat adjacent-line prefetch)
 HEAD = 0
 TAIL = 16
@@ -221,8 +228,8 @@ class Outbox:
     def put_eager(self, tag: int, payload: memoryview, n: int) -> int:
         """The hot path: one EAGER packet of at most eager_limit bytes.
 
-        Returns -1 (nothing published) when the ring is full, else the receiver's sleeping
-        flag: non-zero means the caller must ring its doorbell.
+        Returns RING_FULL (nothing published) when the ring is full, else the receiver's
+        sleeping flag: non-zero means the caller must ring its doorbell.
         """
         need = (PACKET_ROUND + n) & PACKET_MASK
         h = self.head
@@ -230,7 +237,7 @@ class Outbox:
         if pos + need > self.window or h + need - self.tail_seen > self.size:
             pos = self._reserve(need)  # goes back to the start, or finds the ring full
             if pos < 0:
-                return -1
+                return RING_FULL
             h = self.head
         if n:
             self.data[pos + HEADER_BYTES : pos + HEADER_BYTES + n] = payload
@@ -315,7 +322,7 @@ class Inbox:
     def ready(self) -> bool:
         return self._position() >= 0
 
-    def _advance(self, need: int) -> None:
+    def _consume(self, need: int) -> None:
         self.tail = t = self.tail + need
         if t - self.tail_published >= self.publish_every:
             self.tail_published = t
@@ -325,27 +332,27 @@ class Inbox:
         """The hot path: if the oldest packet is an EAGER one matching ``tag`` that fits in
         ``buf``, copy it there, consume it and return its size (its tag in ``last_tag``).
 
-        -2: the ring is empty; -1: the oldest packet needs the general path.
+        RING_EMPTY: the ring is empty; NOT_EAGER: the oldest packet needs the general path.
         """
         tail = self.tail
         if self.ctl[HEAD] == tail:
-            return -2
+            return RING_EMPTY
         pos = tail & self.mask
         kind, t, n = EAGER_HEADER.unpack_from(self.data, pos)
         if kind != EAGER:
             if kind != PAD:
-                return -1
+                return NOT_EAGER
             pos = self._position()
             if pos < 0:
-                return -2
+                return RING_EMPTY
             tail = self.tail
             kind, t, n = EAGER_HEADER.unpack_from(self.data, pos)
             if kind != EAGER:
-                return -1
+                return NOT_EAGER
         if t != tag and (tag != ANY_TAG or t < 0):
-            return -1
+            return NOT_EAGER
         if n > buf.nbytes:
-            return -1
+            return NOT_EAGER
         if n:
             try:
                 buf[:n] = self.data[pos + HEADER_BYTES : pos + HEADER_BYTES + n]
@@ -399,7 +406,7 @@ class Inbox:
                 f"to this rank has {what}")
 
     def release(self) -> None:
-        self._advance(self.pending)
+        self._consume(self.pending)
 
     def publish_tail(self) -> bool:
         """Make consumed space reusable now; True if anything new was published."""

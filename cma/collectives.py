@@ -24,12 +24,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ._exporters import cai_array, dlpack_array
+from .channel import RING_FULL
 from .errors import BufferError, CmaError, InvalidCount, InvalidDatatype, InvalidRank
 from .wire import COLLECTIVE_TAG
 
 if TYPE_CHECKING:
     from .channel import Outbox
-    from .protocol import Engine, RecvOp, SendOp
+    from .progress import Progress
+    from .protocol import RecvOp, SendOp
 
 __all__ = [
     "BAND", "BOR", "BXOR", "IN_PLACE", "LAND", "LOR", "LXOR", "MAX", "MAXLOC", "MIN",
@@ -367,20 +369,16 @@ class Collectives:
     size: int
 
     if TYPE_CHECKING:  # what cma.Comm provides (docs/architecture.md, "What cma.Comm lets ...")
-        _attached: bool
-        _engine: Engine
-        _lanes: dict[int, Outbox]
+        _progress: Progress | None
+        _fast_outboxes: dict[int, Outbox]
         _eager_limit: int
 
         def _ring(self, peer: int) -> None: ...
-        def _attach(self) -> None: ...
-        def _start_send(self, segments: list[memoryview], dest: int, tag: int, is_object: bool,
-                        eager: bool = True, sync: bool = False) -> SendOp: ...
-        def _run(self, actions: list[Any]) -> None: ...
-        def _wait(self, op: SendOp | RecvOp) -> None: ...
-        def _withdraw(self, op: SendOp | RecvOp) -> None: ...
+        def _attach(self) -> Progress: ...
+        def start_send(self, segments: list[memoryview], dest: int, tag: int, is_object: bool,
+                       eager: bool = True, sync: bool = False) -> SendOp: ...
         def _pickle(self, obj: Any) -> list[memoryview]: ...
-        def _unpickle(self, op: RecvOp) -> Any: ...
+        def load_object(self, op: RecvOp) -> Any: ...
 
     # -- the three primitives: private point-to-point under COLLECTIVE_TAG
 
@@ -388,49 +386,49 @@ class Collectives:
         """Start sending ``data`` (an array) or, if None, the object ``obj`` to ``dest``;
         None when it is complete already (an eager message written into the ring)."""
         if data is None:
-            return self._start_send(self._pickle(obj), dest, COLLECTIVE_TAG, True)
+            return self.start_send(self._pickle(obj), dest, COLLECTIVE_TAG, True)
         view = _bytes(data)
-        lane = self._lanes.get(dest)
-        if lane is not None and view.nbytes <= self._eager_limit:
+        box = self._fast_outboxes.get(dest)
+        if box is not None and view.nbytes <= self._eager_limit:
             # Send's fast path: straight into the ring. The engine's path would first copy
             # the payload into a packet (3 copies per eager message instead of 2: guide.md).
-            sleeping = lane.put_eager(COLLECTIVE_TAG, view, view.nbytes)
-            if sleeping >= 0:
+            sleeping = box.put_eager(COLLECTIVE_TAG, view, view.nbytes)
+            if sleeping != RING_FULL:
                 if sleeping:
                     self._ring(dest)
                 return None
-        return self._start_send([view], dest, COLLECTIVE_TAG, False)
+        return self.start_send([view], dest, COLLECTIVE_TAG, False)
 
     def _coll_recv(self, data: np.ndarray | None, source: int) -> RecvOp:
         """Post a receive into ``data`` (an array), or of an object if None, from ``source``."""
-        op, actions = self._engine.recv(source, COLLECTIVE_TAG, None if data is None else _bytes(data))
-        self._run(actions)
-        return op
+        progress = self._progress or self._attach()
+        return progress.post_recv(source, COLLECTIVE_TAG, None if data is None else _bytes(data))
 
     def _coll_wait(self, *ops: SendOp | RecvOp | None) -> None:
         """Wait for every one of ``ops`` (None: complete); on an error, take the receives
         not yet matched out of matching, so that a later collective cannot match them."""
+        progress = self._progress or self._attach()
         try:
             for op in ops:
                 if op is None:
                     continue
-                self._wait(op)
+                progress.wait(op)
                 error = getattr(op, "error", None)
                 if error is not None:
                     raise error
         except BaseException:
             for op in ops:
                 if op is not None:
-                    self._withdraw(op)
+                    progress.withdraw(op)
             raise
 
     def _coll_recv_object(self, source: int) -> Any:
         op = self._coll_recv(None, source)
         self._coll_wait(op)
-        return self._unpickle(op)
+        return self.load_object(op)
 
     def _coll_start(self, root: int | None = None) -> None:
-        if not self._attached:
+        if self._progress is None:
             self._attach()
         if root is not None and not (isinstance(root, int) and 0 <= root < self.size):
             raise InvalidRank(f"root {root!r} is not in 0..{self.size - 1}")
@@ -908,5 +906,5 @@ class Collectives:
             dest, source = (self.rank + step) % self.size, (self.rank - step) % self.size
             recv = self._coll_recv(None, source)
             self._coll_wait(recv, self._coll_send(None, dest, items[dest]))
-            out[source] = self._unpickle(recv)
+            out[source] = self.load_object(recv)
         return out

@@ -193,7 +193,7 @@ class SendOp:
     is_object: bool
     msgid: int = 0
     mechanism: str = "eager"
-    halves: int = 1  # copies still to finish before done: 2 for SPLIT (ours and the peer's)
+    copies_left: int = 1  # copies still to finish before done: 2 for SPLIT (ours and the peer's)
     done: bool = False
     # what the peer may still send about this message (anything else is a forgery)
     awaits_cts: bool = False  # an RTS went out: a CTS, or a FIN if the peer pulls
@@ -227,7 +227,7 @@ class RecvOp:
     segments: list[memoryview] = field(default_factory=list)
     mechanism: str = "eager"
     error: Exception | None = None
-    halves: int = 1
+    copies_left: int = 1
     done: bool = False
     awaits_fin: bool = False  # RPUT or SPLIT: the sender's FIN says its copy is in
 
@@ -278,7 +278,7 @@ class Transmit:
     dest: int
     kind: int
     tag: int
-    aux: int
+    aux: int  # the packet's fourth word: what it holds depends on the kind (wire.py)
     payload: bytes
 
 
@@ -428,7 +428,7 @@ class Pipeline:
             return None
         return self._fragment()
 
-    def advance(self) -> int:
+    def finish_fragment(self) -> int:
         """Mark the current fragment done; returns the new running count to publish."""
         self.next += 1
         return self.first + self.next
@@ -471,7 +471,7 @@ class Stream:
     def copied(self) -> int:
         """The fragment ``next`` gave is copied: the running count to publish."""
         assert self.pipe is not None
-        return self.pipe.advance()
+        return self.pipe.finish_fragment()
 
     def through(self) -> SendOp | RecvOp | None:
         """The first message, taken out, if all its fragments are through."""
@@ -577,6 +577,7 @@ class Engine:
         offers: int,
         allocate: Callable[[int], memoryview],
         region_of: Callable[[memoryview], Region],
+        matcher: Matcher | None = None,
     ) -> None:
         self.rank = rank
         self.allocate = allocate
@@ -584,7 +585,8 @@ class Engine:
         self.eager_limit = eager_limit
         self.policy = policy
         self.offers = offers
-        self.matcher = Matcher()
+        # (given: the communicator's, which its fast paths hold from before the engine exists)
+        self.matcher = matcher if matcher is not None else Matcher()
         self._ids = itertools.count(1)
         self.sends: dict[int, SendOp] = {}
         self.recvs: dict[int, RecvOp] = {}
@@ -733,7 +735,7 @@ class Engine:
         if mode == SPLIT and rts.regions is not None:
             # CTS first, so the sender copies its half while we copy ours
             n, cut = arrival.nbytes, split_point(arrival.nbytes)
-            op.halves = 2
+            op.copies_left = 2
             op.awaits_fin = True
             self.recvs[op.recvid] = op
             ours = slice_regions([self.region_of(s) for s in op.segments], cut, n)
@@ -776,7 +778,7 @@ class Engine:
         if cts.mode == PUSH:
             return [Push(op, cts.transport, cts.regions, op.segments, cts.recvid)]
         if cts.mode == SPLIT:
-            op.halves = 2
+            op.copies_left = 2
             cut = op.nbytes - total
             return [Push(op, cts.transport, cts.regions, slice_views(op.segments, cut, op.nbytes),
                          cts.recvid)]
@@ -788,18 +790,18 @@ class Engine:
         send = self.sends.get(msgid)
         if send is not None and send.dest == source and send.awaits_fin:
             send.awaits_cts = send.awaits_fin = False
-            return self._half_done(self.sends, msgid)
+            return self._copy_done(self.sends, msgid)
         recv = self.recvs.get(msgid)
         if recv is not None and recv.matched_source == source and recv.awaits_fin:
             recv.awaits_fin = False
-            return self._half_done(self.recvs, msgid)
+            return self._copy_done(self.recvs, msgid)
         raise ProtocolError(f"rank {source} broke the protocol: a FIN for message {msgid}, "
                             "which awaits none from it", peer=source)
 
-    def _half_done(self, table: dict[int, SendOp] | dict[int, RecvOp], key: int) -> list[Action]:
+    def _copy_done(self, table: dict[int, SendOp] | dict[int, RecvOp], key: int) -> list[Action]:
         op = table[key]
-        op.halves -= 1
-        if op.halves:
+        op.copies_left -= 1
+        if op.copies_left:
             return []
         del table[key]
         op.done = True
@@ -810,12 +812,12 @@ class Engine:
     def pulled(self, op: RecvOp, msgid: int) -> list[Action]:
         fin = Transmit(op.matched_source, FIN, 0, msgid, b"")
         if op.recvid in self.recvs:  # SPLIT: done when the sender's half is in too
-            return [fin, *self._half_done(self.recvs, op.recvid)]
+            return [fin, *self._copy_done(self.recvs, op.recvid)]
         op.done = True
         return [fin, Complete(op)]
 
     def pushed(self, op: SendOp, recvid: int) -> list[Action]:
-        return [Transmit(op.dest, FIN, 0, recvid, b""), *self._half_done(self.sends, op.msgid)]
+        return [Transmit(op.dest, FIN, 0, recvid, b""), *self._copy_done(self.sends, op.msgid)]
 
     def streamed_out(self, op: SendOp) -> list[Action]:
         op.done = True

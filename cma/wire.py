@@ -27,6 +27,10 @@ OBJECT = 0x100  # flag on EAGER/RTS: the payload is a pickle stream (+ out-of-ba
 SYNC = 0x400
 MORE = 0x200  # flag: the packet's payload continues in the next packet (a split control packet)
 KIND_MASK = 0xFF
+# A packet is four words (kind, tag, payload size, aux) and its payload. What aux holds is
+# the kind's: EAGER|SYNC the send's msgid (which FIN names back), EAGER 0, RTS the message's
+# size, CTS the msgid it answers, FIN the id (msgid or recvid) of the operation whose copy
+# the peer finished.
 
 
 class Region(NamedTuple):

@@ -1728,7 +1728,7 @@ def test_close_that_fails_while_draining_still_releases_everything():
         def interrupted():
             raise KeyboardInterrupt
 
-        comm._deliver_queued = interrupted
+        comm._progress.deliver_queued = interrupted
         with pytest.raises(KeyboardInterrupt):
             comm.close()
         return fds - len(os.listdir("/proc/self/fd"))  # the memfd, doorbells, pidfds...
@@ -1804,7 +1804,7 @@ def test_eager_sends_wake_a_sleeping_receiver_and_only_it(monkeypatch):
 
     The receiver's timed wake-up (SLEEP_MS, against a lost wake-up) is set to a minute, so
     that only the doorbell wakes it in time; the sender's stats count its doorbell rings."""
-    monkeypatch.setattr(cma.comm, "SLEEP_MS", 60_000)  # inherited by the fork
+    monkeypatch.setattr(cma.progress, "SLEEP_MS", 60_000)  # inherited by the fork
     ctx = mp.get_context("fork")
     ready, go = ctx.Event(), ctx.Event()
     receiving, woken = [ctx.Event(), ctx.Event()], [ctx.Event(), ctx.Event()]

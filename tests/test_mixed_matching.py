@@ -6,7 +6,7 @@ elsewhere (ranks 3, 4: through MPI). Each channel is modelled as an MPI engine o
 as cma's engine and MPI are. Receives are posted as cma.mpi.Comm posts them: one that
 ``Wildcards.must_wait`` says must wait joins the queue, the others go straight to their
 channel; passes of ``Wildcards.matches`` (with the hook's cma-only passes too) probe the
-channels and take what they find, as ``Comm._advance`` does; messages may also arrive
+channels and take what they find, as ``Comm._match_wildcards`` does; messages may also arrive
 between the probes of one pass, as they do in a real process. Whatever hypothesis makes of
 the order of sends, posts and passes, the outcome must obey MPI's matching rules:
 

@@ -1105,7 +1105,7 @@ def test_pipeline_exact_multiple(k):
         step = p.fill(drained)
         assert step is not None
         spans.append(step[1:])
-        drained = p.advance()  # drained at once
+        drained = p.finish_fragment()  # drained at once
     assert p.count == k and spans == [(16 * i, 16 * i + 16) for i in range(k)]
 
 
@@ -1120,7 +1120,7 @@ def test_pipeline_fragments(nbytes, frag, slots, first):
         if step is None:
             break
         got.append(step)
-        assert p.advance() == first + len(got)
+        assert p.finish_fragment() == first + len(got)
     assert p.finished and len(got) == p.count
     for i, (slot, start, stop) in enumerate(got):
         assert slot == (first + i) % slots
@@ -1139,7 +1139,7 @@ def test_pipeline_fill_blocked_by_slots_ahead(nbytes, frag, slots, first, draine
     drained = first + min(drained_ahead, p.count)
     filled = 0
     while p.fill(drained) is not None:
-        p.advance()
+        p.finish_fragment()
         filled += 1
     # the sender may run at most `slots` fragments ahead of what was drained
     assert filled == min(p.count, drained - first + slots)
@@ -1156,7 +1156,7 @@ def test_pipeline_drain_blocked_until_filled(nbytes, frag, slots, first, filled_
     filled = first + filled_ahead
     drained = 0
     while p.drain(filled) is not None:
-        p.advance()
+        p.finish_fragment()
         drained += 1
     assert drained == min(p.count, filled_ahead)
 
@@ -1195,7 +1195,7 @@ def test_pipeline_random_interleaving_moves_every_byte(sizes, frag, slots, start
             assert staging[slot] is None, "sender overwrote a fragment not yet drained"
             memory[slot * frag : slot * frag + hi - lo] = messages[send_i][lo:hi]
             staging[slot] = (send_i, lo)
-            filled = sp.advance()
+            filled = sp.finish_fragment()
         elif side == "recv" and recv_i < len(sizes):
             if rp.finished:
                 recv_i += 1
@@ -1210,7 +1210,7 @@ def test_pipeline_random_interleaving_moves_every_byte(sizes, frag, slots, start
             assert staging[slot] == (recv_i, lo), "receiver drained the wrong fragment"
             out[recv_i][lo:hi] = memory[slot * frag : slot * frag + hi - lo]
             staging[slot] = None
-            drained = rp.advance()
+            drained = rp.finish_fragment()
     assert send_i == recv_i == len(sizes)
     assert [bytes(o) for o in out] == messages
     assert filled == drained == start + sum(-(-n // frag) for n in sizes)

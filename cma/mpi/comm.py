@@ -75,7 +75,7 @@ class Comm(MPI.Intracomm):
     # __dict__: when every rank is on this node, an instance's HANDED_OUT methods are its
     # cma communicator's own bound methods (see NodeComm), found before the class's.
     __slots__ = ("_cma", "_cma_send", "_cma_recv", "_fast", "_local", "_ranks", "_mixed",
-                 "_wildcards", "_advancing", "_cstatus", "_yield", "_barrier",
+                 "_wildcards", "_matching_wildcards", "_cstatus", "_yield", "_barrier",
                  "_transport", "_options", "__dict__")
     _cma: NodeComm | None
     _cma_send: Callable[..., None]  # bound methods of _cma: one lookup less per message
@@ -87,7 +87,7 @@ class Comm(MPI.Intracomm):
     _ranks: list[int]  # cma rank -> rank of the wrapped comm
     _mixed: bool  # this rank has peers on this node and on others
     _wildcards: Wildcards[Request]  # receives waiting behind a wildcard receive (mixed ranks)
-    _advancing: bool  # inside _advance
+    _matching_wildcards: bool  # inside _match_wildcards
     _cstatus: CmaStatus  # reused: one thread uses a communicator at a time
     _yield: bool  # more ranks than cores on this machine: yield while spinning
     _barrier: int
@@ -105,7 +105,7 @@ class Comm(MPI.Intracomm):
         self._ranks = []
         self._mixed = False
         self._wildcards = Wildcards(lambda source: source in self._local)
-        self._advancing = False
+        self._matching_wildcards = False
         self._cstatus = CmaStatus()
         self._yield = False
         self._barrier = BARRIER_MPI
@@ -486,7 +486,7 @@ class Comm(MPI.Intracomm):
             assert cma is not None
             req = start_request(cma, None, is_object, (buf, source, tag))
             self._wildcards.add(req, source, tag)
-            self._advance()
+            self._match_wildcards()
             return req
         if peer is None:
             peer = self._local.get(source)
@@ -508,19 +508,19 @@ class Comm(MPI.Intracomm):
         wildcards (else it is MPI's alone, and MPI's wait keeps cma moving)."""
         return self._mixed and (source in self._local or self._wildcards.must_wait(source, tag))
 
-    def _advance(self, probe_mpi: bool = True) -> None:
+    def _match_wildcards(self, probe_mpi: bool = True) -> None:
         """Match the receives waiting behind a wildcard, in the order they were posted
         (``Wildcards.matches`` decides which takes what; here the probes and receives).
         ``probe_mpi=False``: cma's messages only (from the progress hook, inside MPI).
         """
-        if self._advancing:
+        if self._matching_wildcards:
             return  # (MPI's probe below runs the hook, which would match the same receives)
-        self._advancing = True
+        self._matching_wildcards = True
         try:
             for req, on_cma, source, tag in self._wildcards.matches(self._probe, probe_mpi):
                 self._take(req, on_cma, source, tag)
         finally:
-            self._advancing = False
+            self._matching_wildcards = False
 
     def _probe(self, on_cma: bool, source: int, tag: int) -> Found:
         """(source, tag) of the first message for (source, tag) on one channel, or None."""
@@ -577,11 +577,11 @@ class Comm(MPI.Intracomm):
             cma.progress()
         mpi_iprobe(self, ANY_SOURCE, ANY_TAG)  # MPI progresses inside its calls
         if self._wildcards:
-            self._advance()
+            self._match_wildcards()
 
     def _iprobe_mixed(self, source: int, tag: int, status: MPI.Status | None) -> bool:
         if self._wildcards:
-            self._advance()
+            self._match_wildcards()
         peer = self._local.get(source)
         st = MPI.Status()
         if peer is not None:

@@ -4,7 +4,7 @@ A receive that could take a message from either channel (cma for this node's ran
 for the others) cannot be posted to either engine: it waits here, with every receive
 posted after it that could take the same messages, until a probe of one channel finds
 a message for it. Sans-IO, as ``cma.protocol`` is: ``Wildcards`` decides, the caller
-probes and receives (``cma.mpi.Comm._advance``), and tests/test_mixed_matching.py drives
+probes and receives (``cma.mpi.Comm._match_wildcards``), and tests/test_mixed_matching.py drives
 it against a model of MPI's matching with no MPI at all.
 """
 

@@ -46,7 +46,7 @@ class NodeComm(CmaComm):
     ones cma completes wait in ``_pending`` for their operation.
     """
 
-    _request = staticmethod(node_request)  # type: ignore[assignment]
+    make_request = staticmethod(node_request)  # type: ignore[assignment]
 
     def __init__(self, mpi: Comm, *args: Any, ranks: Sequence[int], mixed: bool,
                  **options: Any) -> None:
@@ -73,22 +73,22 @@ class NodeComm(CmaComm):
 
     # -- buffer specs, statuses and errors as mpi4py's
 
-    def _cached_view(self, buf: Any, convert: Callable[[Any], memoryview]) -> memoryview:
+    def buffer_view(self, buf: Any, convert: Callable[[Any], memoryview]) -> memoryview:
         typed = self._typed
         if typed is not None and buf.__class__ is list and buf and buf[0] is typed.owner \
                 and buf == self._typed_spec and convert is send_view:
             return self._outgoing(typed)
         if buf.__class__ is tuple:  # (lists are cma's to convert and remember, as specs)
-            buf = self._spec_view(buf, convert)
+            buf = self.spec_view(buf, convert)
             if buf.__class__ is Typed:  # stands in for the view (protocol.Scattered)
-                if not self._attached:
+                if self._progress is None:
                     self._attach()
                 return cast(memoryview, buf)
         elif buf is None:  # mpi4py's message of nothing (towards PROC_NULL, say)
             buf = NO_BYTES
-        return super()._cached_view(buf, convert)
+        return super().buffer_view(buf, convert)
 
-    def _spec_view(self, spec: Sequence[Any], convert: Callable[[Any], memoryview]) -> Any:
+    def spec_view(self, spec: Sequence[Any], convert: Callable[[Any], memoryview]) -> Any:
         """mpi4py's buffer specs: [buf, count, MPI.BYTE], [buf, (count, displ), dt] & co.
 
         A datatype with gaps gives a ``Typed`` buffer in place of a view: a receive
@@ -113,84 +113,80 @@ class NodeComm(CmaComm):
             return typed
         return typed.pack()
 
-    def _remember_spec(self, spec: list[Any], mv: memoryview, sending: bool) -> None:
+    def remember_spec(self, spec: list[Any], mv: memoryview, sending: bool) -> None:
         if mv.__class__ is Typed:  # a receive's: kept as a view would be (sends: _typed)
             if not sending and mv.kept:
                 self._recv_base, self._recv_spec = spec[0], list(spec)
                 self._recv_spec_view, self._recv_cut = mv, None
             return
-        super()._remember_spec(spec, mv, sending)
+        super().remember_spec(spec, mv, sending)
 
-    def _unpickle(self, op: RecvOp) -> Any:
+    def load_object(self, op: RecvOp) -> Any:
         """An object receive that matched a buffer message loads it as mpi4py does: zero
         bytes are None, anything else is unpickled."""
         if op.is_object:
-            return super()._unpickle(op)
+            return super().load_object(op)
         data = op.segments[0] if op.segments else b""
         return MPI.pickle.loads(data) if len(data) else None
 
-    def _send(self, mv: memoryview, dest: Any, tag: Any) -> None:
+    def general_send(self, mv: memoryview, dest: Any, tag: Any) -> None:
         try:
-            super()._send(mv, dest, tag)
+            super().general_send(mv, dest, tag)
         except CmaError as exc:
             self._mpi._fail(exc)
         self._keep_moving()
 
-    def _recv(self, mv: memoryview, source: Any, tag: Any, status: Any) -> None:
+    def general_recv(self, mv: memoryview, source: Any, tag: Any, status: Any) -> None:
         mpi_status = None if status is None or status.__class__ is CmaStatus else status
         scratch = self._mpi_scratch if mpi_status is not None else status
         try:
-            super()._recv(mv, source, tag, scratch)
+            super().general_recv(mv, source, tag, scratch)
         except CmaError as exc:
             self._mpi._fail(exc, mpi_status)
         self._keep_moving()
         if mpi_status is not None:
             fill(mpi_status, scratch.source, scratch.tag, scratch.count)
 
-    def _start_send(self, segments: list[memoryview], dest: int, tag: int, is_object: bool,
+    def start_send(self, segments: list[memoryview], dest: int, tag: int, is_object: bool,
                     eager: bool = True, sync: bool = False) -> SendOp:
         if segments and segments[0].__class__ is Typed:  # a datatype's blocks, as one iovec
             segments = segments[0].views()
-        return super()._start_send(segments, dest, tag, is_object, eager, sync)
+        return super().start_send(segments, dest, tag, is_object, eager, sync)
 
-    def _start_buffered(self, segments: list[memoryview], dest: int, tag: int, is_object: bool
+    def start_buffered_send(self, segments: list[memoryview], dest: int, tag: int, is_object: bool
                         ) -> None:
         if segments and segments[0].__class__ is Typed:
             segments = [segments[0].pack()]
-        super()._start_buffered(segments, dest, tag, is_object)
+        super().start_buffered_send(segments, dest, tag, is_object)
 
-    def _isend(self, mv: memoryview, dest: Any, tag: Any) -> CmaRequest:
+    def general_isend(self, mv: memoryview, dest: Any, tag: Any) -> CmaRequest:
         try:
-            req = super()._isend(mv, dest, tag)
+            req = super().general_isend(mv, dest, tag)
         except CmaError as exc:
             self._mpi._fail(exc)
         self._keep_moving()
         return req
 
-    def _irecv(self, mv: memoryview, source: Any, tag: Any) -> CmaRequest:
+    def general_irecv(self, mv: memoryview, source: Any, tag: Any) -> CmaRequest:
         try:
-            req = super()._irecv(mv, source, tag)
+            req = super().general_irecv(mv, source, tag)
         except CmaError as exc:
             self._mpi._fail(exc)
         self._keep_moving()
         return req
-
-    def _in_flight(self) -> bool:
-        """Whether this rank holds data its peers wait for that moves only when it runs
-        cma: packets queued behind a full ring, pipelines, background pulls."""
-        return bool(self._txq_pending or self._out_streams or self._in_streams or self._pulls)
 
     def _keep_moving(self) -> None:
         """Keep MPI's progress hook armed while anything is in flight: a peer may wait for
         it while this rank waits in MPI's own calls (osu_bibw hung so: its eager sends
         completed into the queue, and the sender went on into MPI_Barrier)."""
-        if self._in_flight():
+        progress = self._progress
+        if progress is not None and progress.in_flight():
             PROGRESS.serve(self)
 
     # -- the requests cma completes
 
-    def _completed(self, op: SendOp | RecvOp) -> None:
-        super()._completed(op)
+    def operation_completed(self, op: SendOp | RecvOp) -> None:
+        super().operation_completed(op)
         if op.__class__ is RecvOp and op.buffer.__class__ is Typed:
             op.buffer.finish()
         if self._pending:
@@ -212,9 +208,8 @@ class NodeComm(CmaComm):
         assert req._spec is not None
         buf = req._spec[0]
         req._spec = None
-        mv = None if req._object else self._cached_view(buf, recv_view)
-        op, actions = self._engine.recv(peer, tag, mv)
-        self._run(actions)
+        mv = None if req._object else self.buffer_view(buf, recv_view)
+        op = (self._progress or self._attach()).post_recv(peer, tag, mv)
         req._op = op
         if op.done:
             req._finish()
@@ -226,9 +221,10 @@ class NodeComm(CmaComm):
         if self._mixed or req._op is None:
             self._mpi._settle(req)
             return
+        progress = self._progress or self._attach()
         for op in (req._op, req._also):
             if op is not None and not op.done:
-                self._wait(op)
+                progress.wait(op)
         self._keep_moving()
 
     def settle_any(self, reqs: list[Request]) -> None:
@@ -236,7 +232,8 @@ class NodeComm(CmaComm):
         if self._mixed:
             self._mpi._progress_until(lambda: any(r._progress() for r in reqs), None)
             return
-        self._wait_until(lambda: any(r._done_in_cma() for r in reqs), None)
+        (self._progress or self._attach()).wait_until(
+            lambda: any(r._done_in_cma() for r in reqs), None)
         self._keep_moving()
 
     def step(self, req: Request) -> None:
@@ -244,7 +241,7 @@ class NodeComm(CmaComm):
         if self._mixed:
             self._mpi._step()
         else:
-            self._progress()
+            self.progress()
 
     def post_waiting(self, req: Request) -> None:
         """MPI is about to wait for ``req``: it must be posted and the hook armed."""
@@ -257,7 +254,7 @@ class NodeComm(CmaComm):
         op = req._op
         if op is None:
             return self._mpi._withdraw(req)
-        posted = self._engine.matcher.posted if self._attached else []
+        posted = self._matcher.posted
         if isinstance(op, RecvOp) and not op.done and op in posted:
             posted.remove(op)
             op.done = True
@@ -269,10 +266,10 @@ class NodeComm(CmaComm):
         persistent requests; whether to stay."""
         if self._closed:
             return False
-        self._progress()
+        self.progress()
         if self._mixed:
             if self._mpi._wildcards:
-                self._mpi._advance(probe_mpi=False)
+                self._mpi._match_wildcards(probe_mpi=False)
                 self._warn_deferred()
             else:
                 self._deferred_since = 0.0
@@ -287,7 +284,9 @@ class NodeComm(CmaComm):
                 del self._persistent[tag]
             else:
                 preq.poll()
-        return self._mixed or bool(self._pending) or bool(self._persistent) or self._in_flight()
+        progress = self._progress
+        return self._mixed or bool(self._pending) or bool(self._persistent) or \
+            progress is not None and progress.in_flight()
 
     def _warn_deferred(self) -> None:
         """Say once why a wait inside MPI may never end: a wildcard receive on a rank with
@@ -313,32 +312,30 @@ class NodeComm(CmaComm):
 
     def send_init(self, buf: Any, dest: int, tag: int, mode: str) -> Prequest:
         """A persistent send (mode: "standard", "sync" or "buffered") of a bound buffer."""
-        bound = self._cached_view(buf, send_view)
+        bound = self.buffer_view(buf, send_view)
         dest = self._check_dest(dest)
         tag = self._check_tag(tag)
         repack = specs.has_gaps(buf)  # packed at each start: the buffer changes in between
 
         def view() -> memoryview:
-            return self._cached_view(buf, send_view) if repack else bound
+            return self.buffer_view(buf, send_view) if repack else bound
 
         if mode == "buffered":
             def begin() -> SendOp | RecvOp | None:
-                self._start_buffered([view()], dest, tag, False)
+                self.start_buffered_send([view()], dest, tag, False)
                 return None
         else:
             def begin() -> SendOp | RecvOp | None:
-                return self._start_send([view()], dest, tag, False, sync=mode == "sync")
+                return self.start_send([view()], dest, tag, False, sync=mode == "sync")
         return persistent_request(self, begin)
 
     def recv_init(self, buf: Any, source: int, tag: int) -> Prequest:
-        mv = self._cached_view(buf, recv_view)
+        mv = self.buffer_view(buf, recv_view)
         source = self._check_source(source)
         tag = self._check_tag(tag, wildcard=True)
 
         def begin() -> SendOp | RecvOp | None:
-            op, actions = self._engine.recv(source, tag, mv)
-            self._run(actions)
-            return op
+            return (self._progress or self._attach()).post_recv(source, tag, mv)
         return persistent_request(self, begin)
 
     def watch(self, preq: Prequest) -> None:
@@ -354,27 +351,29 @@ class NodeComm(CmaComm):
             peer = op.dest if isinstance(op, SendOp) else op.source
             self._mpi._progress_until(lambda: op.done, peer if peer >= 0 else None)
         else:
-            self._wait(op)
+            (self._progress or self._attach()).wait(op)
 
     def step_all(self) -> None:
         if self._mixed:
             self._mpi._step()
         else:
-            self._progress()
+            self.progress()
 
     def _check_peers(self) -> None:
         """Fail the pending requests that wait for a peer that has exited."""
-        world = self._world
-        assert world is not None
+        progress = self._progress
+        assert progress is not None
+        world = progress.world
         live = [fd for fd in world.pidfds if fd >= 0]
         ready = _linux.wait_readable(live, 0)
         if not ready:
             return
-        self._bury([r for r, fd in enumerate(world.pidfds) if fd in ready])
-        everyone_gone = self._dead.issuperset(self._peers)
+        progress.bury([r for r, fd in enumerate(world.pidfds) if fd in ready])
+        dead = progress.dead
+        everyone_gone = dead.issuperset(progress.peers)
         for op, req in list(self._pending.items()):
             peer = op.dest if isinstance(op, SendOp) else op.source
-            if peer in self._dead or peer == CMA_ANY_SOURCE and everyone_gone:
+            if peer in dead or peer == CMA_ANY_SOURCE and everyone_gone:
                 req._fail(PeerGone(f"rank {self.comm_rank(peer) if peer >= 0 else peer} exited "
                                    "before completing this operation"))
 

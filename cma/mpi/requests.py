@@ -113,7 +113,7 @@ class Request(MPI.Grequest):
         op = self._op
         if self._object and isinstance(op, RecvOp) and op.error is None and op.matched_source >= 0:
             try:
-                value = self._node._unpickle(op)
+                value = self._node.load_object(op)
             except Exception as exc:  # a stream that does not unpickle fails this receive
                 self._failure = exc
             else:

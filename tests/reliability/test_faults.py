@@ -58,7 +58,7 @@ def kill_self_once_parent_sleeps(go: int) -> None:
 
 def kill_inside_copies(comm: cma.Comm, after: bool) -> None:
     """Make the victim's first copy of a rendezvous kill it, before or after the copy."""
-    for transport in comm._transports.values():
+    for transport in comm._progress.transports.values():
         for name in ("read", "write", "stage", "drain"):
             method = getattr(transport, name, None)
             if method is None:

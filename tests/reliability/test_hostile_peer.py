@@ -212,7 +212,7 @@ def hostile(comm: cma.Comm, what: str, nbytes: int, target: str, seed: int,
     rng = np.random.default_rng(seed)
     comm.Barrier()
     select.select([pipes["ready_r"]], [], [], 30)
-    box = comm._outboxes[0]
+    box = comm._progress.outboxes[0]
     at = box.head & box.mask
     payload = np.frombuffer(rng.bytes(nbytes), np.uint8)
     request = comm.isend({"x": payload}, dest=0, tag=3) if what == "object" else \

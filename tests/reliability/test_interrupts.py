@@ -99,14 +99,17 @@ def send_wait_abandoned(comm: cma.Comm, conn: Connection, nbytes: int, call: str
 def recv_interrupted_mid_packet(comm: cma.Comm, conn: Connection, nbytes: int, call: str) -> Any:
     """An interrupt raised while the rank handles a packet (as SIGINT can, between any two
     bytecodes): the communicator must refuse further use, clearly, and still close."""
-    handle = comm._drain
+    comm.attach()
+    progress = comm._progress
+    assert progress is not None
+    handle = progress.drain
 
     def drain_then_interrupt(peer: int, only_expected: bool) -> bool:
-        if comm._inboxes[peer].ready():
+        if progress.inboxes[peer].ready():
             raise KeyboardInterrupt  # stands in for a signal arriving at this point
         return handle(peer, only_expected)
 
-    comm._drain = drain_then_interrupt  # type: ignore[method-assign]
+    progress.drain = drain_then_interrupt  # type: ignore[method-assign]
     conn.send(("ready", 0.0))
     try:
         comm.Recv(np.zeros(nbytes, np.uint8), source=0, tag=TAG)

@@ -1,0 +1,602 @@
+"""Progress: the I/O half of a communicator, built when it attaches.
+
+``protocol.Engine`` decides; ``Progress`` acts: it writes the engine's packets into the
+rings (or queues them behind a full ring, or loops them back to this rank), hands the
+packets that arrive to the engine, runs the copies it asks for (pulls, pushes, PIPELINE
+fragments through the staging slots), waits (spin, then sleep on the doorbell), and
+notices peers that exit. ``cma.Comm`` keeps the API and the eager fast paths; it shares
+with this object the dicts of ring ends its fast paths may use (``fast_outboxes``,
+``fast_inboxes``) and the matcher, which this object mutates in place.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any, cast
+
+import numpy as np
+
+from . import _linux
+from .channel import Inbox, Outbox
+from .connect import Connection
+from .errors import (
+    Cancelled,
+    CmaError,
+    CommBroken,
+    PeerGone,
+    ProtocolError,
+    TransportFault,
+    WindowError,
+)
+from .overlap import BackgroundPulls
+from .protocol import (
+    PIPELINE,
+    PULL,
+    PUSH,
+    Action,
+    Complete,
+    Deliver,
+    Engine,
+    Joiner,
+    Matcher,
+    Pipeline,
+    Pull,
+    Push,
+    RecvOp,
+    SendOp,
+    Stream,
+    StreamIn,
+    StreamOut,
+    Transmit,
+    slice_views,
+    split_packet,
+)
+from .stats import EagerCounts
+from .transports import Region
+from .wire import ANY_SOURCE, EAGER, KIND_MASK, MORE
+from .world import PeerLink, World
+
+# How long a blocked call spins before it sleeps. Waking a sleeping process costs from
+# ~10 us to several hundred on the project's VM (an idle vCPU must be woken), so a
+# wait that a peer will end soon should spin rather than sleep.
+SPIN_SECONDS = float(os.environ.get("CMA_SPIN_US", "1000")) * 1e-6
+# A sender of a large rendezvous message spins for about as long as the peer's copy
+# takes at this rate, yielding the CPU as it spins: the peer's copy threads need it.
+SLOWEST_COPY_BYTES_PER_S = 1e9
+YIELD_FROM_BYTES = 1 << 20
+SLEEP_MS = 10
+
+Packet = tuple[int, int, int, bytes]  # kind, tag, aux, payload
+
+
+def _region(mv: memoryview) -> Region:
+    return Region(_linux.buffer_address(mv), mv.nbytes)
+
+
+def _allocate(nbytes: int) -> memoryview:
+    return np.empty(nbytes, dtype=np.uint8).data
+
+
+class Progress:
+    """Moves one attached rank's packets and copies; every wait of the rank runs here."""
+
+    def __init__(self, world: World, connection: Connection, matcher: Matcher,
+                 fast_outboxes: dict[int, Outbox], fast_inboxes: dict[int, Inbox],
+                 inbox_peer: dict[Inbox, int], counts: EagerCounts,
+                 ring: Callable[[int], None],
+                 completed: Callable[[SendOp | RecvOp], None] | None, overlap: bool) -> None:
+        """``matcher``, ``fast_outboxes``, ``fast_inboxes`` and ``inbox_peer`` are the
+        communicator's, filled here; ``ring(peer)`` rings a peer's doorbell, and
+        ``completed(op)``, if given, is told of every operation the engine completes."""
+        self.world = world
+        self.rank = rank = world.rank
+        self.size = size = world.size
+        self.config = world.config
+        self.connection = connection
+        self.transports = connection.transports
+        self.links = connection.links
+        self.matcher = matcher
+        self.engine = Engine(rank, self.config.eager_limit, connection.policy,
+                             PULL | PUSH | PIPELINE, allocate=_allocate, region_of=_region,
+                             matcher=matcher)
+        self.peers = [p for p in range(size) if p != rank]
+        self.outboxes = {p: box for p, box in enumerate(world.outboxes) if box is not None}
+        self.inboxes = {p: box for p, box in enumerate(world.inboxes) if box is not None}
+        # The ring ends the fast paths may use right now: a peer's outbox leaves
+        # fast_outboxes while packets to it wait in txq (order), and the inboxes leave
+        # fast_inboxes while packets to ourselves wait in loopback, or for good when ranks
+        # outnumber cores (a fast path spins).
+        self.oversubscribed = size > (os.cpu_count() or 1)
+        self.fast_outboxes = fast_outboxes
+        self.fast_inboxes = fast_inboxes
+        fast_outboxes.update(self.outboxes)
+        if not self.oversubscribed:
+            fast_inboxes.update(self.inboxes)
+        inbox_peer.update({box: p for p, box in self.inboxes.items()})
+        self.txq: list[deque[Packet]] = [deque() for _ in range(size)]
+        self.txq_pending = 0
+        self.loopback: deque[Packet] = deque()
+        self.out_streams: dict[int, Stream] = {}  # PIPELINE sends, per peer
+        self.in_streams: dict[int, Stream] = {}  # PIPELINE receives, per peer
+        self.dead: set[int] = set()
+        self.joiner = Joiner()  # pieces of split control packets
+        self.buffered: list[SendOp] = []  # Bsend's rendezvous messages, sent from copies
+        self.counts = counts
+        self.ring = ring
+        self.completed = completed
+        # overlap: a pipeline needs both processes inside cma calls, a pull does not
+        self.overlap = overlap
+        self.pulls = BackgroundPulls(self._wake_self)
+        self.broken = ""  # why the communicator is unusable (see break_down), or ""
+        self.closing = False
+
+    # -- operations the communicator starts
+
+    def send(self, segments: list[memoryview], dest: int, tag: int, is_object: bool,
+             eager: bool = True, sync: bool = False) -> SendOp:
+        op, actions = self.engine.send(dest, tag, segments, is_object, eager=eager, sync=sync)
+        self.run(actions)
+        return op
+
+    def post_recv(self, source: int, tag: int, buffer: memoryview | None) -> RecvOp:
+        op, actions = self.engine.recv(source, tag, buffer)
+        self.run(actions)
+        return op
+
+    def in_flight(self) -> bool:
+        """Whether this rank holds data its peers wait for that moves only when it runs
+        cma: packets queued behind a full ring, pipelines, background pulls."""
+        return bool(self.txq_pending or self.out_streams or self.in_streams or self.pulls)
+
+    # -- the engine's actions
+
+    def run(self, actions: list[Action]) -> None:
+        for action in actions:
+            if isinstance(action, Transmit):
+                self.transmit(action.dest, action.kind, action.tag, action.aux, action.payload)
+            elif isinstance(action, Deliver):
+                self._deliver(action.op, action.payload)
+            elif isinstance(action, Pull):
+                self._pull(action)
+            elif isinstance(action, Push):
+                self._push(action)
+            elif isinstance(action, StreamOut):
+                self._stream_of(self.out_streams, action.op.dest, True).add(action.op)
+            elif isinstance(action, StreamIn):
+                self._stream_of(self.in_streams, action.op.matched_source, False).add(action.op)
+            elif isinstance(action, Complete):
+                self._count_completed(action.op)
+                if self.completed is not None:
+                    self.completed(action.op)
+
+    def transmit(self, dest: int, kind: int, tag: int, aux: int, payload: bytes) -> None:
+        if dest == self.rank:
+            if kind & KIND_MASK == EAGER:
+                self.counts.looped(len(payload))
+            self.loopback.append((kind, tag, aux, payload))
+            self.fast_inboxes.clear()
+            return
+        limit = self.config.max_packet
+        if len(payload) > limit:  # (a control packet larger than the ring: see drain)
+            for piece_kind, piece in split_packet(kind, payload, limit):
+                self.transmit(dest, piece_kind, tag, aux, piece)
+            return
+        queue = self.txq[dest]
+        packet = (kind, tag, aux, payload)
+        if queue or not self._put(dest, packet):
+            queue.append(packet)
+            self.txq_pending += 1
+            self.fast_outboxes.pop(dest, None)
+            return
+        if self.peer_sleeping(dest):
+            self.ring(dest)
+
+    def peer_sleeping(self, peer: int) -> int:
+        return self.outboxes[peer].peer_sleeping[0]
+
+    def _put(self, dest: int, packet: Packet) -> bool:
+        """Write one packet into ``dest``'s ring if it fits now."""
+        kind, tag, aux, payload = packet
+        if not self.outboxes[dest].put(kind, tag, aux, payload):
+            return False
+        if kind & KIND_MASK == EAGER:
+            self.counts.queued_copy_bytes += len(payload)  # the copy into a bytes object
+        return True
+
+    def _flush(self) -> bool:
+        moved = False
+        for dest in self.peers:
+            queue = self.txq[dest]
+            sent = False
+            while queue and self._put(dest, queue[0]):
+                queue.popleft()
+                self.txq_pending -= 1
+                sent = True
+            if not queue:
+                self.fast_outboxes[dest] = self.outboxes[dest]
+            if sent and self.peer_sleeping(dest):
+                self.ring(dest)
+            moved = moved or sent
+        return moved
+
+    def _deliver(self, op: RecvOp, payload: bytes | memoryview) -> None:
+        n = len(payload)
+        if op.buffer is None:
+            op.segments = [memoryview(bytes(payload))]
+        elif n:
+            op.buffer[:n] = payload
+
+    def _count_completed(self, op: SendOp | RecvOp) -> None:
+        if op.mechanism in ("eager", "self") or (isinstance(op, RecvOp) and op.error is not None):
+            return
+        stats = self.transports[op.mechanism].stats
+        stats.messages += 1
+        stats.bytes += op.nbytes
+
+    def _pull(self, action: Pull) -> None:
+        op = action.op
+        if action.peer == self.rank:
+            op.mechanism = "self"
+            self._copy_self(action.remote, action.local)
+        else:
+            link = self.links[action.peer]
+            assert link is not None
+            transport = self.transports[action.transport]
+            read = self._checked(transport.read, action.peer) if transport.by_pid else transport.read
+            if self.overlap:
+                self.pulls.start(lambda: read(link, action.remote, action.local), action)
+                return
+            read(link, action.remote, action.local)
+        self.run(self.engine.pulled(op, action.msgid))
+
+    def _checked(self, copy: Callable[[PeerLink, Any, Any], None], peer: int
+                 ) -> Callable[[PeerLink, Any, Any], None]:
+        """``copy`` (by pid) between two checks that ``peer`` is the process that attached:
+        once it exited, its pid may belong to an unrelated process. Before: nothing is
+        read from or written to such a process unless the peer dies during the copy;
+        after: what was read then is not handed on as the peer's."""
+        pidfds = self.world.pidfds
+
+        def confirm(link: PeerLink) -> None:
+            if pidfds[peer] < 0 or not _linux.process_alive(pidfds[peer]):
+                raise PeerGone(f"rank {peer} (pid {link.pid}) exited; its pid may belong to "
+                               "another process now, so nothing is copied from or to it")
+
+        def checked(link: PeerLink, first: Any, second: Any) -> None:
+            confirm(link)
+            copy(link, first, second)
+            confirm(link)
+        return checked
+
+    def _wake_self(self, _: Future[None]) -> None:
+        """Ring our own doorbell from the copy thread, in case this rank sleeps in a wait."""
+        if not self.closing:
+            _linux.ring_doorbell(self.world.fds.doorbells[self.rank])
+
+    def _finish_pulls(self) -> bool:
+        """Complete the background pulls that are done, in order; True if any was."""
+        finished = False
+        for action in self.pulls.finished():
+            self.run(self.engine.pulled(action.op, action.msgid))
+            finished = True
+        return finished
+
+    def _copy_self(self, remote: list[Region], local: list[memoryview]) -> None:
+        offset = 0
+        for region in remote:
+            cursor = region.addr
+            for piece in slice_views(local, offset, offset + region.nbytes):
+                _linux.copy_from_address(piece, cursor)
+                cursor += piece.nbytes
+            offset += region.nbytes
+
+    def _push(self, action: Push) -> None:
+        op = action.op
+        link = self.links[op.dest]
+        assert link is not None
+        transport = self.transports[action.transport]
+        write = self._checked(transport.write, op.dest) if transport.by_pid else transport.write
+        write(link, action.local, action.remote)
+        self.run(self.engine.pushed(op, action.recvid))
+
+    # -- progress
+
+    def poll(self) -> bool:
+        """One pass over everything that can move without blocking; True if anything did."""
+        moved = False
+        engine = self.engine
+        if self.loopback:
+            while self.loopback:
+                kind, tag, aux, looped = self.loopback.popleft()
+                self.run(engine.packet(self.rank, kind, tag, aux, looped))
+            if not self.oversubscribed:
+                self.fast_inboxes.update(self.inboxes)
+            moved = True
+        for peer in self.peers:
+            moved = self.drain(peer, False) or moved
+        if self.txq_pending:
+            moved = self._flush() or moved
+        if self.out_streams or self.in_streams:
+            moved = self._stream() or moved
+        if self.pulls:
+            moved = self._finish_pulls() or moved
+        return moved
+
+    def drain(self, peer: int, only_expected: bool) -> bool:
+        """Hand the packets that arrived from ``peer`` to the engine; True if there were any.
+
+        ``only_expected``: stop at the first packet no posted receive takes, so that
+        the messages behind it stay in the ring for the fast paths instead of being
+        copied out as unexpected.
+        """
+        box = self.inboxes[peer]
+        engine = self.engine
+        matcher = self.matcher
+        moved = False
+        try:
+            while box.ready() and (not only_expected or matcher.expects(peer, box.head_tag())):
+                kind, tag, n, aux, payload = box.take()
+                moved = True
+                if kind & MORE or peer in self.joiner:
+                    joined = self.joiner.join(peer, kind, payload)
+                    box.release()
+                    if joined is not None:
+                        self.run(engine.packet(peer, kind, tag, aux, joined))
+                    continue
+                self.run(engine.packet(peer, kind, tag, aux, payload))
+                box.release()
+        except ProtocolError as exc:
+            # raised by the decoders before anything moved on the packet's word
+            self.break_down(str(exc))
+            raise
+        except (TransportFault, WindowError) as exc:
+            # a copy the packet asked for: regions the peer does not have (or exposed)
+            self.break_down(f"rank {peer} sent a rendezvous whose regions could not be copied ({exc})")
+            raise
+        if box.publish_tail() and self.peer_sleeping(peer):
+            self.ring(peer)
+        return moved
+
+    def _stream_of(self, streams: dict[int, Stream], peer: int, sending: bool) -> Stream:
+        stream = streams.get(peer)
+        if stream is None:
+            config = self.config
+            slot_bytes, slots = config.frag_size, config.stage_slots
+            stream = streams[peer] = Stream(
+                sending, lambda nbytes, first: Pipeline.for_message(nbytes, slot_bytes, slots, first))
+        return stream
+
+    def _stream(self) -> bool:
+        """Advance PIPELINE transfers: fill free staging slots, drain filled ones."""
+        moved = False
+        for peer, stream in list(self.out_streams.items()):  # (a pump may start streams)
+            box = self.outboxes[peer]
+            moved = self._pump(peer, stream, box.staging, box.drained(), box.filled,
+                               box.publish_filled) or moved
+        for peer, stream in list(self.in_streams.items()):
+            inbox = self.inboxes[peer]
+            moved = self._pump(peer, stream, inbox.staging, inbox.filled(), inbox.drained_count,
+                               inbox.publish_drained) or moved
+        for streams in (self.out_streams, self.in_streams):
+            for peer in [p for p, stream in streams.items() if not stream]:
+                del streams[peer]
+        return moved
+
+    def _pump(self, peer: int, stream: Stream, staging: memoryview, peer_count: int,
+              own_count: int, publish: Callable[[int], None]) -> bool:
+        """Copy every fragment of ``stream`` that may move now, through ``staging``; True
+        if any did. ``own_count``: the running count this side last published. The
+        protocol's Stream says what goes where; the copies are here."""
+        slot_bytes = self.config.frag_size
+        copied = False
+        while True:
+            step = stream.next(peer_count, own_count)
+            if step is None:
+                op = stream.through()
+                if op is None:
+                    break
+                if stream.sending:
+                    self.run(self.engine.streamed_out(op))  # type: ignore[arg-type]
+                else:
+                    self.run(self.engine.streamed_in(op))  # type: ignore[arg-type]
+                continue
+            op, slot, start, stop = step
+            transport = self.transports.get(op.mechanism) or self.transports["shm"]
+            copy = transport.stage if stream.sending else transport.drain
+            window = staging[slot * slot_bytes : slot * slot_bytes + (stop - start)]
+            at = 0
+            for piece in slice_views(op.segments, start, stop):
+                copy(window[at : at + piece.nbytes], piece)
+                at += piece.nbytes
+            own_count = stream.copied()
+            publish(own_count)
+            copied = True
+        if copied and self.peer_sleeping(peer):
+            self.ring(peer)
+        return copied
+
+    # -- waiting
+
+    def wait(self, op: SendOp | RecvOp) -> None:
+        if op.done:
+            return
+        peer = op.dest if isinstance(op, SendOp) else op.source
+        large = isinstance(op, SendOp) and op.nbytes >= YIELD_FROM_BYTES
+        spin = max(SPIN_SECONDS, op.nbytes / SLOWEST_COPY_BYTES_PER_S) if large else SPIN_SECONDS
+        self.wait_until(lambda: op.done, None if peer == ANY_SOURCE else peer, spin, large)
+
+    def wait_until(self, done: Callable[[], bool], peer: int | None,
+                   spin: float = SPIN_SECONDS, yield_cpu: bool = False) -> None:
+        """Progress until ``done()``: spin for ``spin`` seconds, then sleep on the doorbell.
+
+        ``peer`` is the rank whose exit makes waiting pointless (None: any rank may answer).
+        ``yield_cpu``: call sched_yield while spinning (always so when ranks outnumber cores).
+        """
+        try:
+            self._wait_loop(done, peer, spin, yield_cpu)
+        except CmaError:
+            raise  # raised on purpose, where the state is whole
+        except BaseException as exc:
+            if not _raised_while_idle(exc):
+                self.break_down(f"{type(exc).__name__} interrupted rank {self.rank} while it "
+                                "was handling its peers' packets; what it shares with them may "
+                                "be half updated")
+            raise
+
+    def _wait_loop(self, done: Callable[[], bool], peer: int | None, spin: float,
+                   yield_cpu: bool) -> None:
+        world = self.world
+        deadline = 0.0
+        yield_cpu = yield_cpu or self.oversubscribed
+        while not done():
+            if self.poll():
+                deadline = 0.0
+                continue
+            if yield_cpu:
+                os.sched_yield()
+            now = time.perf_counter()
+            if not deadline:
+                deadline = now + spin
+                continue
+            if now < deadline and not self.pulls:
+                continue  # (a background pull needs the GIL back, and rings when done)
+            world.set_sleeping(1)
+            try:
+                if self.poll() or done():
+                    continue
+                gone = world.sleep(SLEEP_MS)
+                self.counts.control_syscalls += 1
+            finally:
+                world.set_sleeping(0)
+            # The deadline stays expired: only progress (above) earns a new spin, so a
+            # waiter that wakes to nothing every SLEEP_MS sleeps again at once instead of
+            # spinning (1 ms in 11 was 9 % of a CPU per idle waiter, taken from the peer).
+            if gone:
+                self._peers_gone(gone, done, peer)
+
+    def withdraw(self, op: SendOp | RecvOp) -> None:
+        """Take a receive whose caller gave up waiting (an exception left its Wait) out of
+        matching, if nothing matched it yet: the next receive gets the message instead.
+
+        A receive already matched is not withdrawn (as MPI_Cancel): its copy may be under
+        way, so it completes into its buffer during later calls. A send cannot be
+        withdrawn either: its peer was told of it and takes it when it receives.
+        """
+        if self.broken or not isinstance(op, RecvOp):
+            return
+        posted = self.matcher.posted
+        if op in posted:
+            posted.remove(op)
+            op.error = Cancelled(
+                f"this receive (source {op.source}, tag {op.tag}) was withdrawn when an exception "
+                "left its Wait; nothing was received into its buffer")
+            op.done = True
+
+    def break_down(self, reason: str) -> None:
+        """Make every later operation raise CommBroken(reason); close() still releases all."""
+        self.broken = reason
+        # (the general paths all go through the engine, so each now raises at its first use)
+        self.engine = cast(Engine, _BrokenEngine(reason))
+        self.fast_outboxes.clear()  # (so the fast paths take the general ones)
+        self.fast_inboxes.clear()
+        self.txq_pending = 0  # (a flush would put peers back in fast_outboxes)
+
+    # -- peers that exit
+
+    def _peers_gone(self, gone: list[int], done: Callable[[], bool], peer: int | None) -> None:
+        self.bury(gone)
+        if done():
+            return
+        if peer is not None and peer in self.dead:
+            raise PeerGone(f"rank {peer} (pid {self.world.pid_of(peer)}) exited before "
+                           "completing this operation")
+        if peer is None and self.dead.issuperset(self.peers):
+            raise PeerGone("every other rank has exited; nothing can complete this operation")
+
+    def bury(self, gone: list[int]) -> None:
+        """Take what the exited ranks left in the rings, then mark them dead."""
+        world = self.world
+        while self.poll():
+            pass
+        for r in gone:
+            self.dead.add(r)
+            os.close(world.pidfds[r])
+            world.pidfds[r] = -1
+
+    # -- teardown
+
+    def deliver_queued(self) -> None:
+        """Wait until the packets queued for each peer are in its ring, and the buffered
+        sends to it received, or moot.
+
+        A send that found the ring full returned with its packet queued here; the ring
+        outlives this process, the queue does not. Like MPI_Finalize after a buffered
+        send, this waits for the peer to read: a peer that has exited or closed never
+        will, and a peer that waits for this process to exit first deadlocks.
+        """
+        world = self.world
+        for dest in self.peers:
+            queue = self.txq[dest]
+            buffered = [op for op in self.buffered if op.dest == dest]
+            if (queue or buffered) and dest not in self.dead:
+                try:
+                    self.wait_until(lambda: not queue and all(op.done for op in buffered)  # noqa: B023
+                                    or world.has_closed(dest), dest)  # noqa: B023
+                except PeerGone:
+                    pass
+        self.buffered.clear()
+
+    def close(self) -> None:
+        """Finish what peers wait for (when this process attached the rank and the
+        communicator is whole), then release the transports; the world is the caller's."""
+        self.closing = True
+        try:
+            copier_stopped = self.pulls.shutdown()
+            if not self.broken and self.world.owned_here():
+                if copier_stopped:
+                    self._finish_pulls()  # no pull may outlive the fds it reads through
+                self.overlap = False  # a pull matched from here on copies at once
+                self.deliver_queued()  # including the FINs their senders wait for
+                self.world.mark_closed()
+        finally:
+            self.fast_outboxes.clear()  # (their views die with the world)
+            self.fast_inboxes.clear()
+            self.connection.close()
+
+
+class _BrokenEngine:
+    """Stands in for a broken communicator's engine: any use raises CommBroken."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+    def __getattr__(self, name: str) -> Any:
+        raise CommBroken(f"this communicator is unusable: {self.reason}. Close it; the ranks "
+                         "must start a new world (cma.Pipe, cma-run) to talk again")
+
+
+# Where a wait holds nothing half done: its loop's own steps, its sleep and what these
+# call directly (the done() predicate, a comprehension), but not a pass of progress.
+_IDLE_CODE = frozenset({Progress.wait_until.__code__, Progress._wait_loop.__code__,
+                        World.sleep.__code__, World.set_sleeping.__code__,
+                        _linux.wait_readable.__code__})
+_BUSY_CODE = frozenset({Progress.poll.__code__, Progress._peers_gone.__code__})
+
+
+def _raised_while_idle(exc: BaseException) -> bool:
+    """Whether ``exc`` (e.g. a signal handler's KeyboardInterrupt, which Python raises
+    between any two bytecodes) came from a waiting rank's sleep or loop, not from the
+    middle of its handling of a packet or a copy."""
+    codes = []
+    tb = exc.__traceback__
+    while tb is not None:
+        codes.append(tb.tb_frame.f_code)
+        tb = tb.tb_next
+    innermost = codes[-1]
+    if innermost in _IDLE_CODE:
+        return True
+    return len(codes) > 1 and codes[-2] in _IDLE_CODE and innermost not in _BUSY_CODE

@@ -1,0 +1,208 @@
+"""Status, Request and Message: what cma's calls hand back, shaped like mpi4py's.
+
+A request holds a protocol operation (``SendOp``/``RecvOp``) and the communicator that
+moves it; waiting and testing ask that communicator to make progress.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+
+from .errors import CmaError
+from .protocol import Arrival, RecvOp, SendOp
+from .wire import ANY_SOURCE, ANY_TAG, PROC_NULL
+
+if TYPE_CHECKING:
+    from .comm import Comm
+
+
+class Status:
+    """Source, tag and size of a received message, as mpi4py's ``MPI.Status``."""
+
+    __slots__ = ("source", "tag", "count", "error")
+
+    def __init__(self) -> None:
+        self.source = ANY_SOURCE
+        self.tag = ANY_TAG
+        self.count = 0
+        self.error = 0
+
+    def Get_source(self) -> int:
+        return self.source
+
+    def Get_tag(self) -> int:
+        return self.tag
+
+    def Get_error(self) -> int:
+        return self.error
+
+    def Get_count(self, datatype: Any = None) -> int:
+        """Number of elements of ``datatype`` (a typechar or NumPy dtype; bytes by default)."""
+        if datatype is None:
+            return self.count
+        return self.count // np.dtype(datatype).itemsize
+
+    def Get_elements(self, datatype: Any) -> int:
+        return self.Get_count(datatype)
+
+    def _fill(self, source: int, tag: int, count: int) -> None:
+        self.source = source
+        self.tag = tag
+        self.count = count
+
+    def __repr__(self) -> str:
+        return f"Status(source={self.source}, tag={self.tag}, count={self.count})"
+
+
+class Request:
+    """A non-blocking operation, as mpi4py's ``MPI.Request``."""
+
+    __slots__ = ("_comm", "_op", "_object", "_also")
+
+    def __init__(self, comm: Comm, op: SendOp | RecvOp | None, is_object: bool = False,
+                 also: SendOp | None = None) -> None:
+        self._comm = comm
+        self._op = op
+        self._object = is_object
+        self._also = also  # Isendrecv: the send this receive's request also waits for
+
+    def _done(self) -> bool:
+        op, also = self._op, self._also
+        return (op is None or op.done) and (also is None or also.done)
+
+    def Test(self, status: Status | None = None) -> bool:
+        if not self._done():
+            self._comm.progress()
+            if not self._done():
+                return False
+        self._finish(status)
+        return True
+
+    def Wait(self, status: Status | None = None) -> Literal[True]:
+        for op in (self._op, self._also):
+            if op is not None and not op.done:
+                progress = self._comm._progress or self._comm._attach()
+                try:
+                    progress.wait(op)
+                except BaseException:
+                    progress.withdraw(op)  # the caller gives up on it (a Ctrl-C, say)
+                    raise
+        self._finish(status)
+        return True
+
+    def test(self, status: Status | None = None) -> tuple[bool, Any]:
+        if not self.Test(status):
+            return False, None
+        return True, self._result()
+
+    def wait(self, status: Status | None = None) -> Any:
+        self.Wait(status)
+        return self._result()
+
+    def _finish(self, status: Status | None) -> None:
+        op = self._op
+        if isinstance(op, RecvOp):
+            if status is not None:
+                status._fill(op.matched_source, op.matched_tag, op.nbytes)
+            if op.error is not None:
+                error, op.error = op.error, None
+                raise error
+
+    def _result(self) -> Any:
+        op = self._op
+        if self._object and isinstance(op, RecvOp) and op.matched_source != PROC_NULL:
+            return self._comm.load_object(op)
+        return None
+
+    @classmethod
+    def Waitall(cls, requests: Sequence[Request], statuses: list[Status] | None = None
+                ) -> Literal[True]:
+        for i, req in enumerate(requests):
+            req.Wait(statuses[i] if statuses is not None else None)
+        return True
+
+    @classmethod
+    def waitall(cls, requests: Sequence[Request], statuses: list[Status] | None = None) -> list[Any]:
+        return [req.wait(statuses[i] if statuses is not None else None)
+                for i, req in enumerate(requests)]
+
+    @classmethod
+    def Testall(cls, requests: Sequence[Request], statuses: list[Status] | None = None) -> bool:
+        if not all(req._done() or req.Test() for req in requests):
+            return False
+        return cls.Waitall(requests, statuses)
+
+    @classmethod
+    def testall(cls, requests: Sequence[Request], statuses: list[Status] | None = None
+                ) -> tuple[bool, list[Any] | None]:
+        if not cls.Testall(requests, statuses):
+            return False, None
+        return True, [req._result() for req in requests]
+
+    @classmethod
+    def Waitany(cls, requests: Sequence[Request], status: Status | None = None) -> int:
+        if not requests:
+            raise ValueError("Waitany of no requests")
+        comm = requests[0]._comm
+        box: list[int] = []
+
+        def any_done() -> bool:
+            for i, req in enumerate(requests):
+                if req._done():
+                    box.append(i)
+                    return True
+            return False
+
+        (comm._progress or comm._attach()).wait_until(any_done, None)
+        requests[box[0]].Wait(status)
+        return box[0]
+
+    @classmethod
+    def waitany(cls, requests: Sequence[Request], status: Status | None = None) -> tuple[int, Any]:
+        index = cls.Waitany(requests, status)
+        return index, requests[index]._result()
+
+
+class Message:
+    """A message that a matched probe took out of matching, as mpi4py's ``MPI.Message``.
+
+    Receive it once, with ``Recv``/``Irecv`` into a buffer or ``recv``/``irecv`` as an
+    object; it is false afterwards. A probe of ``PROC_NULL`` gives an empty message.
+    """
+
+    __slots__ = ("_comm", "_arrival", "_taken")
+
+    def __init__(self, comm: Comm, arrival: Arrival | None) -> None:
+        self._comm = comm
+        self._arrival = arrival  # None: PROC_NULL's
+        self._taken = False
+
+    def __bool__(self) -> bool:
+        return not self._taken
+
+    def _take(self) -> Arrival | None:
+        if self._taken:
+            raise CmaError("this message was received already")
+        self._taken = True
+        return self._arrival
+
+    def Irecv(self, buf: Any) -> Request:
+        return self._comm._mrecv(self._take(), buf, False)
+
+    def Recv(self, buf: Any, status: Status | None = None) -> None:
+        self.Irecv(buf).Wait(status)
+
+    def irecv(self) -> Request:
+        return self._comm._mrecv(self._take(), None, True)
+
+    def recv(self, status: Status | None = None) -> Any:
+        return self.irecv().wait(status)
+
+
+def null_recv() -> RecvOp:
+    op = RecvOp(PROC_NULL, ANY_TAG, None, matched_source=PROC_NULL, matched_tag=ANY_TAG)
+    op.done = True
+    return op

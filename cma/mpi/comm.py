@@ -765,12 +765,19 @@ def _collective(name: str) -> Callable[..., Any]:
             op = args[op_at] if len(args) > op_at else kwargs.get("op", MPI.SUM)
             if not isinstance(op, Op) and not any(op == known for known in _PREDEFINED):
                 return through_mpi(self, *args, **kwargs)
+        node = self._cma
+        assert node is not None  # (BARRIER_CMA: this rank has a node communicator)
         try:
             if locked:
                 assert _LOCK_TABLE is not None
                 with _LOCK_TABLE(self).setdefault(name, threading.Lock()):
-                    return through_cma(self._cma, *args, **kwargs)
-            return through_cma(self._cma, *args, **kwargs)
+                    result = through_cma(node, *args, **kwargs)
+            else:
+                result = through_cma(node, *args, **kwargs)
+            # what this rank still owes a peer (a FIN queued behind a full ring) must move
+            # while it waits in MPI's own calls next
+            node._keep_moving()
+            return result
         except InvalidRank as exc:  # (the only rank a collective takes is its root)
             self.Call_errhandler(MPI.ERR_ROOT)
             raise MPI.Exception(MPI.ERR_ROOT) from exc

@@ -765,6 +765,8 @@ class Collectives:
                         _message(sendbuf, writable=False))
         self._coll_wait(*ops)
 
+    # Scatter(v) mirrors Gather(v) line for line (sends where those receive): kept as two
+    # readable definitions rather than one parametrised by direction.
     def Scatter(self, sendbuf: Any, recvbuf: Any, root: int = 0) -> None:
         """Block ``r`` of the root's ``sendbuf`` to rank r's ``recvbuf`` (``MPI_Scatter``);
         ``IN_PLACE`` as the root's ``recvbuf``: its block stays where it is."""

@@ -21,7 +21,7 @@ packet that would cross the end of the window goes to the start instead, behind 
 as soon as the reader has freed the space there. Only a reader that falls behind lets
 packets spill into the second half. The bytes a PAD skips count as in flight until
 the reader passes it, so right after a jump the ring can look full: a further packet
-waits in the sender's queue (comm.py) until the reader takes the one at the start.
+waits in the sender's queue (progress.py) until the reader takes the one at the start.
 Why a window: the bytes a ping-pong cycles through decide the cost of a large eager
 message here (docs/architecture.md, "The control channel", has the runs).
 

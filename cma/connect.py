@@ -17,6 +17,8 @@ AUTO_ORDER = ["cma", "vmfd", "shm"]
 # pipelined double copy beat one-sided cma and vmfd copies at every size, and cma with both
 # sides copying (SPLIT) matched it from 4 MiB (docs/transports.md has the runs); where
 # one-sided copies win, lower them: thresholds={"cma": 0} also lifts the SPLIT rule.
+# From 3 ranks cma takes every rendezvous: the pipeline's staging stays resident per pair
+# (docs/architecture.md, "Memory per rank").
 NEVER = 1 << 62
 AUTO_THRESHOLDS = {"cma": 4 << 20, "vmfd": NEVER, "shm": 0}
 AUTO_SPLIT_ONLY = {"cma"}
@@ -100,7 +102,8 @@ class Connection:
         bits = {name: 1 << i for i, name in enumerate(names)}
         policy = Policy(
             order=[n for n in AUTO_ORDER if n in names] or names,
-            thresholds={**AUTO_THRESHOLDS, **({"cma": 0} if overlap else {}), **thresholds}
+            thresholds={**AUTO_THRESHOLDS, **({"cma": 0} if overlap or self.size > 2 else {}),
+                        **thresholds}
             if forced is None else {},
             forced=forced,
             staged={n for n in names if "staged" in REGISTRY.classes[n].styles},

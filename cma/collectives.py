@@ -668,6 +668,46 @@ class Collectives:
         if mine.ctypes.data != result.ctypes.data:
             np.copyto(result, mine)
 
+    def Reduce_scatter(self, sendbuf: Any, recvbuf: Any, recvcounts: Sequence[int] | None = None,
+                       op: Any = SUM) -> None:
+        """Combine every rank's ``sendbuf`` (``sum(recvcounts)`` elements) and leave the
+        ``rank``-th block of the result, ``recvcounts[rank]`` elements, in ``recvbuf``
+        (``MPI_Reduce_scatter``). Without ``recvcounts`` each rank's count is the size of
+        its ``recvbuf``, gathered from every rank (as mpi4py does). ``IN_PLACE`` as
+        ``sendbuf`` takes the input from ``recvbuf`` and needs ``recvcounts``."""
+        self._coll_start()
+        ours = _array_op(op)
+        in_place = _is_in_place(sendbuf)
+        result = _message(recvbuf, writable=True)
+        if recvcounts is not None:
+            counts = [_count(c) for c in recvcounts]
+        elif in_place:
+            raise InvalidCount("Reduce_scatter with IN_PLACE needs recvcounts: recvbuf holds "
+                               "the whole input, so its size is not this rank's count")
+        else:
+            counts = self.allgather(result.size)
+        if len(counts) != self.size:
+            raise InvalidCount(f"recvcounts has {len(counts)} counts for {self.size} ranks")
+        total = sum(counts)
+        if in_place:
+            if result.size < total:
+                raise BufferError(f"recvbuf holds {result.size} elements, the input is "
+                                  f"sum(recvcounts) = {total}")
+            acc = result[:total].copy()  # (MPI leaves the rest of recvbuf as it was)
+        else:
+            if result.size != counts[self.rank]:
+                raise BufferError(f"recvbuf holds {result.size} elements, recvcounts"
+                                  f"[{self.rank}] is {counts[self.rank]}")
+            acc = _message(sendbuf, writable=False).copy()
+            if acc.size != total:
+                raise BufferError(f"sendbuf holds {acc.size} elements, sum(recvcounts) is {total}")
+        ours.check(acc.dtype)
+        cut = [sum(counts[:i]) for i in range(self.size + 1)]
+        if self.size > 1:
+            self._reduce_scatter_ring(acc, ours, cut)
+        mine = acc[cut[self.rank] : cut[self.rank + 1]]
+        np.copyto(result[: mine.size], mine)
+
     def _scan(self, sendbuf: Any, recvbuf: Any, op: Any, exclusive: bool) -> None:
         """Recursive doubling (MPICH's scan): ``partial`` combines the ranks of this rank's
         current group, ``result`` those of them below (Exscan) or up to (Scan) this rank."""

@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 import cma
 from cma import collectives
 from cma.comm import _shared_fds
-from cma.errors import InvalidDatatype, InvalidRank, PeerGone
+from cma.errors import InvalidCount, InvalidDatatype, InvalidRank, PeerGone
 from cma.world import WorldFds
 
 RESULT_TIMEOUT = 60.0
@@ -46,7 +46,7 @@ DTYPES_FOR = {
     "MINLOC": [PAIR.descr, IPAIR.descr], "MAXLOC": [PAIR.descr, IPAIR.descr],
 }
 ALL_DTYPES = ["u1", "i2", "i4", "f4", "f8", "c16", PAIR.descr]
-REDUCTIONS = ["Reduce", "Allreduce", "Reduce_scatter_block", "Scan", "Exscan"]
+REDUCTIONS = ["Reduce", "Allreduce", "Reduce_scatter_block", "Reduce_scatter", "Scan", "Exscan"]
 MOVES = ["Bcast", "Gather", "Gatherv", "Scatter", "Scatterv", "Allgather", "Allgatherv",
          "Alltoall", "Alltoallv"]
 THRESHOLDS = ("BCAST_SCATTER_FROM", "ALLREDUCE_RING_FROM", "REDUCE_RING_FROM")
@@ -260,6 +260,19 @@ def run_case(comm: cma.Comm, case: dict[str, Any]) -> Any:
         spec, out = wrap(form, np.zeros(n, dtype))
         comm.Reduce_scatter_block(wrap(form, full, blocks=size)[0], spec, op=op)
         return out
+    if name == "Reduce_scatter":
+        counts, _ = layout(seed, n, size)
+        full = values(seed, rank, dtype, sum(counts), case["op"])
+        if in_place:
+            spec, out = wrap(form, full.copy())
+            comm.Reduce_scatter(place, spec, counts, op=op)
+            assert np.array_equal(out[counts[rank] :], full[counts[rank] :]), \
+                "IN_PLACE changed recvbuf past this rank's block"
+            return out[: counts[rank]]
+        spec, out = wrap(form, np.zeros(counts[rank], dtype))
+        # without recvcounts, each rank's count is its recvbuf's (gathered, as in mpi4py)
+        comm.Reduce_scatter(wrap(form, full)[0], spec, counts if seed % 2 else None, op=op)
+        return out
     if name == "Gather":
         if rank != root:
             comm.Gather(wrap(form, mine)[0], None, root=root)
@@ -382,6 +395,11 @@ def expected(case: dict[str, Any], size: int) -> list[Any]:
         fulls = [values(seed, r, dtype, n * size, op) for r in range(size)]
         total = combine(op, np.stack(fulls))
         return [total[r * n : (r + 1) * n] for r in range(size)]
+    if name == "Reduce_scatter":
+        counts, _ = layout(seed, n, size)
+        fulls = [values(seed, r, dtype, sum(counts), op) for r in range(size)]
+        total = combine(op, np.stack(fulls))
+        return [total[sum(counts[:r]) : sum(counts[: r + 1])] for r in range(size)]
     if name == "Gather":
         return [np.concatenate(inputs) if r == root else None for r in range(size)]
     if name in ("Gatherv", "Allgatherv"):
@@ -570,17 +588,20 @@ def refusals(comm: cma.Comm) -> list[str]:
     raised = []
     for call in (lambda: comm.Bcast(np.zeros(2), root=comm.Get_size()),
                  lambda: comm.Allreduce(np.zeros(2), np.zeros(2), op=cma.BAND),
-                 lambda: comm.Allreduce(np.zeros(2), np.zeros(2), op=np.add)):
+                 lambda: comm.Allreduce(np.zeros(2), np.zeros(2), op=np.add),
+                 lambda: comm.Reduce_scatter(cma.IN_PLACE, np.zeros(2)),
+                 lambda: comm.Reduce_scatter(np.zeros(2), np.zeros(2), [2] * (comm.size + 1))):
         try:
             call()
-        except (InvalidRank, InvalidDatatype, TypeError) as exc:
+        except (InvalidRank, InvalidDatatype, InvalidCount, TypeError) as exc:
             raised.append(type(exc).__name__)
     return raised
 
 
-def test_bad_root_dtype_and_op_are_refused_on_every_rank(world: World) -> None:
+def test_bad_root_dtype_op_and_counts_are_refused_on_every_rank(world: World) -> None:
     results = world.run(refusals)
-    assert results == [["InvalidRank", "InvalidDatatype", "TypeError"]] * world.size
+    assert results == [["InvalidRank", "InvalidDatatype", "TypeError", "InvalidCount",
+                        "InvalidCount"]] * world.size
 
 
 def mpi4py_names(comm: cma.Comm) -> Any:

@@ -739,11 +739,12 @@ for _name, _peers in _REFUSED.items():
 # ranks are then the communicator's). The uppercase reductions keep MPI's own for an op
 # that is not predefined: every rank passes the same op, so every rank makes that choice.
 ON_NODE_COLLECTIVES = (
-    "Bcast", "Reduce", "Allreduce", "Reduce_scatter_block", "Scan", "Exscan", "Gather",
-    "Gatherv", "Scatter", "Scatterv", "Allgather", "Allgatherv", "Alltoall", "Alltoallv",
+    "Bcast", "Reduce", "Allreduce", "Reduce_scatter_block", "Reduce_scatter", "Scan", "Exscan",
+    "Gather", "Gatherv", "Scatter", "Scatterv", "Allgather", "Allgatherv", "Alltoall", "Alltoallv",
     "bcast", "reduce", "allreduce", "gather", "scatter", "allgather", "alltoall",
 )
-_OP_POSITION = {"Reduce": 2, "Allreduce": 2, "Reduce_scatter_block": 2, "Scan": 2, "Exscan": 2}
+_OP_POSITION = {"Reduce": 2, "Allreduce": 2, "Reduce_scatter_block": 2, "Reduce_scatter": 3,
+                "Scan": 2, "Exscan": 2}
 _PREDEFINED = tuple(getattr(MPI, name) for name in OPS)
 
 

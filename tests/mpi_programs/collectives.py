@@ -82,6 +82,16 @@ def run_case(comm: cma.mpi.Comm, rng: np.random.Generator) -> None:
         call(mine, out, op=op)
         return [out]
 
+    def reduce_scatter(call):
+        counts = [(r * 5 + count) % (count + 1) for r in range(size)]
+        out = np.zeros(counts[rank], dtype)
+        call(mine[: sum(counts)], out, counts, op)
+        inplace = mine[: sum(counts)].copy()
+        call(MPI.IN_PLACE, inplace, counts, op)
+        given = np.zeros(counts[rank], dtype)
+        call(mine[: sum(counts)], given, op=op)  # (counts gathered from the recvbufs)
+        return [out, inplace[: counts[rank]], given]
+
     def allgather(call):
         out = np.zeros(count * size, dtype)
         call(mine[:count], out)
@@ -107,6 +117,7 @@ def run_case(comm: cma.mpi.Comm, rng: np.random.Generator) -> None:
     for name, make in (("Bcast", bcast), ("Allreduce", allreduce), ("Reduce", reduce),
                        ("Scan", scan), ("Exscan", exscan),
                        ("Reduce_scatter_block", reduce_scatter_block),
+                       ("Reduce_scatter", reduce_scatter),
                        ("Allgather", allgather), ("Gatherv", gatherv), ("Scatter", scatter),
                        ("Alltoall", alltoall)):
         both(comm, name, make)

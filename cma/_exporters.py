@@ -22,6 +22,7 @@ from .errors import BufferError
 
 CPU = 1  # DLDeviceType kDLCPU
 READ_ONLY = 1  # DLManagedTensorVersioned.flags bit
+_KINDS = {0: "i", 1: "u", 2: "f", 5: "c", 6: "b"}  # DLDataTypeCode -> NumPy's kind
 
 
 class _Device(ctypes.Structure):
@@ -67,8 +68,22 @@ def _capsule(obj: Any) -> tuple[object, bool]:
         return obj.__dlpack__(), False
 
 
-def dlpack_array(obj: Any) -> np.ndarray:
-    """The bytes of a CPU DLPack exporter as a flat uint8 array (read-only if it says so)."""
+def _element(dtype: _DataType) -> np.dtype | None:
+    """NumPy's type for a DLPack element type, or None where NumPy has none."""
+    kind, nbytes = _KINDS.get(dtype.code), dtype.bits // 8
+    if kind == "f" and dtype.lanes == 2:  # (complex long double, as mpi4py's tests export it)
+        kind, nbytes = "c", 2 * nbytes
+    elif dtype.lanes != 1 or kind is None:
+        return None
+    try:
+        return np.dtype(f"{kind}{nbytes}")
+    except TypeError:
+        return None
+
+
+def dlpack_array(obj: Any, typed: bool = False) -> np.ndarray:
+    """The bytes of a CPU DLPack exporter as a flat uint8 array (read-only if it says so);
+    ``typed``: as a flat array of its elements where NumPy has their type."""
     capsule, versioned = _capsule(obj)
     name = b"dltensor_versioned" if versioned and _is_valid(capsule, b"dltensor_versioned") \
         else b"dltensor"
@@ -93,9 +108,13 @@ def dlpack_array(obj: Any) -> np.ndarray:
                                   "contiguous copy")
             expected *= shape[i]
     nbytes = int(np.prod(shape, dtype=np.int64)) * itemsize
+    element = _element(tensor.dtype) if typed else None
+    if element is None or element.itemsize != itemsize:
+        element = np.dtype(np.uint8)
     if nbytes == 0:
-        return np.empty(0, np.uint8)
-    return _array_at((tensor.data or 0) + tensor.byte_offset, nbytes, readonly, capsule)
+        return np.empty(0, element)
+    return _array_at((tensor.data or 0) + tensor.byte_offset, nbytes, readonly, capsule
+                     ).view(element)
 
 
 def _array_at(address: int, nbytes: int, readonly: bool, owner: object) -> np.ndarray:

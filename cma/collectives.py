@@ -218,13 +218,7 @@ def _whole(buf: Any, writable: bool) -> np.ndarray:
             array = np.asarray(memoryview(buf))
         except (TypeError, ValueError) as exc:
             if hasattr(buf, "__dlpack__"):
-                # cma's reading (bytes, read-only as the capsule says), typed as NumPy reads
-                # it where NumPy can (it failed on mpi4py's test exporters: bytes then)
-                array = dlpack_array(buf)
-                try:
-                    array = array.view(np.from_dlpack(buf).dtype)
-                except Exception:  # noqa: BLE001 - any failure of NumPy's reading
-                    pass
+                array = dlpack_array(buf, typed=True)
             elif hasattr(buf, "__cuda_array_interface__"):
                 array = cai_array(buf).view(np.dtype(buf.__cuda_array_interface__["typestr"]))
             else:
@@ -341,6 +335,36 @@ def _vmessage(spec: Any, writable: bool, size: int) -> tuple[np.ndarray, list[in
         if d + c > array.size:
             raise BufferError(f"block of {c} elements at {d} overruns a buffer of {array.size}")
     return array, counts, displs
+
+
+def _wmessage(spec: Any, writable: bool, size: int) -> tuple[np.ndarray, list[int], list[int]]:
+    """A w-form spec, as mpi4py reads it: ``[buf, datatypes]`` (one element of each at
+    offset 0), ``[buf, (counts, displs), datatypes]`` or ``[buf, counts, displs,
+    datatypes]``, with displacements in bytes and a datatype per rank (or one for all);
+    the buffer's bytes and each rank's block as (byte counts, byte displacements)."""
+    if not isinstance(spec, (list, tuple)) or len(spec) not in (2, 3, 4):
+        raise BufferError("w-form spec must be [buf, datatypes], [buf, (counts, displs), "
+                          "datatypes] or [buf, counts, displs, datatypes]")
+    if len(spec) == 2:
+        buf, datatypes = spec
+        counts: Any = [1] * size
+        displs: Any = [0] * size
+    elif len(spec) == 3:
+        buf, (counts, displs), datatypes = spec
+    else:
+        buf, counts, displs, datatypes = spec
+    raw = _whole(buf, writable).view(np.uint8)
+    dtypes = ([_dtype(t) for t in datatypes] if isinstance(datatypes, (list, tuple))
+              else [_dtype(datatypes)] * size)
+    counts, displs = [_count(c) for c in counts], [_count(d) for d in displs]
+    if not len(counts) == len(displs) == len(dtypes) == size:
+        raise BufferError(f"w-form spec needs {size} counts, displacements and datatypes, got "
+                          f"{len(counts)}, {len(displs)} and {len(dtypes)}")
+    nbytes = [c * t.itemsize for c, t in zip(counts, dtypes, strict=True)]
+    for n, d in zip(nbytes, displs, strict=True):
+        if d + n > raw.size:
+            raise BufferError(f"block of {n} bytes at byte {d} overruns a buffer of {raw.size}")
+    return raw, nbytes, displs
 
 
 def _bytes(array: np.ndarray) -> memoryview:
@@ -893,6 +917,19 @@ class Collectives:
         else:
             send, scounts, sdispls = _vmessage(sendbuf, writable=False, size=self.size)
         self._alltoallv(send, (scounts, sdispls), recv, (rcounts, rdispls))
+
+    def Alltoallw(self, sendbuf: Any, recvbuf: Any) -> None:
+        """``Alltoallv`` with a datatype per rank and displacements in bytes, in w-form
+        ``sendbuf`` and ``recvbuf`` (``MPI_Alltoallw``; ``IN_PLACE`` as ``sendbuf``:
+        recvbuf's layout). The blocks move as bytes: as in MPI, what rank s sends to d
+        must have the type signature d expects from s."""
+        self._coll_start()
+        recv, rbytes, rdispls = _wmessage(recvbuf, writable=True, size=self.size)
+        if _is_in_place(sendbuf):
+            send, sbytes, sdispls = recv.copy(), rbytes, rdispls
+        else:
+            send, sbytes, sdispls = _wmessage(sendbuf, writable=False, size=self.size)
+        self._alltoallv(send, (sbytes, sdispls), recv, (rbytes, rdispls))
 
     def _alltoallv(self, send: np.ndarray, send_layout: tuple[list[int], list[int]],
                    recv: np.ndarray, recv_layout: tuple[list[int], list[int]]) -> None:

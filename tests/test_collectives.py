@@ -48,7 +48,8 @@ DTYPES_FOR = {
 ALL_DTYPES = ["u1", "i2", "i4", "f4", "f8", "c16", PAIR.descr]
 REDUCTIONS = ["Reduce", "Allreduce", "Reduce_scatter_block", "Reduce_scatter", "Scan", "Exscan"]
 MOVES = ["Bcast", "Gather", "Gatherv", "Scatter", "Scatterv", "Allgather", "Allgatherv",
-         "Alltoall", "Alltoallv"]
+         "Alltoall", "Alltoallv", "Alltoallw"]
+WTYPES = [np.dtype(t) for t in ("u1", "i4", "f8", "c16")]
 THRESHOLDS = ("BCAST_SCATTER_FROM", "ALLREDUCE_RING_FROM", "REDUCE_RING_FROM")
 DEFAULTS = {name: getattr(collectives, name) for name in THRESHOLDS}
 FIXTURE_HC = [HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
@@ -191,6 +192,31 @@ def layout(seed: int, n: int, size: int) -> tuple[list[int], list[int]]:
 def matrix(seed: int, n: int, size: int) -> np.ndarray:
     """Alltoallv: element counts [source, dest]."""
     return np.random.default_rng([seed, 1 << 21]).integers(0, n + 1, (size, size))
+
+
+def wlayout(seed: int, n: int, size: int, in_place: bool) -> tuple[np.ndarray, list[list[np.dtype]]]:
+    """Alltoallw: element counts [source, dest] and the datatype of each pair (the same
+    both ways; with IN_PLACE the counts too, as one layout serves both directions)."""
+    sizes = matrix(seed, n, size)
+    if in_place:
+        sizes = np.minimum(sizes, sizes.T)
+    return sizes, [[WTYPES[(s + d + seed) % len(WTYPES)] for d in range(size)] for s in range(size)]
+
+
+def wblocks(counts: Any, dtypes: list[np.dtype], gap: int, backwards: bool
+            ) -> tuple[list[int], list[int], int]:
+    """Byte sizes and byte displacements of one rank's blocks, ``gap`` bytes apart (in
+    reverse rank order if ``backwards``), and the buffer's length."""
+    nbytes = [int(c) * t.itemsize for c, t in zip(counts, dtypes, strict=True)]
+    displs, at = [0] * len(nbytes), gap
+    for r in (reversed(range(len(nbytes))) if backwards else range(len(nbytes))):
+        displs[r] = at
+        at += nbytes[r] + gap
+    return nbytes, displs, at
+
+
+def wbytes(seed: int, rank: int, nbytes: int) -> np.ndarray:
+    return np.random.default_rng([seed, rank, 7]).integers(0, 256, nbytes, dtype=np.uint8)
 
 
 def pack(counts: list[int], displs: list[int], dtype: np.dtype) -> np.ndarray:
@@ -353,6 +379,21 @@ def run_case(comm: cma.Comm, case: dict[str, Any]) -> Any:
         recv = np.zeros(at + 1, dtype)
         comm.Alltoallv(vwrap(form, full, scounts, sdispls), vwrap(form, recv, rcounts, rdispls))
         return recv
+    if name == "Alltoallw":
+        sizes, types = wlayout(seed, n, size, in_place)
+        rtypes = [types[s][rank] for s in range(size)]
+        rbytes, rdispls, rlen = wblocks(sizes[:, rank], rtypes, 5, backwards=True)
+        rcounts = [int(c) for c in sizes[:, rank]]
+        if in_place:
+            recv = wbytes(seed, rank, rlen)
+            comm.Alltoallw(place, vwrap(form, recv, rcounts, rdispls)[:-1] + [rtypes])
+            return recv
+        _, sdispls, slen = wblocks(sizes[rank], types[rank], 3, backwards=False)
+        recv = np.zeros(rlen, np.uint8)
+        comm.Alltoallw(vwrap(form, wbytes(seed, rank, slen), [int(c) for c in sizes[rank]],
+                             sdispls)[:-1] + [types[rank]],
+                       vwrap(form, recv, rcounts, rdispls)[:-1] + [rtypes])
+        return recv
     raise AssertionError(name)
 
 
@@ -421,6 +462,25 @@ def expected(case: dict[str, Any], size: int) -> list[Any]:
         fulls = [values(seed, r, dtype, n * size, None) for r in range(size)]
         return [np.concatenate([fulls[s][r * n : (r + 1) * n] for s in range(size)])
                 for r in range(size)]
+    if name == "Alltoallw":
+        in_place = case["in_place"]
+        sizes, types = wlayout(seed, n, size, in_place)
+        sent = []  # (bytes, byte displacements of the blocks for each dest) per source
+        for s in range(size):
+            if in_place:
+                _, displs, length = wblocks(sizes[:, s], [types[r][s] for r in range(size)], 5, True)
+            else:
+                _, displs, length = wblocks(sizes[s], types[s], 3, False)
+            sent.append((wbytes(seed, s, length), displs))
+        out = []
+        for d in range(size):
+            rbytes, rdispls, rlen = wblocks(sizes[:, d], [types[s][d] for s in range(size)], 5, True)
+            recv = sent[d][0].copy() if in_place else np.zeros(rlen, np.uint8)
+            for s in range(size):
+                data, displs = sent[s]
+                recv[rdispls[s] : rdispls[s] + rbytes[s]] = data[displs[d] : displs[d] + rbytes[s]]
+            out.append(recv)
+        return out
     if name == "Alltoallv":
         sizes = matrix(seed, n, size)
         fulls = [values(seed, s, dtype, int(sizes[s].sum()), None) for s in range(size)]
@@ -466,7 +526,8 @@ def cases(draw: st.DrawFn, size: int) -> dict[str, Any]:
         "name": name, "op": op, "dtype": dtype, "count": count,
         "root": draw(st.integers(0, size - 1)), "in_place": draw(st.booleans()),
         "form": draw(st.sampled_from(["bare", "dtype", "count"] if name not in
-                                     ("Gatherv", "Scatterv", "Allgatherv", "Alltoallv")
+                                     ("Gatherv", "Scatterv", "Allgatherv", "Alltoallv",
+                                      "Alltoallw")
                                      else ["tuple", "four"])),
         "small": draw(st.booleans()), "seed": draw(st.integers(0, 2**32 - 1)),
     }

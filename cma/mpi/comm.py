@@ -741,7 +741,7 @@ for _name, _peers in _REFUSED.items():
 ON_NODE_COLLECTIVES = (
     "Bcast", "Reduce", "Allreduce", "Reduce_scatter_block", "Reduce_scatter", "Scan", "Exscan",
     "Gather", "Gatherv", "Scatter", "Scatterv", "Allgather", "Allgatherv", "Alltoall", "Alltoallv",
-    "bcast", "reduce", "allreduce", "gather", "scatter", "allgather", "alltoall",
+    "Alltoallw", "bcast", "reduce", "allreduce", "gather", "scatter", "allgather", "alltoall",
 )
 _OP_POSITION = {"Reduce": 2, "Allreduce": 2, "Reduce_scatter_block": 2, "Reduce_scatter": 3,
                 "Scan": 2, "Exscan": 2}
@@ -793,11 +793,15 @@ def _collective(name: str) -> Callable[..., Any]:
 
 def _derived_datatype(args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
     """Whether a buffer spec names a derived datatype: cma's collectives take predefined
-    ones (as NumPy dtypes); the others, gaps and all, are MPI's to lay out."""
+    ones (as NumPy dtypes); the others, gaps and all, are MPI's to lay out. (Alltoallw's
+    datatypes come as a list inside the spec.)"""
     for spec in (*args, *kwargs.values()):
         if isinstance(spec, (list, tuple)):
             for item in spec:
                 if isinstance(item, MPI.Datatype) and not item.is_predefined:
+                    return True
+                if isinstance(item, (list, tuple)) and any(
+                        isinstance(t, MPI.Datatype) and not t.is_predefined for t in item):
                     return True
     return False
 

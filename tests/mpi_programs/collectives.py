@@ -114,12 +114,28 @@ def run_case(comm: cma.mpi.Comm, rng: np.random.Generator) -> None:
         call(mine, out)
         return [out]
 
+    def alltoallw(call):
+        # pair (s, d) moves (s + d) % 3 + count elements of type (s + d) % 2: the same both ways
+        kinds = [(np.int32, MPI.INT), (np.float64, MPI.DOUBLE)]
+        counts = [(rank + d) % 3 + count % 5 for d in range(size)]
+        types = [kinds[(rank + d) % 2] for d in range(size)]
+        nbytes = [c * np.dtype(t).itemsize for c, (t, _) in zip(counts, types, strict=True)]
+        displs = [sum(nbytes[:d]) + 8 * d for d in range(size)]  # (8-byte gaps)
+        send = np.random.default_rng([seed, rank]).integers(0, 256, displs[-1] + nbytes[-1] + 8,
+                                                             dtype=np.uint8)
+        recv = np.zeros_like(send)
+        call([send, (counts, displs), [m for _, m in types]],
+             [recv, counts, displs, [m for _, m in types]])
+        inplace = send.copy()
+        call(MPI.IN_PLACE, [inplace, (counts, displs), [m for _, m in types]])
+        return [recv, inplace]
+
     for name, make in (("Bcast", bcast), ("Allreduce", allreduce), ("Reduce", reduce),
                        ("Scan", scan), ("Exscan", exscan),
                        ("Reduce_scatter_block", reduce_scatter_block),
                        ("Reduce_scatter", reduce_scatter),
                        ("Allgather", allgather), ("Gatherv", gatherv), ("Scatter", scatter),
-                       ("Alltoall", alltoall)):
+                       ("Alltoall", alltoall), ("Alltoallw", alltoallw)):
         both(comm, name, make)
     item = {"rank": rank, "array": mine[:count]}
     for name, args in (("bcast", (item,)), ("allreduce", (rank + 1,)), ("gather", (item,)),

@@ -193,11 +193,13 @@ def test_rank_sigkilled_while_blocked(phase: str, transport: str, tmp_path: Path
     assert "rank 1" in got.split("PeerGoneError", 1)[1], got
 
 
-@pytest.mark.parametrize(("n", "env"), [(2, {}), (4, {}), (4, {"CMA_MPI_RANKS_PER_NODE": "2"})])
+@pytest.mark.parametrize(("n", "env"), [(2, {}), (4, {}), (3, {"CMA_MPI_RANKS_PER_NODE": "2"}),
+                                        (4, {"CMA_MPI_RANKS_PER_NODE": "2"})])
 def test_collectives_agree_with_mpi(n: int, env: dict[str, str]) -> None:
     """cma.mpi.Comm's collectives give MPI's own results: through cma when every rank is
-    on one node (the program checks cma moved them), through MPI on pretend nodes and for
-    a user-defined op (collectives.py)."""
+    on one node; on pretend nodes (one of one rank at 3), Bcast, Reduce and Allreduce
+    through cma on each node and MPI between (the program checks that cma moved bytes);
+    a user-defined op that commutes through cma, one that does not through MPI."""
     expect_ok(n, "collectives.py", env=env)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import threading
 import time
@@ -22,6 +23,7 @@ from ..protocol import SendOp
 from ..wire import PROC_NULL as CMA_PROC_NULL
 from .bootstrap import BARRIER_CMA, BARRIER_MPI, BARRIER_NONBLOCKING, ENV_DISABLE, bootstrap, env_flag
 from .errors import PeerGoneError, TruncateError
+from .hierarchy import HIERARCHICAL, Hierarchy
 from .mixed import Found, Wildcards
 from .mpiapi import (
     ANY_SOURCE,
@@ -76,7 +78,7 @@ class Comm(MPI.Intracomm):
     # cma communicator's own bound methods (see NodeComm), found before the class's.
     __slots__ = ("_cma", "_cma_send", "_cma_recv", "_fast", "_local", "_ranks", "_mixed",
                  "_wildcards", "_matching_wildcards", "_cstatus", "_yield", "_barrier",
-                 "_transport", "_options", "__dict__")
+                 "_transport", "_options", "_levels", "__dict__")
     _cma: NodeComm | None
     _cma_send: Callable[..., None]  # bound methods of _cma: one lookup less per message
     _cma_recv: Callable[..., None]
@@ -93,6 +95,7 @@ class Comm(MPI.Intracomm):
     _barrier: int
     _transport: str
     _options: dict[str, Any]
+    _levels: Hierarchy | None  # ranks on several nodes: made by the first collective that needs it
 
     def __new__(cls, comm: MPI.Intracomm | None = None, transport: str = AUTO,
                 **options: Any) -> Comm:
@@ -111,6 +114,7 @@ class Comm(MPI.Intracomm):
         self._barrier = BARRIER_MPI
         self._transport = transport
         self._options = options
+        self._levels = None
         return self
 
     def __init__(self, comm: MPI.Intracomm, transport: str = AUTO, **options: Any) -> None:
@@ -441,8 +445,14 @@ class Comm(MPI.Intracomm):
 
     barrier = Barrier
 
-    # -- collectives: cma's (cma/collectives.py) when every rank is on this node, set
-    # below from ON_NODE_COLLECTIVES; MPI's otherwise and for user-defined ops
+    # -- collectives: cma's (cma/collectives.py) when every rank is on this node; with
+    # ranks on several nodes, HIERARCHICAL ones through cma on each node and MPI between;
+    # set below from ON_NODE_COLLECTIVES
+
+    def _hierarchy(self) -> Hierarchy:
+        if self._levels is None:  # (collective: every rank is in the same collective call)
+            self._levels = Hierarchy(self, self._cma, self._ranks)
+        return self._levels
 
     # -- communicators made from this one
 
@@ -456,6 +466,9 @@ class Comm(MPI.Intracomm):
 
     def Free(self) -> None:
         """Close this rank's cma world, then free the MPI communicator."""
+        if self._levels is not None:
+            self._levels.free()
+            self._levels = None
         if self._cma is not None:
             self._cma.close()
             self._cma = None
@@ -758,18 +771,36 @@ def _collective(name: str) -> Callable[..., Any]:
     through_cma = getattr(CmaComm, name)
     op_at = _OP_POSITION.get(name)
     locked = name.islower() and _LOCK_TABLE is not None
+    across_nodes = name in HIERARCHICAL
+    signature = inspect.signature(through_cma)
 
     def collective(self: Comm, *args: Any, **kwargs: Any) -> Any:
-        if self._barrier != BARRIER_CMA or _derived_datatype(args, kwargs):
+        barrier = self._barrier
+        if barrier == BARRIER_MPI or barrier == BARRIER_NONBLOCKING and not across_nodes \
+                or _derived_datatype(args, kwargs):
             return through_mpi(self, *args, **kwargs)
+        node_op = None
         if op_at is not None:
             op = args[op_at] if len(args) > op_at else kwargs.get("op", MPI.SUM)
-            if not isinstance(op, Op) and not any(op == known for known in _PREDEFINED):
+            node_op = _node_op(op)
+            if node_op is None:
                 return through_mpi(self, *args, **kwargs)
+            if len(args) > op_at:
+                args = (*args[:op_at], node_op, *args[op_at + 1 :])
+            else:
+                kwargs["op"] = node_op
         node = self._cma
-        assert node is not None  # (BARRIER_CMA: this rank has a node communicator)
         try:
-            if locked:
+            if barrier == BARRIER_NONBLOCKING:
+                call = signature.bind(None, *args, **kwargs)
+                call.apply_defaults()
+                arguments = dict(call.arguments)
+                del arguments["self"]
+                if op_at is not None:
+                    arguments["op"], arguments["node_op"] = op, node_op
+                getattr(self._hierarchy(), name)(**arguments)
+                result = None
+            elif locked:
                 assert _LOCK_TABLE is not None
                 with _LOCK_TABLE(self).setdefault(name, threading.Lock()):
                     result = through_cma(node, *args, **kwargs)
@@ -777,7 +808,8 @@ def _collective(name: str) -> Callable[..., Any]:
                 result = through_cma(node, *args, **kwargs)
             # what this rank still owes a peer (a FIN queued behind a full ring) must move
             # while it waits in MPI's own calls next
-            node._keep_moving()
+            if node is not None:
+                node._keep_moving()
             return result
         except InvalidRank as exc:  # (the only rank a collective takes is its root)
             self.Call_errhandler(MPI.ERR_ROOT)
@@ -787,8 +819,20 @@ def _collective(name: str) -> Callable[..., Any]:
 
     collective.__name__ = collective.__qualname__ = name
     collective.__doc__ = (f"``MPI.Intracomm.{name}``: through cma when every rank is on this "
-                          "node (docs/mpi.md), else MPI's.")
+                          "node" + (", through cma on each node and MPI between nodes otherwise"
+                                    if across_nodes else ", else MPI's") + " (docs/mpi.md).")
     return collective
+
+
+def _node_op(op: Any) -> Op | None:
+    """The op cma combines with on a node: a predefined op as it is, a commutative
+    user-defined ``MPI.Op`` applied with ``Reduce_local``; None: MPI's to apply (an op
+    that does not commute needs MPI's order of ranks)."""
+    if isinstance(op, Op) or any(op == known for known in _PREDEFINED):
+        return op
+    if isinstance(op, MPI.Op) and op.Is_commutative():
+        return Op(f"user-defined {op!r}", lambda inout, incoming: op.Reduce_local(incoming, inout), op)
+    return None
 
 
 def _derived_datatype(args: Sequence[Any], kwargs: dict[str, Any]) -> bool:

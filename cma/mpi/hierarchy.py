@@ -1,0 +1,97 @@
+"""Collectives over ranks on several nodes: a step among each node's ranks through cma,
+one among the nodes' leaders through MPI, then a node step again (the shape of Open
+MPI's HAN component). A node's leader is its lowest rank; a rank alone on its node is
+its own leader and has no node step."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from mpi4py import MPI
+
+from ..collectives import IN_PLACE, _is_in_place, _message
+from ..comm import Comm as CmaComm
+
+if TYPE_CHECKING:
+    from .node import NodeComm
+
+# the collectives that go this way; the others are MPI's on a communicator of several nodes
+HIERARCHICAL = ("Bcast", "Reduce", "Allreduce")
+
+
+class Hierarchy:
+    """This rank's node and the leaders' MPI communicator (made collectively, once)."""
+
+    def __init__(self, comm: MPI.Intracomm, node: NodeComm | None, node_ranks: list[int]) -> None:
+        self.rank = comm.Get_rank()
+        self.node = node
+        self.local = {r: i for i, r in enumerate(node_ranks)}  # rank -> node rank, this node
+        mine = node_ranks[0] if node_ranks else self.rank
+        leader_of = MPI.Intracomm.allgather(comm, mine)
+        leaders = sorted(set(leader_of))
+        self.leads = mine == self.rank
+        # rank of the wrapped comm -> the rank of its node's leader among the leaders
+        self.leader_index = [leaders.index(leader) for leader in leader_of]
+        self.leaders = MPI.Intracomm.Split(comm, 0 if self.leads else MPI.UNDEFINED,
+                                           key=self.rank)
+
+    def free(self) -> None:
+        if self.leaders != MPI.COMM_NULL:
+            self.leaders.Free()
+
+    def _holds(self, rank: int) -> bool:
+        """Whether ``rank`` is on this rank's node."""
+        return self.leader_index[rank] == self.leader_index[self.rank]
+
+    # -- the collectives
+
+    def Bcast(self, buf: Any, root: int = 0) -> None:
+        node, here = self.node, self._holds(root)
+        if here and node is not None:
+            CmaComm.Bcast(node, buf, root=self.local[root])
+        if self.leads:
+            MPI.Intracomm.Bcast(self.leaders, _message(buf, writable=root != self.rank),
+                                root=self.leader_index[root])
+        if not here and node is not None:
+            CmaComm.Bcast(node, buf, root=0)
+
+    def Reduce(self, sendbuf: Any, recvbuf: Any, op: Any, root: int, node_op: Any) -> None:
+        at_root = root == self.rank
+        source = recvbuf if at_root and _is_in_place(sendbuf) else sendbuf
+        partial = self._node_reduce(source, recvbuf if at_root else None, node_op)
+        here = self._holds(root)
+        if self.leads:
+            MPI.Intracomm.Reduce(self.leaders, MPI.IN_PLACE if here else partial,
+                                 partial if here else None, op, root=self.leader_index[root])
+        if here and self.leads != at_root:
+            node = self.node  # (the root is not its node's leader: the leader hands it on)
+            assert node is not None
+            if self.leads:
+                node._coll_wait(node._coll_send(partial, self.local[root]))
+            else:
+                node._coll_wait(node._coll_recv(_message(recvbuf, writable=True), 0))
+
+    def Allreduce(self, sendbuf: Any, recvbuf: Any, op: Any, node_op: Any) -> None:
+        source = recvbuf if _is_in_place(sendbuf) else sendbuf
+        result = self._node_reduce(source, recvbuf if self.leads else None, node_op)
+        if self.leads:
+            MPI.Intracomm.Allreduce(self.leaders, MPI.IN_PLACE, result, op)
+        if self.node is not None:
+            CmaComm.Bcast(self.node, recvbuf, root=0)
+
+    def _node_reduce(self, source: Any, result: Any, node_op: Any) -> np.ndarray | None:
+        """Combine the node's inputs at its leader, into ``result`` if given there, else
+        into a new array: the leader's array; None elsewhere."""
+        data = _message(source, writable=False)
+        if not self.leads:
+            assert self.node is not None  # (a rank alone on its node leads it)
+            CmaComm.Reduce(self.node, data, None, op=node_op, root=0)
+            return None
+        out = np.empty_like(data) if result is None else _message(result, writable=True)
+        same = out.ctypes.data == data.ctypes.data
+        if self.node is not None:
+            CmaComm.Reduce(self.node, IN_PLACE if same else data, out, op=node_op, root=0)
+        elif not same:
+            np.copyto(out, data[: out.size])
+        return out

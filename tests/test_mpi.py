@@ -193,7 +193,8 @@ def test_rank_sigkilled_while_blocked(phase: str, transport: str, tmp_path: Path
     assert "rank 1" in got.split("PeerGoneError", 1)[1], got
 
 
-@pytest.mark.parametrize(("n", "env"), [(2, {}), (4, {}), (3, {"CMA_MPI_RANKS_PER_NODE": "2"}),
+@pytest.mark.parametrize(("n", "env"), [(1, {}), (2, {}), (3, {}), (4, {}),
+                                        (3, {"CMA_MPI_RANKS_PER_NODE": "2"}),
                                         (4, {"CMA_MPI_RANKS_PER_NODE": "2"})])
 def test_collectives_agree_with_mpi(n: int, env: dict[str, str]) -> None:
     """cma.mpi.Comm's collectives give MPI's own results: through cma when every rank is

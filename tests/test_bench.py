@@ -977,3 +977,16 @@ def test_cli_mpi_series_with_buffer_forms_and_waitall(tmp_path: Path) -> None:
         ("mpi4py[numpy]", "ok"), ("mpi4py[spec]", "ok"), ("cma.mpi[numpy]", "ok"),
         ("cma.mpi[spec]", "ok")]
     assert WAITALL_NOTE in stdout and "bw/mpi4py[numpy]" in stdout
+
+
+def test_help_lists_every_pattern(capsys: pytest.CaptureFixture[str]) -> None:
+    """``cma-bench --help`` names the collectives too (they are parsed apart, in collective.py)."""
+    from cma.bench.cli import KINDS, main
+    from cma.bench.collective import COLLECTIVES
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    shown = capsys.readouterr().out
+    for kind in (*KINDS, *COLLECTIVES):
+        assert f"\n    {kind} " in shown, kind

@@ -146,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Latency and bandwidth of cma's transports beside memcpy, "
                     "multiprocessing.Pipe and (under mpiexec) mpi4py. Without a subcommand: "
                     "latency --quick over every transport, 8 B to 64 MiB.")
-    sub = parser.add_subparsers(dest="kind", metavar="{latency,bw,bibw}")
+    sub = parser.add_subparsers(dest="kind", metavar="{" + ",".join([*KINDS, *COLLECTIVES]) + "}")
     for kind in KINDS:
         parents = [common]
         if kind in BUFFER_KINDS:
@@ -156,6 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
         kind_parser = sub.add_parser(kind, parents=parents, help=KIND_HELP[kind],
                                      description=KIND_HELP[kind])
         kind_parser.set_defaults(buffer=["numpy"], waitall="each")
+    for kind, what in COLLECTIVES.items():  # (listed for --help: main() hands them to collective.py)
+        sub.add_parser(kind, help=what, add_help=False)
     return parser
 
 

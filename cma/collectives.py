@@ -24,14 +24,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ._exporters import cai_array, dlpack_array
-from .channel import RING_FULL
+from .channel import FAST_SPINS, RING_EMPTY, RING_FULL
 from .errors import BufferError, CmaError, InvalidCount, InvalidDatatype, InvalidRank
 from .wire import COLLECTIVE_TAG
 
 if TYPE_CHECKING:
-    from .channel import Outbox
+    from .channel import Inbox, Outbox
     from .progress import Progress
-    from .protocol import RecvOp, SendOp
+    from .protocol import Matcher, RecvOp, SendOp
 
 __all__ = [
     "BAND", "BOR", "BXOR", "IN_PLACE", "LAND", "LOR", "LXOR", "MAX", "MAXLOC", "MIN",
@@ -395,6 +395,8 @@ class Collectives:
     if TYPE_CHECKING:  # what cma.Comm provides (docs/architecture.md, "What cma.Comm lets ...")
         _progress: Progress | None
         _fast_outboxes: dict[int, Outbox]
+        _fast_inboxes: dict[int, Inbox]
+        _matcher: Matcher
         _eager_limit: int
 
         def _ring(self, peer: int) -> None: ...
@@ -446,6 +448,22 @@ class Collectives:
                     progress.withdraw(op)
             raise
 
+    def _coll_take(self, data: np.ndarray, source: int) -> None:
+        """Receive into ``data`` from ``source`` and wait for it: straight from the ring, as
+        Recv's fast path takes a message, when nothing else waits in matching; else posted."""
+        inbox = self._fast_inboxes.get(source)
+        matcher = self._matcher
+        if inbox is not None and not matcher.posted and not matcher.unexpected:
+            view = _bytes(data)
+            n = inbox.take_eager(view, COLLECTIVE_TAG)
+            spins = FAST_SPINS
+            while n == RING_EMPTY and spins:
+                spins -= 1
+                n = inbox.take_eager(view, COLLECTIVE_TAG)
+            if n >= 0:
+                return
+        self._coll_wait(self._coll_recv(data, source))
+
     def _coll_recv_object(self, source: int) -> Any:
         op = self._coll_recv(None, source)
         self._coll_wait(op)
@@ -458,7 +476,9 @@ class Collectives:
             raise InvalidRank(f"root {root!r} is not in 0..{self.size - 1}")
 
     def _sendrecv(self, send: np.ndarray, dest: int, recv: np.ndarray, source: int) -> None:
-        self._coll_wait(self._coll_recv(recv, source), self._coll_send(send, dest))
+        sending = self._coll_send(send, dest)  # (never blocks: a full ring queues it)
+        self._coll_take(recv, source)
+        self._coll_wait(sending)
 
     # -- broadcast
 
@@ -479,7 +499,7 @@ class Collectives:
         mask = 1
         while mask < size:
             if vr & mask:
-                self._coll_wait(self._coll_recv(data, (vr - mask + root) % size))
+                self._coll_take(data, (vr - mask + root) % size)
                 break
             mask <<= 1
         sends = []
@@ -503,7 +523,7 @@ class Collectives:
         if vr == 0:
             self._coll_wait(*[self._coll_send(block(i), (i + root) % size) for i in range(1, size)])
         else:
-            self._coll_wait(self._coll_recv(block(vr), root))
+            self._coll_take(block(vr), root)
         right, left = (vr + 1 + root) % size, (vr - 1 + root) % size
         for step in range(size - 1):
             ops: list[SendOp | RecvOp | None] = []
@@ -583,7 +603,7 @@ class Collectives:
             if vr + mask < size:
                 if tmp is None:
                     tmp = np.empty_like(acc)
-                self._coll_wait(self._coll_recv(tmp, (vr + mask + root) % size))
+                self._coll_take(tmp, (vr + mask + root) % size)
                 if not owned:
                     acc, owned = acc.copy(), True
                 op.combine(acc, tmp)
@@ -648,9 +668,9 @@ class Collectives:
         if rank < 2 * rem:
             if rank % 2 == 0:
                 self._coll_wait(self._coll_send(acc, rank + 1))
-                self._coll_wait(self._coll_recv(acc, rank + 1))
+                self._coll_take(acc, rank + 1)
                 return
-            self._coll_wait(self._coll_recv(tmp, rank - 1))
+            self._coll_take(tmp, rank - 1)
             op.combine(acc, tmp)
             newrank = rank // 2
         else:

@@ -26,7 +26,7 @@ import numpy as np
 
 from . import _linux
 from ._exporters import cai_array, dlpack_array
-from .channel import RING_EMPTY, ChannelConfig, Inbox, Outbox
+from .channel import FAST_SPINS, RING_EMPTY, ChannelConfig, Inbox, Outbox
 from .collectives import Collectives
 from .connect import AUTO, Connection, check_transport_name
 from .errors import (
@@ -50,9 +50,6 @@ from .world import ENV_TRANSPORT, ENV_WORLD, World, WorldFds, announce
 # (docs/architecture.md, "The eager fast path", has the runs). Send keeps queueing: two
 # ranks that Send to each other before receiving must not wait for each other's receive.
 QUEUED_COPY_LIMIT = 512 << 10
-# Recv's fast path polls the ring this often (a poll of an empty ring costs ~0.1-0.2 us
-# here: well under a millisecond in all) before the general path, which spins, then sleeps.
-_FAST_SPINS = 4000
 
 _NOTHING = object()  # what the view caches hold before the first call (never a user buffer)
 
@@ -321,7 +318,7 @@ class Comm(Collectives):
         if inbox is not None and type(tag) is int and tag >= ANY_TAG and not matcher.posted \
                 and not matcher.unexpected:
             n = inbox.take_eager(mv, tag)
-            spins = _FAST_SPINS
+            spins = FAST_SPINS
             while n == RING_EMPTY and spins:
                 spins -= 1
                 n = inbox.take_eager(mv, tag)

@@ -406,29 +406,30 @@ class Collectives:
         def _pickle(self, obj: Any) -> list[memoryview]: ...
         def load_object(self, op: RecvOp) -> Any: ...
 
-    # -- the three primitives: private point-to-point under COLLECTIVE_TAG
+    # -- the primitives: private point-to-point under COLLECTIVE_TAG (or Barrier's tag)
 
-    def _coll_send(self, data: np.ndarray | None, dest: int, obj: Any = None) -> SendOp | None:
+    def _coll_send(self, data: np.ndarray | None, dest: int, obj: Any = None,
+                   tag: int = COLLECTIVE_TAG) -> SendOp | None:
         """Start sending ``data`` (an array) or, if None, the object ``obj`` to ``dest``;
         None when it is complete already (an eager message written into the ring)."""
         if data is None:
-            return self.start_send(self._pickle(obj), dest, COLLECTIVE_TAG, True)
+            return self.start_send(self._pickle(obj), dest, tag, True)
         view = _bytes(data)
         box = self._fast_outboxes.get(dest)
         if box is not None and view.nbytes <= self._eager_limit:
             # Send's fast path: straight into the ring. The engine's path would first copy
             # the payload into a packet (3 copies per eager message instead of 2: guide.md).
-            sleeping = box.put_eager(COLLECTIVE_TAG, view, view.nbytes)
+            sleeping = box.put_eager(tag, view, view.nbytes)
             if sleeping != RING_FULL:
                 if sleeping:
                     self._ring(dest)
                 return None
-        return self.start_send([view], dest, COLLECTIVE_TAG, False)
+        return self.start_send([view], dest, tag, False)
 
-    def _coll_recv(self, data: np.ndarray | None, source: int) -> RecvOp:
+    def _coll_recv(self, data: np.ndarray | None, source: int, tag: int = COLLECTIVE_TAG) -> RecvOp:
         """Post a receive into ``data`` (an array), or of an object if None, from ``source``."""
         progress = self._progress or self._attach()
-        return progress.post_recv(source, COLLECTIVE_TAG, None if data is None else _bytes(data))
+        return progress.post_recv(source, tag, None if data is None else _bytes(data))
 
     def _coll_wait(self, *ops: SendOp | RecvOp | None) -> None:
         """Wait for every one of ``ops`` (None: complete); on an error, take the receives
@@ -448,21 +449,21 @@ class Collectives:
                     progress.withdraw(op)
             raise
 
-    def _coll_take(self, data: np.ndarray, source: int) -> None:
+    def _coll_take(self, data: np.ndarray, source: int, tag: int = COLLECTIVE_TAG) -> None:
         """Receive into ``data`` from ``source`` and wait for it: straight from the ring, as
         Recv's fast path takes a message, when nothing else waits in matching; else posted."""
         inbox = self._fast_inboxes.get(source)
         matcher = self._matcher
         if inbox is not None and not matcher.posted and not matcher.unexpected:
             view = _bytes(data)
-            n = inbox.take_eager(view, COLLECTIVE_TAG)
+            n = inbox.take_eager(view, tag)
             spins = FAST_SPINS
             while n == RING_EMPTY and spins:
                 spins -= 1
-                n = inbox.take_eager(view, COLLECTIVE_TAG)
+                n = inbox.take_eager(view, tag)
             if n >= 0:
                 return
-        self._coll_wait(self._coll_recv(data, source))
+        self._coll_wait(self._coll_recv(data, source, tag))
 
     def _coll_recv_object(self, source: int) -> Any:
         op = self._coll_recv(None, source)

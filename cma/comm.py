@@ -51,6 +51,7 @@ from .world import ENV_TRANSPORT, ENV_WORLD, World, WorldFds, announce
 # ranks that Send to each other before receiving must not wait for each other's receive.
 QUEUED_COPY_LIMIT = 512 << 10
 
+_EMPTY = np.empty(0, np.uint8)  # Barrier's messages
 _NOTHING = object()  # what the view caches hold before the first call (never a user buffer)
 
 
@@ -665,17 +666,18 @@ class Comm(Collectives):
     # -- synchronisation
 
     def Barrier(self) -> None:
-        """Dissemination barrier: ceil(log2 size) rounds of zero-byte messages."""
-        progress = self._progress or self._attach()
-        empty = memoryview(bytearray(0))
+        """Dissemination barrier: ceil(log2 size) rounds of zero-byte messages (through the
+        rings directly, as the collectives' messages go: a message that follows the
+        barrier's stays in the ring for its own receive's fast path)."""
+        if self._progress is None:
+            self._attach()
         step = 1
         while step < self.size:
             dest = (self.rank + step) % self.size
             source = (self.rank - step) % self.size
-            sent = self.start_send([empty], dest, BARRIER_TAG, False)
-            op = progress.post_recv(source, BARRIER_TAG, empty)
-            progress.wait(op)
-            progress.wait(sent)
+            sending = self._coll_send(_EMPTY, dest, tag=BARRIER_TAG)
+            self._coll_take(_EMPTY, source, tag=BARRIER_TAG)
+            self._coll_wait(sending)
             step *= 2
 
     barrier = Barrier

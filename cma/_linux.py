@@ -156,8 +156,11 @@ def pidfd_open(pid: int) -> int:
         raise PeerGone(f"process {pid} has exited") from exc
 
 
-_syscall = _libc.syscall
-_syscall.restype = ctypes.c_long
+# syscall(2) is variadic, so ctypes cannot type it once for all; this prototype fixes the
+# four longs of pidfd_getfd (integer arguments travel in the same registers either way on
+# Linux's ABIs). os.pidfd_getfd does not exist (Python 3.11).
+_syscall4 = ctypes.CFUNCTYPE(ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_long,
+                             ctypes.c_long, use_errno=True)(("syscall", _libc))
 _SYS_PIDFD_GETFD = 438  # x86-64 and the generic table alike (Linux 5.6)
 
 
@@ -167,8 +170,7 @@ def pidfd_getfd(pidfd: int, target_fd: int) -> int:
     Needs ptrace-attach permission over the process (OSError EPERM otherwise, ENOSYS
     before Linux 5.6); no help from the process, so no thread of it must run.
     """
-    fd = _syscall(ctypes.c_long(_SYS_PIDFD_GETFD), ctypes.c_long(pidfd), ctypes.c_long(target_fd),
-                  ctypes.c_long(0))
+    fd = _syscall4(_SYS_PIDFD_GETFD, pidfd, target_fd, 0)
     if fd < 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))

@@ -177,7 +177,7 @@ def test_bad_pretend_nodes() -> None:
 
 @pytest.mark.skipif(not IS_HYDRA, reason="-disable-auto-cleanup is an option of MPICH's hydra")
 @pytest.mark.parametrize(("phase", "transport"), [
-    ("Recv", "shm"), ("Barrier", "cma"), ("Probe", "vmfd"), ("Send", "auto")])
+    ("Recv", "shm"), ("Barrier", "cma"), ("Probe", "vmfd"), ("Send", "auto"), ("Allreduce", "auto")])
 def test_rank_sigkilled_while_blocked(phase: str, transport: str, tmp_path: Path) -> None:
     """Rank 1 dies (os._exit: no clean-up) once rank 0 sleeps in a call that needs it
     (killed.py); with mpiexec's clean-up off only cma.mpi can notice: rank 0 gets

@@ -4,8 +4,8 @@ It dies by os._exit: for cma that is a SIGKILL (no clean-up of its runs, nothing
 its end closed), but hydra answers a rank killed by a signal by killing the others, even
 with auto clean-up off, which would race rank 0's own detection.
 
-Arguments: the phase (Recv, Barrier, Probe, or Send of a rendezvous rank 1 never
-receives), the transport and a file. Run under ``mpiexec -disable-auto-cleanup`` so that
+Arguments: the phase (Recv, Barrier, Probe, Allreduce of a rendezvous size, or Send of a
+rendezvous rank 1 never receives), the transport and a file. Run under ``mpiexec -disable-auto-cleanup`` so that
 nothing but cma.mpi notices the death: rank 0 writes the PeerGoneError it got to the file
 (hydra may stop forwarding output once a rank was killed) and exits 0.
 """
@@ -52,6 +52,8 @@ if comm.rank == 0:
             comm.Barrier()
         elif PHASE == "Probe":
             comm.Probe(1, 5)
+        elif PHASE == "Allreduce":
+            comm.Allreduce(np.ones(RENDEZVOUS // 8), np.empty(RENDEZVOUS // 8))
         elif PHASE == "Send":
             comm.Send(np.ones(RENDEZVOUS, np.uint8), 1, 5)
         else:

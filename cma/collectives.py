@@ -455,6 +455,7 @@ class Collectives:
         inbox = self._fast_inboxes.get(source)
         matcher = self._matcher
         if inbox is not None and not matcher.posted and not matcher.unexpected:
+            # (Recv's loop; kept inline there, where one call more costs every message)
             view = _bytes(data)
             n = inbox.take_eager(view, tag)
             spins = FAST_SPINS
@@ -931,26 +932,25 @@ class Collectives:
     def Alltoallv(self, sendbuf: Any, recvbuf: Any) -> None:
         """``Alltoall`` with counts and displacements per rank in v-form ``sendbuf`` and
         ``recvbuf`` (``MPI_Alltoallv``; ``IN_PLACE`` as ``sendbuf``: recvbuf's layout)."""
-        self._coll_start()
-        recv, rcounts, rdispls = _vmessage(recvbuf, writable=True, size=self.size)
-        if _is_in_place(sendbuf):
-            send, scounts, sdispls = recv.copy(), rcounts, rdispls
-        else:
-            send, scounts, sdispls = _vmessage(sendbuf, writable=False, size=self.size)
-        self._alltoallv(send, (scounts, sdispls), recv, (rcounts, rdispls))
+        self._alltoall_specs(sendbuf, recvbuf, _vmessage)
 
     def Alltoallw(self, sendbuf: Any, recvbuf: Any) -> None:
         """``Alltoallv`` with a datatype per rank and displacements in bytes, in w-form
         ``sendbuf`` and ``recvbuf`` (``MPI_Alltoallw``; ``IN_PLACE`` as ``sendbuf``:
         recvbuf's layout). The blocks move as bytes: as in MPI, what rank s sends to d
         must have the type signature d expects from s."""
+        self._alltoall_specs(sendbuf, recvbuf, _wmessage)
+
+    def _alltoall_specs(self, sendbuf: Any, recvbuf: Any,
+                        read: Callable[..., tuple[np.ndarray, list[int], list[int]]]) -> None:
+        """Alltoallv/w: both specs read by ``read`` (IN_PLACE: recvbuf's, sent from a copy)."""
         self._coll_start()
-        recv, rbytes, rdispls = _wmessage(recvbuf, writable=True, size=self.size)
+        recv, rcounts, rdispls = read(recvbuf, writable=True, size=self.size)
         if _is_in_place(sendbuf):
-            send, sbytes, sdispls = recv.copy(), rbytes, rdispls
+            send, scounts, sdispls = recv.copy(), rcounts, rdispls
         else:
-            send, sbytes, sdispls = _wmessage(sendbuf, writable=False, size=self.size)
-        self._alltoallv(send, (sbytes, sdispls), recv, (rbytes, rdispls))
+            send, scounts, sdispls = read(sendbuf, writable=False, size=self.size)
+        self._alltoallv(send, (scounts, sdispls), recv, (rcounts, rdispls))
 
     def _alltoallv(self, send: np.ndarray, send_layout: tuple[list[int], list[int]],
                    recv: np.ndarray, recv_layout: tuple[list[int], list[int]]) -> None:

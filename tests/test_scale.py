@@ -92,6 +92,60 @@ def test_each_rank_maps_its_own_channels_only(tmp_path, size):
         assert figures["fds"] <= 3 * size + 16
 
 
+PAIRS = """
+import json, os, sys
+import numpy as np
+import cma
+from cma.channel import ChannelConfig
+
+comm = cma.COMM_WORLD
+rank, size = comm.Get_rank(), comm.Get_size()
+partner = rank ^ 1 if rank ^ 1 < size else rank  # the last rank of an odd world talks to itself
+data = np.full(1 << 16, rank, np.uint8)  # within the eager limit
+big = np.full(1 << 20, rank, np.uint8)   # a rendezvous: the transports' probes and fds
+got, got_big = np.empty_like(data), np.empty_like(big)
+comm.Sendrecv(data, partner, 1, recvbuf=got, source=partner, recvtag=1)
+comm.Sendrecv(big, partner, 2, recvbuf=got_big, source=partner, recvtag=2)
+assert (got == partner).all() and (got_big == partner).all()
+mapped = 0
+mine = False
+with open("/proc/self/smaps") as smaps:
+    for line in smaps:
+        first = line.split(None, 1)[0]
+        if "-" in first and not first.endswith(":"):
+            mine = "memfd:cma-" in line
+        elif mine and first == "Size:":
+            mapped += int(line.split()[1]) << 10
+figures = {"mapped": mapped, "fds": len(os.listdir("/proc/self/fd")),
+           "connected": sorted(comm._progress.outboxes)}
+with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as out:
+    json.dump(figures, out)
+comm.Sendrecv(data, partner, 3, recvbuf=got, source=partner, recvtag=3)  # both wrote, then exit
+"""
+
+
+def test_a_rank_that_talks_to_one_peer_maps_one_peer_and_holds_its_fds_only(tmp_path):
+    """Peers are connected on first use (issue #24): in a 9-rank world of pairs, each rank
+    maps the header and its partner's two channels, and holds fds for that peer alone."""
+    size = 9
+    prog = tmp_path / "rank.py"
+    prog.write_text(textwrap.dedent(PAIRS))
+    done = subprocess.run([sys.executable, "-m", "cma.run", "-n", str(size), "--timeout",
+                           str(RUN_TIMEOUT), sys.executable, str(prog), str(tmp_path)],
+                          capture_output=True, text=True, timeout=RUN_TIMEOUT + 30)
+    assert done.returncode == 0, done.stderr
+    config = ChannelConfig.for_ranks(size)
+    for rank in range(size):
+        figures = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        peers = 0 if rank == size - 1 else 1
+        assert figures["connected"] == ([rank ^ 1] if peers else [])
+        assert figures["mapped"] == config.header_bytes(size) + 2 * peers * config.pair_bytes
+        # stdio, the memfd, its own doorbell, the fd server, the vmfd transport's own memory
+        # fd, and per connected peer a doorbell, a pidfd and a memory fd: no term in N
+        # (all N at attach held 3N plus these)
+        assert figures["fds"] <= 10 + 3 * peers, figures
+
+
 def test_a_world_larger_than_the_soft_fd_limit_raises_it(tmp_path):
     """8 ranks need ~35 fds each: with a soft limit of 24 they would fail with EMFILE."""
     size, soft_limit = 8, 24

@@ -17,6 +17,7 @@ import textwrap
 
 import numpy as np
 import pytest
+from test_run import cma_run
 
 import cma
 from cma.channel import ChannelConfig, channel_budget
@@ -200,3 +201,72 @@ def test_a_process_holding_more_than_1024_fds_attaches_and_sees_its_peer_exit():
         for fd in held:
             os.close(fd)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+WILDCARD = """
+import sys, time
+import numpy as np
+import cma
+
+comm = cma.COMM_WORLD
+rank, size = comm.Get_rank(), comm.Get_size()
+if rank == 0:
+    comm.attach()
+    sources = []
+    for _ in range(size - 1):
+        status = cma.Status()
+        buf = np.empty(1 << 20, np.uint8)
+        comm.Recv(buf, source=cma.ANY_SOURCE, tag=4, status=status)  # waits before any connect
+        assert (buf[: status.count] == status.source).all()
+        sources.append(status.source)
+    assert sorted(sources) == list(range(1, size)), sources
+    print("OK", flush=True)
+else:
+    time.sleep(0.2)  # (rank 0 is asleep in its wildcard receive by then, most likely)
+    n = 1 << 20 if rank == size - 1 else 8  # one rendezvous: the receiver learns our reach
+    comm.Send(np.full(n, rank, np.uint8), dest=0, tag=4)
+"""
+
+
+def test_a_wildcard_receive_takes_messages_from_peers_not_connected_yet(tmp_path):
+    code, out, err, _ = cma_run(["-n", "4", "--timeout", str(RUN_TIMEOUT)], WILDCARD, tmp_path)
+    assert code == 0, err
+    assert out.split() == ["OK"]
+
+
+LEFT_BEHIND = """
+import sys, time
+import numpy as np
+import cma
+
+comm = cma.COMM_WORLD
+rank = comm.Get_rank()
+if rank == 2:
+    comm.Send(np.full(8, 7, np.uint8), dest=0, tag=1)  # then exits: its ring keeps it
+elif rank == 0:
+    comm.attach()
+    while not comm._world.exited(2):  # (rank 2 attached, sent and exited; not connected here)
+        time.sleep(0.01)
+    assert 2 not in comm._progress.outboxes
+    buf = np.empty(8, np.uint8)
+    comm.Recv(buf, source=2, tag=1)
+    assert (buf == 7).all()
+    try:
+        comm.Recv(buf, source=2, tag=1)
+    except cma.errors.PeerGone as exc:
+        print("gone", exc, flush=True)
+    try:
+        comm.Recv(buf, source=1, tag=1)  # connected by the receive: its exit ends the wait
+    except cma.errors.PeerGone as exc:
+        print("gone", exc, flush=True)
+else:
+    comm.attach()
+    time.sleep(0.3)
+"""
+
+
+def test_a_receive_from_an_unconnected_peer_takes_what_it_left_then_sees_it_exit(tmp_path):
+    code, out, err, _ = cma_run(["-n", "3", "--timeout", str(RUN_TIMEOUT)], LEFT_BEHIND, tmp_path)
+    assert code == 0, err
+    lines = out.splitlines()
+    assert len(lines) == 2 and lines[0].startswith("gone rank 2") and lines[1].startswith("gone rank 1"), out

@@ -275,6 +275,11 @@ class Comm(Collectives):
         if self._progress is None:
             self._attach()
 
+    def connect(self, peer: int) -> None:
+        """Connect ``peer`` now instead of at the first operation that names it (a world
+        of two ranks connects at attach; docs/architecture.md, "Connect time")."""
+        (self._progress or self._attach()).connect(self._check_dest(peer))
+
     def progress(self) -> bool:
         """Move whatever can move without blocking; True if anything did."""
         return (self._progress or self._attach()).poll()

@@ -106,9 +106,9 @@ class Connection:
         if check and self.forced is not None and not world.has_closed(peer):
             self._check_forced(self.rank, peer, mask)
         if world.reach_published(peer, self.rank):
-            self.learn(peer)
+            self.learn(peer, check)
 
-    def learn(self, peer: int) -> None:
+    def learn(self, peer: int, check: bool = True) -> None:
         """Take what ``peer`` published it reaches this rank with, once it has connected
         (the receiver's choice needs it for pushes; until then it only pulls or stages)."""
         world = self.world
@@ -117,7 +117,7 @@ class Connection:
         mask = world.reach(peer, self.rank)
         self.policy.pushable[peer] = {n for n in self.names if mask & self.bits[n]
                                       and self.transports[n].writes}
-        if self.forced is not None and not world.has_closed(peer):
+        if check and self.forced is not None and not world.has_closed(peer):
             self._check_forced(peer, self.rank, mask)
 
     def learned(self, peer: int) -> bool:

@@ -3,10 +3,11 @@
 ``protocol.Engine`` decides; ``Progress`` acts: it writes the engine's packets into the
 rings (or queues them behind a full ring, or loops them back to this rank), hands the
 packets that arrive to the engine, runs the copies it asks for (pulls, pushes, PIPELINE
-fragments through the staging slots), waits (spin, then sleep on the doorbell), and
-notices peers that exit. ``cma.Comm`` keeps the API and the eager fast paths; it shares
-with this object the dicts of ring ends its fast paths may use (``fast_outboxes``,
-``fast_inboxes``) and the matcher, which this object mutates in place.
+fragments through the staging slots), waits (spin, then sleep on the doorbell), connects
+peers on first use (its own, and those that connected to it), and notices peers that
+exit. ``cma.Comm`` keeps the API and the eager fast paths; it shares with this object
+the dicts of ring ends its fast paths may use (``fast_outboxes``, ``fast_inboxes``) and
+the matcher, which this object mutates in place (a peer not connected has no entry).
 """
 
 from __future__ import annotations

@@ -88,8 +88,8 @@ def test_each_rank_maps_its_own_channels_only(tmp_path, size):
         # the header plus 2(N-1) channels; mapping the whole segment was N(N-1) channels
         assert figures["mapped"] == expected_mapping(size)
         assert figures["resident"] <= figures["mapped"]
-        # all N doorbells, a pidfd per peer, the memfd, the fd server, stdio and the
-        # transports' fds (a /proc/PID/mem fd per peer for vmfd): 3N plus a constant
+        # every rank talked to every other: per peer a doorbell, a pidfd and a transport
+        # fd (/proc/PID/mem for vmfd), plus the memfd, the fd server and stdio: 3N plus a constant
         assert figures["fds"] <= 3 * size + 16
 
 

@@ -6,10 +6,13 @@ what one job leaves on the machine does not always favour the same library. Per 
 library it reports:
 
 - ready: seconds until the library can send (``cma.COMM_WORLD.attach()``; ``from mpi4py
-  import MPI``, which runs MPI_Init), the slowest rank;
+  import MPI``, which runs MPI_Init), the slowest rank, and "attach" the same without
+  importing cma (numpy is imported before either);
+- fds and shared memory mapped per rank right after that, before any message (cma
+  connects a peer on first use), mean over ranks;
 - shared memory per rank, mapped and resident (shared mappings in /proc/self/smaps),
-  mean over ranks, at start and after the traffic below;
-- fds per rank, mean over ranks;
+  mean over ranks, after a first barrier and after the traffic below;
+- fds per rank after the traffic, mean over ranks;
 - an 8 B and a 1 MiB all-to-all (pairwise Sendrecv rounds) and a 64 KiB ring exchange:
   seconds per iteration, the slowest rank;
 - shm growth: the machine's Shmem (/proc/meminfo) after the 1 MiB all-to-all minus before.
@@ -83,6 +86,9 @@ def summary(result: dict[str, Any]) -> dict[str, float]:
 
     return {
         "ready_s": slowest("ready_s"),
+        "attach_s": slowest("attach_s"),
+        "fds_attached": mean("fds_attached"),
+        "mapped_attached_MiB": mean("mapped_attached") / MiB,
         "mapped_MiB": mean("mapped") / MiB,
         "resident_MiB": mean("resident") / MiB,
         "mapped_after_MiB": mean("mapped_after") / MiB,
@@ -95,7 +101,9 @@ def summary(result: dict[str, Any]) -> dict[str, float]:
     }
 
 
-COLUMNS = [("ready_s", "ready s", "{:.2f}"), ("mapped_MiB", "mapped MiB", "{:.0f}"),
+COLUMNS = [("ready_s", "ready s", "{:.2f}"), ("attach_s", "attach s", "{:.3f}"),
+           ("fds_attached", "fds attached", "{:.0f}"),
+           ("mapped_attached_MiB", "mapped attached", "{:.1f}"), ("mapped_MiB", "mapped MiB", "{:.0f}"),
            ("resident_MiB", "resident MiB", "{:.1f}"), ("mapped_after_MiB", "mapped after", "{:.0f}"),
            ("resident_after_MiB", "resident after", "{:.1f}"), ("fds", "fds", "{:.0f}"),
            ("alltoall_8B_ms", "a2a 8B ms", "{:.2f}"), ("alltoall_1MiB_ms", "a2a 1MiB ms", "{:.1f}"),

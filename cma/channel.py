@@ -2,8 +2,8 @@
 
 One memfd-backed segment holds everything a world of N ranks shares:
 
-    header      per rank: pid, sleeping flag, connect phase; then which transports each
-                rank reaches each peer with (the reach matrix)
+    header      per rank: pid, sleeping flag, connect phase, connect hint; then which
+                transports each rank reaches each peer with (the reach matrix)
     per ordered pair (i -> j), page aligned:
         control page    head (written by i), tail (by j), staging filled (by i), drained (by j),
                         each on its own cache line so the two sides never write the same line
@@ -78,6 +78,11 @@ PID = 0  # words within a rank block
 SLEEPING = 1
 PHASE = 2
 LAUNCHED = 3  # the pid of the process started to attach this rank, when its starter knows it
+# set to 1 by any peer that has just connected to this rank (its reach word towards this rank
+# is published), cleared by this rank as it looks: the hint to map that peer's channels
+CONNECTS = 4
+# in a reach word: the rank has probed the peer (a mask of 0 alone would read as "not yet")
+REACH_PUBLISHED = 1 << 62
 
 
 MIN_RING_BYTES = 256 << 10  # eager limit 64 KiB, like MPICH's and Open MPI's shared-memory paths
@@ -428,16 +433,10 @@ class Inbox:
         self.ctl[DRAINED] = count
 
 
-def pair_views(pair: Callable[[int, int], memoryview], size: int, rank: int, config: ChannelConfig,
-               sleeping: list[memoryview]) -> tuple[list[Outbox | None], list[Inbox | None]]:
-    """The outboxes (this rank -> peer) and inboxes (peer -> this rank), indexed by peer.
+def pair_boxes(pair: Callable[[int, int], memoryview], rank: int, peer: int, config: ChannelConfig,
+               peer_sleeping: memoryview) -> tuple[Outbox, Inbox]:
+    """The outbox (this rank -> peer) and inbox (peer -> this rank) of one connected pair.
 
     ``pair(src, dst)`` gives the bytes of the channel ``src -> dst`` (``pair_bytes`` long).
     """
-    outs: list[Outbox | None] = [None] * size
-    ins: list[Inbox | None] = [None] * size
-    for peer in range(size):
-        if peer != rank:
-            outs[peer] = Outbox(pair(rank, peer), config, sleeping[peer])
-            ins[peer] = Inbox(pair(peer, rank), config, peer)
-    return outs, ins
+    return Outbox(pair(rank, peer), config, peer_sleeping), Inbox(pair(peer, rank), config, peer)

@@ -234,7 +234,8 @@ class Comm(Collectives):
         if self._announced:
             self._give_up_announcement()  # it goes on to another process
         return (_rebuild_comm, (fds.world_id, fds.size, DupFd(fds.memfd),
-                                [DupFd(b) for b in fds.doorbells], fds.config.encode(),
+                                [DupFd(b) if b >= 0 else None for b in fds.doorbells],
+                                fds.config.encode(),
                                 self.rank, self._transport_name, self._user_thresholds,
                                 self._transport_options))
 
@@ -272,14 +273,25 @@ class Comm(Collectives):
         if self._progress is None:
             self._attach()
 
+    def connect(self, peer: int) -> None:
+        """Connect ``peer`` now instead of at the first operation that names it (a world
+        of two ranks connects at attach; docs/architecture.md, "Connect time")."""
+        (self._progress or self._attach()).connect(self._check_dest(peer))
+
     def progress(self) -> bool:
         """Move whatever can move without blocking; True if anything did."""
         return (self._progress or self._attach()).poll()
 
     def transports(self) -> dict[int, dict[str, Any]]:
         """Per peer: the transports usable with it, the one a large message would use (as
-        ``auto``'s thresholds decide), and why the others are unavailable."""
-        return (self._progress or self._attach()).connection.report()
+        ``auto``'s thresholds decide), and why the others are unavailable. Connects every
+        peer, and waits until each has connected back (each must be in a cma call)."""
+        progress = self._progress or self._attach()
+        connection = progress.connection
+        for peer in progress.peers:
+            progress.connect(peer)
+        progress.wait_until(lambda: all(connection.learned(p) for p in progress.peers), None)
+        return connection.report()
 
     # -- blocking buffer point-to-point (eager fast paths inline)
 
@@ -509,6 +521,8 @@ class Comm(Collectives):
         if source == PROC_NULL:
             return self.make_request(self, null_recv())
         # (post_recv written out: a window of Irecvs posts each one here)
+        if source not in progress.outboxes:
+            progress.connect(source)
         op, actions = progress.engine.recv(source, tag, mv)
         progress.run(actions)
         return self.make_request(self, op)
@@ -655,6 +669,7 @@ class Comm(Collectives):
         source = self._check_source(source)
         tag = self._check_tag(tag, wildcard=True)
         if source != PROC_NULL:
+            progress.connect(source)  # (its exit must end the wait)
             progress.wait_until(lambda: progress.engine.probe(source, tag) is not None,
                              None if source == ANY_SOURCE else source)
         self.Iprobe(source, tag, status)
@@ -844,8 +859,8 @@ _announced_ends: weakref.WeakSet[Comm] = weakref.WeakSet()
 def _rebuild_comm(world_id: str, size: int, memfd: Any, doorbells: list[Any], config: str,
                   rank: int, transport: str, thresholds: dict[str, int],
                   options: dict[str, Any]) -> Comm:
-    fds = WorldFds(world_id, size, memfd.detach(), [b.detach() for b in doorbells],
-                   ChannelConfig.decode(config))
+    fds = WorldFds(world_id, size, memfd.detach(),
+                   [-1 if b is None else b.detach() for b in doorbells], ChannelConfig.decode(config))
     comm = Comm(fds, rank, transport, thresholds, **options)
     # The process that unpickles an end (a spawned child) is the one that will use it:
     # recorded, its peers see it die before connecting instead of waiting for the timeout.

@@ -1,5 +1,5 @@
-"""Connect time: a communicator's transports, probed against every peer, and the policy
-its engine chooses mechanisms by (docs/architecture.md, "Connect time")."""
+"""Connect time: a communicator's transports, probed against each peer it talks to, and
+the policy its engine chooses mechanisms by (docs/architecture.md, "Connect time")."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 from .errors import CmaError, TransportUnavailable
 from .protocol import PIPELINE, PROTOCOL_NAMES, PULL, PUSH, Policy
 from .transports import REGISTRY, Transport
-from .world import PeerLink, World
+from .world import PHASE_PROBED, PeerLink, World
 
 AUTO = "auto"
 # Preference for large messages under "auto": fewest copies first.
@@ -32,16 +32,19 @@ def check_transport_name(transport: str) -> None:
 
 
 class Connection:
-    """What connect time leaves: the transports set up, a link per peer, why the others
-    cannot be used with it, and the policy built from what every rank could use."""
+    """What connect time leaves: the transports set up, a link per connected peer, why the
+    others cannot be used with it, and the policy, which learns what each peer can use
+    towards this rank once that peer has connected (``learn``)."""
 
     def __init__(self, world: World, rank: int, transport: str, options: dict[str, Any],
                  thresholds: dict[str, int]) -> None:
         """Set up ``transport`` (or every practical one for ``auto``) with ``options``
-        (``push``, ``split`` and ``overlap`` concern all of them) and probe every peer;
+        (``push``, ``split`` and ``overlap`` concern all of them) and attach; a world of two
+        ranks connects its pair now, a larger one each pair on first use (``connect``).
         ``thresholds`` are the caller's, over ``AUTO_THRESHOLDS``."""
         self.rank = rank
         self.size = world.size
+        self.world = world
         names = REGISTRY.practical() if transport == AUTO else [transport]
         # push concerns every transport (prefer RPUT, so every one that can write is set up
         # to: vmfd exchanges read-write fds); other options belong to the one named
@@ -53,53 +56,89 @@ class Connection:
         self.transports: dict[str, Transport] = {}
         self.reasons: dict[int, dict[str, str]] = {}
         self.links: list[PeerLink | None] = [None] * self.size
+        self.names = names
+        self.bits = {name: 1 << i for i, name in enumerate(names)}
+        self.forced = None if transport == AUTO else transport
         try:
             for name in names:
                 cls = REGISTRY.classes[name]
                 writes = True if push and "push" in cls.styles else None  # None: the class default
                 self.transports[name] = cls(world, writes=writes,
                                             **(options if transport != AUTO else {}))
-            world.attach(self._probe_peers)
-            forced = None if transport == AUTO else transport
-            if forced is not None:
-                self._check_forced(world, forced, 1 << names.index(forced))
-            self.policy = self._policy(world, names, forced, push, split, overlap, thresholds)
+            self.policy = self._policy(names, self.forced, push, split, overlap, thresholds)
+            world.publish()
+            if self.size == 2:
+                # the pair at once, as before lazy connection: the ping-pong's hot paths then
+                # find everything in place, and a refused transport fails on both ranks here
+                peer = 1 - rank
+                self.connect(peer, check=False)
+                world.set_phase(PHASE_PROBED)
+                world.await_phase(PHASE_PROBED, [peer])
+                if self.forced is not None:
+                    self._check_forced(rank, peer, world.reach(rank, peer))
+                self.learn(peer)
         except BaseException:
             self.close()  # a connect that fails half way releases what it set up
             raise
 
-    def _probe_peers(self, world: World) -> dict[int, int]:
-        """Connect every transport to every peer: per peer, a bit per transport that works."""
-        masks = {}
-        for peer in range(self.size):
-            if peer == self.rank:
-                continue
-            link = PeerLink(world, peer)
-            self.links[peer] = link
-            mask = 0
-            for bit, (name, transport) in enumerate(self.transports.items()):
-                try:
-                    transport.connect(link)
-                    mask |= 1 << bit
-                except (TransportUnavailable, CmaError, OSError) as exc:
-                    self.reasons.setdefault(peer, {})[name] = str(exc)
-            masks[peer] = mask
-        return masks
+    def connect(self, peer: int, check: bool = True) -> None:
+        """Connect ``peer`` (see ``World.open_pair``): probe every transport against it and
+        publish what works, which tells the peer to connect back; ``check``: fail now if
+        a transport asked for by name does not work. Idempotent."""
+        if self.links[peer] is not None:
+            return
+        world = self.world
+        world.open_pair(peer)
+        link = PeerLink(world, peer)
+        self.links[peer] = link
+        mask = 0
+        for bit, (name, transport) in enumerate(self.transports.items()):
+            try:
+                transport.connect(link)
+                mask |= 1 << bit
+            except (TransportUnavailable, CmaError, OSError) as exc:
+                self.reasons.setdefault(peer, {})[name] = str(exc)
+        world.publish_reach(peer, mask)
+        policy = self.policy
+        policy.pullable[peer] = {n for n in self.names if mask & self.bits[n]
+                                 and "pull" in REGISTRY.classes[n].styles}
+        # (a peer that has closed serves no fds: what it sent is all there is to take)
+        if check and self.forced is not None and not world.has_closed(peer):
+            self._check_forced(self.rank, peer, mask)
+        if world.reach_published(peer, self.rank):
+            self.learn(peer, check)
 
-    def _check_forced(self, world: World, forced: str, bit: int) -> None:
-        """A transport asked for by name must work between every pair, or no rank starts."""
-        for r in range(self.size):
-            for p in range(self.size):
-                if r != p and not world.reach(r, p) & bit:
-                    reason = self.reasons.get(p, {}).get(forced) if r == self.rank else None
-                    raise TransportUnavailable(
-                        f"transport {forced!r} cannot be used from rank {r} to rank {p}"
-                        + (f": {reason}" if reason else " (see that rank's error)")
-                    )
+    def learn(self, peer: int, check: bool = True) -> None:
+        """Take what ``peer`` published it reaches this rank with, once it has connected
+        (the receiver's choice needs it for pushes; until then it only pulls or stages)."""
+        world = self.world
+        if self.links[peer] is None or not world.reach_published(peer, self.rank):
+            return
+        mask = world.reach(peer, self.rank)
+        self.policy.pushable[peer] = {n for n in self.names if mask & self.bits[n]
+                                      and self.transports[n].writes}
+        if check and self.forced is not None and not world.has_closed(peer):
+            self._check_forced(peer, self.rank, mask)
 
-    def _policy(self, world: World, names: list[str], forced: str | None, push: bool,
+    def learned(self, peer: int) -> bool:
+        """Whether the policy knows what ``peer`` reaches this rank with (``learn``)."""
+        if peer not in self.policy.pushable:
+            self.learn(peer)
+        return peer in self.policy.pushable
+
+    def _check_forced(self, r: int, p: int, mask: int) -> None:
+        """A transport asked for by name must work in both directions of a pair, or the
+        pair's first operation fails (in a world of two: attach, on both ranks)."""
+        assert self.forced is not None
+        if not mask & self.bits[self.forced]:
+            reason = self.reasons.get(p, {}).get(self.forced) if r == self.rank else None
+            raise TransportUnavailable(
+                f"transport {self.forced!r} cannot be used from rank {r} to rank {p}"
+                + (f": {reason}" if reason else " (see that rank's error)")
+            )
+
+    def _policy(self, names: list[str], forced: str | None, push: bool,
                 split: bool, overlap: bool, thresholds: dict[str, int]) -> Policy:
-        bits = {name: 1 << i for i, name in enumerate(names)}
         policy = Policy(
             order=[n for n in AUTO_ORDER if n in names] or names,
             thresholds={**AUTO_THRESHOLDS, **({"cma": 0} if overlap or self.size > 2 else {}),
@@ -112,13 +151,7 @@ class Connection:
             split_only=(set() if forced is not None or overlap
                         else AUTO_SPLIT_ONLY - set(thresholds)),
         )
-        for p in range(self.size):
-            if p == self.rank:
-                continue
-            policy.pullable[p] = {n for n in names if world.reach(self.rank, p) & bits[n]
-                                  and "pull" in REGISTRY.classes[n].styles}
-            policy.pushable[p] = {n for n in names if world.reach(p, self.rank) & bits[n]
-                                  and self.transports[n].writes}
+        policy.learn = self.learn
         policy.pullable[self.rank] = {"self"}
         policy.order = ["self", *policy.order]
         if forced:
@@ -128,7 +161,7 @@ class Connection:
 
     def report(self) -> dict[int, dict[str, Any]]:
         """``Comm.transports()``: per peer, the transports usable with it, the one a large
-        message would use, and why the others are unavailable."""
+        message would use, and why the others are unavailable (the caller connects them)."""
         policy = self.policy
         report = {}
         for p in range(self.size):

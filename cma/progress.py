@@ -3,10 +3,11 @@
 ``protocol.Engine`` decides; ``Progress`` acts: it writes the engine's packets into the
 rings (or queues them behind a full ring, or loops them back to this rank), hands the
 packets that arrive to the engine, runs the copies it asks for (pulls, pushes, PIPELINE
-fragments through the staging slots), waits (spin, then sleep on the doorbell), and
-notices peers that exit. ``cma.Comm`` keeps the API and the eager fast paths; it shares
-with this object the dicts of ring ends its fast paths may use (``fast_outboxes``,
-``fast_inboxes``) and the matcher, which this object mutates in place.
+fragments through the staging slots), waits (spin, then sleep on the doorbell), connects
+peers on first use (its own, and those that connected to it), and notices peers that
+exit. ``cma.Comm`` keeps the API and the eager fast paths; it shares with this object
+the dicts of ring ends its fast paths may use (``fast_outboxes``, ``fast_inboxes``) and
+the matcher, which this object mutates in place (a peer not connected has no entry).
 """
 
 from __future__ import annotations
@@ -104,8 +105,11 @@ class Progress:
                              PULL | PUSH | PIPELINE, allocate=_allocate, region_of=_region,
                              matcher=matcher)
         self.peers = [p for p in range(size) if p != rank]
-        self.outboxes = {p: box for p, box in enumerate(world.outboxes) if box is not None}
-        self.inboxes = {p: box for p, box in enumerate(world.inboxes) if box is not None}
+        # The peers connected so far (connect): their ring ends, by peer, and a list that
+        # connect replaces rather than extends, so that a pass over it may connect more.
+        self.outboxes: dict[int, Outbox] = {}
+        self.inboxes: dict[int, Inbox] = {}
+        self.connected: list[int] = []
         # The ring ends the fast paths may use right now: a peer's outbox leaves
         # fast_outboxes while packets to it wait in txq (order), and the inboxes leave
         # fast_inboxes while packets to ourselves wait in loopback, or for good when ranks
@@ -113,10 +117,7 @@ class Progress:
         self.oversubscribed = size > (os.cpu_count() or 1)
         self.fast_outboxes = fast_outboxes
         self.fast_inboxes = fast_inboxes
-        fast_outboxes.update(self.outboxes)
-        if not self.oversubscribed:
-            fast_inboxes.update(self.inboxes)
-        inbox_peer.update({box: p for p, box in self.inboxes.items()})
+        self.inbox_peer = inbox_peer
         self.txq: list[deque[Packet]] = [deque() for _ in range(size)]
         self.txq_pending = 0
         self.loopback: deque[Packet] = deque()
@@ -133,16 +134,73 @@ class Progress:
         self.pulls = BackgroundPulls(self._wake_self)
         self.broken = ""  # why the communicator is unusable (see break_down), or ""
         self.closing = False
+        # a peer that connects to this rank sets this word: then poll maps the pair
+        self.connects = world.connects
+        for peer in self.peers:
+            if connection.links[peer] is not None:  # (a world of two: connected at attach)
+                self._add(peer)
+
+    # -- peers connected on first use
+
+    def connect(self, peer: int) -> None:
+        """Connect ``peer`` (connect.py, ``World.open_pair``) unless it is: the first
+        operation that names a peer does, and so does a peer that connected to this rank."""
+        if peer in self.outboxes or peer == self.rank or peer < 0:
+            return
+        try:
+            self.connection.connect(peer)
+        except PeerGone:
+            if self.world.outboxes[peer] is None:
+                raise  # it never attached
+            # it attached and exited before this rank connected: take what it sent, as
+            # bury does, and let a wait on it end (_wait_loop)
+            self._add(peer)
+            self.dead.add(peer)
+            while self.drain(peer, False):
+                pass
+            return
+        self._add(peer)
+
+    def _add(self, peer: int) -> None:
+        outbox, inbox = self.world.outboxes[peer], self.world.inboxes[peer]
+        assert outbox is not None and inbox is not None
+        self.outboxes[peer] = outbox
+        self.inboxes[peer] = inbox
+        self.inbox_peer[inbox] = peer
+        self.connected = [*self.connected, peer]
+        if not self.broken and not self.closing:
+            if not self.txq[peer]:
+                self.fast_outboxes[peer] = outbox
+            if not self.oversubscribed and not self.loopback:
+                self.fast_inboxes[peer] = inbox
+
+    def accept(self) -> bool:
+        """Connect the peers that have connected to this rank since it last looked; True
+        if there were any (their packets may be waiting)."""
+        self.connects[0] = 0  # (before looking: a peer that sets it after is seen next time)
+        if len(self.outboxes) == len(self.peers):
+            return False
+        new = [r for r in self.world.connected_to_me() if r not in self.outboxes and r not in self.dead]
+        for peer in new:
+            try:
+                self.connect(peer)
+            except PeerGone:
+                self.dead.add(peer)  # connected to this rank and exited since
+        return bool(new)
 
     # -- operations the communicator starts
 
     def send(self, segments: list[memoryview], dest: int, tag: int, is_object: bool,
              eager: bool = True, sync: bool = False) -> SendOp:
+        if dest not in self.outboxes:
+            self.connect(dest)
         op, actions = self.engine.send(dest, tag, segments, is_object, eager=eager, sync=sync)
         self.run(actions)
         return op
 
     def post_recv(self, source: int, tag: int, buffer: memoryview | None) -> RecvOp:
+        if source not in self.outboxes:
+            self.connect(source)  # (its exit must end the wait; ANY_SOURCE: none)
         op, actions = self.engine.recv(source, tag, buffer)
         self.run(actions)
         return op
@@ -209,7 +267,7 @@ class Progress:
 
     def _flush(self) -> bool:
         moved = False
-        for dest in self.peers:
+        for dest in self.connected:
             queue = self.txq[dest]
             sent = False
             while queue and self._put(dest, queue[0]):
@@ -309,6 +367,8 @@ class Progress:
         """One pass over everything that can move without blocking; True if anything did."""
         moved = False
         engine = self.engine
+        if self.connects[0]:
+            moved = self.accept()
         if self.loopback:
             while self.loopback:
                 kind, tag, aux, looped = self.loopback.popleft()
@@ -316,7 +376,7 @@ class Progress:
             if not self.oversubscribed:
                 self.fast_inboxes.update(self.inboxes)
             moved = True
-        for peer in self.peers:
+        for peer in self.connected:
             moved = self.drain(peer, False) or moved
         if self.txq_pending:
             moved = self._flush() or moved
@@ -466,7 +526,8 @@ class Progress:
                 continue  # (a background pull needs the GIL back, and rings when done)
             world.set_sleeping(1)
             try:
-                if self.poll() or done():
+                # (accept: a peer's hint may have been lost, cleared here as it was set)
+                if self.poll() or done() or self.accept():
                     continue
                 gone = world.sleep(SLEEP_MS)
                 self.counts.control_syscalls += 1
@@ -475,7 +536,7 @@ class Progress:
             # The deadline stays expired: only progress (above) earns a new spin, so a
             # waiter that wakes to nothing every SLEEP_MS sleeps again at once instead of
             # spinning (1 ms in 11 was 9 % of a CPU per idle waiter, taken from the peer).
-            if gone:
+            if gone or peer in self.dead:
                 self._peers_gone(gone, done, peer)
 
     def withdraw(self, op: SendOp | RecvOp) -> None:
@@ -514,7 +575,8 @@ class Progress:
         if peer is not None and peer in self.dead:
             raise PeerGone(f"rank {peer} (pid {self.world.pid_of(peer)}) exited before "
                            "completing this operation")
-        if peer is None and self.dead.issuperset(self.peers):
+        if peer is None and self.dead.issuperset(self.connected) and all(
+                self.world.exited(r) for r in self.peers if r not in self.outboxes):
             raise PeerGone("every other rank has exited; nothing can complete this operation")
 
     def bury(self, gone: list[int]) -> None:
@@ -539,7 +601,7 @@ class Progress:
         will, and a peer that waits for this process to exit first deadlocks.
         """
         world = self.world
-        for dest in self.peers:
+        for dest in self.connected:
             queue = self.txq[dest]
             buffered = [op for op in self.buffered if op.dest == dest]
             if (queue or buffered) and dest not in self.dead:

@@ -530,6 +530,9 @@ class Policy:
     push: bool = False  # prefer RPUT to RGET where both work
     split: bool = False  # SPLIT where a transport both pulls from and pushes to the peer
     split_only: set[str] = field(default_factory=set)  # unforced, used only where SPLIT works
+    # called with a peer missing from ``pushable`` (it has not connected back yet, as far as
+    # this rank knew): may fill its entry in
+    learn: Callable[[int], None] | None = None
 
     def choose(self, peer: int, nbytes: int, offers: int, ring_full: bool = False
                ) -> tuple[int, str]:
@@ -539,6 +542,8 @@ class Policy:
         threshold: a pull needs nothing more from the sender, whereas a pipeline or a
         push waits for a sender still busy posting, and a window of them ran at a fifth
         of the eager rate (1 MiB: ~400 against ~35 us per message, ~40 pulled)."""
+        if peer not in self.pushable and self.learn is not None:
+            self.learn(peer)
         pull = self.pullable.get(peer, set())
         push = self.pushable.get(peer, set())
         if ring_full and self.forced is None and offers & PULL:

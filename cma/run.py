@@ -92,7 +92,7 @@ def launch(args: argparse.Namespace) -> int:
     try:
         for rank in range(args.n):
             env = dict(os.environ, **{ENV_WORLD: fds.to_env(rank), ENV_TRANSPORT: args.transport})
-            procs.append(subprocess.Popen(args.command, env=env, pass_fds=fds.inheritable()))
+            procs.append(subprocess.Popen(args.command, env=env, pass_fds=fds.inheritable_by(rank)))
             announce(fds, rank, procs[-1].pid)  # its peers then see it exit before connecting
         fds.close()  # the ranks hold their own copies now
         deadline = None if args.timeout is None else time.monotonic() + args.timeout

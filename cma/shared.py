@@ -122,6 +122,7 @@ def _map(node: Comm, world: World, root: int, writable: bool) -> np.ndarray[Any,
     arr = None
     error = None
     try:
+        node.connect(root)  # (peers connect on first use: the bcast need not have named it)
         fd = _take_fd(world, root, name, root_fd)
         # whole pages around the array (at least one byte, so a 0-size array maps too)
         first = offset - offset % mmap.ALLOCATIONGRANULARITY

@@ -5,14 +5,15 @@ per rank. Whoever creates the world (``cma.Pipe``, the ``cma-run`` launcher, the
 mpi4py plugin) hands those fds to every rank: by fork inheritance, by pickling for
 ``multiprocessing`` spawn, by ``pass_fds`` and the environment, or over a Unix socket.
 
-Each rank then *attaches* in its own process (this is "connect time"): it publishes
-its pid, starts a small fd server on an abstract Unix socket (nothing on disk to
-leak) so verified peers can fetch fds it exposes (the vmfd transport's
-/proc/self/mem), waits until every rank has attached, probes each transport
-against each peer, publishes what it can reach, and waits until every rank has.
-After that every rank knows, for each pair, which transports work in each
-direction, so an explicitly requested transport that cannot work fails here, on
-every rank, before any message moves.
+Each rank then *attaches* in its own process: it publishes its pid and starts a small
+fd server on an abstract Unix socket (nothing on disk to leak) so verified peers can
+fetch fds it exposes (its doorbell, the vmfd transport's /proc/self/mem). It *connects*
+a peer when it first talks to it (``open_pair``): waits until that peer has attached,
+opens its pidfd, maps the pair's two channels, fetches its doorbell, probes the
+transports against it and publishes what it can reach (``publish_reach``), which also
+tells the peer to map the pair in turn. A world of two ranks connects its pair at
+attach and waits for the peer's probe too, so an explicitly requested transport that
+cannot work fails there, on both ranks, before any message moves.
 """
 
 from __future__ import annotations
@@ -28,14 +29,18 @@ from dataclasses import dataclass, field
 
 from . import _linux
 from .channel import (
+    CONNECTS,
     LAUNCHED,
     PHASE,
     PID,
     PREAMBLE_WORDS,
     RANK_BLOCK_WORDS,
+    REACH_PUBLISHED,
     SLEEPING,
     ChannelConfig,
-    pair_views,
+    Inbox,
+    Outbox,
+    pair_boxes,
 )
 from .errors import CmaError, PeerGone, ProtocolError
 
@@ -44,13 +49,13 @@ ENV_TRANSPORT = "CMA_TRANSPORT"
 CONNECT_TIMEOUT = float(os.environ.get("CMA_CONNECT_TIMEOUT", "60"))
 # A rank's PHASE word moves up through these; peers wait until every rank reaches one.
 PHASE_PUBLISHED = 1  # pid and server are up
-PHASE_PROBED = 2  # reach masks towards every peer are written
+PHASE_PROBED = 2  # (two-rank worlds) the reach mask towards the peer is written
 PHASE_CLOSED = 3  # reads its rings no more
 # The fd server drops a connection that has not sent its request by then: a peer sends
 # it at once, and a silent client must not hold on to a socket for long.
 REQUEST_SECONDS = 2.0
-# fds a rank of an N-rank world may hold: N doorbells, and per peer a pidfd and a transport
-# fd or two (docs/architecture.md, "Memory per rank"), plus the process's own
+# fds a rank of an N-rank world may hold: per connected peer a doorbell, a pidfd and a
+# transport fd or two (docs/architecture.md, "Memory per rank"), plus the process's own
 FDS_PER_RANK = 4
 FDS_SPARE = 64
 # The kernel's PID_MAX_LIMIT: a pid word above it (or below 1) was not written by a rank.
@@ -90,8 +95,14 @@ class WorldFds:
         self.doorbells = []
 
     def to_env(self, rank: int) -> str:
-        bells = ",".join(map(str, self.doorbells))
+        """What ``rank``'s process needs: the segment and its own doorbell (-1 for the
+        others, which it fetches from a peer when it connects to it)."""
+        bells = ",".join(str(fd if r == rank else -1) for r, fd in enumerate(self.doorbells))
         return f"{self.world_id}:{rank}:{self.size}:{self.memfd}:{bells}:{self.config.encode()}"
+
+    def inheritable_by(self, rank: int) -> list[int]:
+        """The fds ``to_env(rank)`` names."""
+        return [self.memfd, self.doorbells[rank]]
 
     @classmethod
     def from_env(cls, text: str) -> tuple[WorldFds, int]:
@@ -107,7 +118,7 @@ class WorldFds:
                            "start the program with cma-run, which passes them") from exc
 
     def inheritable(self) -> list[int]:
-        return [self.memfd, *self.doorbells]
+        return [fd for fd in [self.memfd, *self.doorbells] if fd >= 0]
 
 
 def announce(fds: WorldFds, rank: int, pid: int) -> None:
@@ -147,15 +158,20 @@ class World:
         self.rank = rank
         self.size = fds.size
         self.config = fds.config
-        # The header and this rank's own 2(N-1) channels, each mapped alone: the segment holds
-        # all N(N-1) channels, and mapping it whole cost every rank O(N^2) address space.
+        # The header now; the two channels of a pair, each mapped alone, when the pair
+        # connects: the segment holds all N(N-1) channels, and mapping them all cost every
+        # rank O(N^2) address space (mapping its own 2(N-1), O(N) fds and probes).
         self._maps = [_linux.map_shared(fds.memfd, fds.config.header_bytes(fds.size))]
         header = memoryview(self._maps[0]).cast("q")
         self.header = header
-        sleeping = [header[self._word(r, SLEEPING) : self._word(r, SLEEPING) + 1]
-                    for r in range(self.size)]
-        self.outboxes, self.inboxes = pair_views(self._map_pair, self.size, rank, fds.config, sleeping)
-        self._sleeping_views = sleeping
+        self.outboxes: list[Outbox | None] = [None] * self.size
+        self.inboxes: list[Inbox | None] = [None] * self.size
+        self._views: list[memoryview] = []  # views into the header that close() releases
+        # Set by a peer that connected to this rank; and the reach matrix's column of this
+        # rank (what every rank published towards it), read when that word was set.
+        self.connects = self._header_view(self._word(rank, CONNECTS), 1)
+        first = self._reach_word(0, rank)
+        self._reach_column = self._header_view(first, (self.size - 1) * self.size + 1)[:: self.size]
         self.pidfds: list[int] = [-1] * self.size
         # while connecting: (pid, pidfd) of the process started to attach a late rank
         self._launched: dict[int, tuple[int, int]] = {}
@@ -163,6 +179,11 @@ class World:
         self._server: socket.socket | None = None
         self._server_pid = 0
         self._server_thread: threading.Thread | None = None
+
+    def _header_view(self, word: int, words: int) -> memoryview:
+        view = self.header[word : word + words]
+        self._views.append(view)
+        return view
 
     def _map_pair(self, src: int, dst: int) -> memoryview:
         config = self.config
@@ -183,24 +204,58 @@ class World:
 
     def reach(self, rank: int, peer: int) -> int:
         """Bitmask of transports (by registry order) that ``rank`` can use towards ``peer``."""
-        return self.header[self._reach_word(rank, peer)]
+        return self.header[self._reach_word(rank, peer)] & ~REACH_PUBLISHED
+
+    def reach_published(self, rank: int, peer: int) -> bool:
+        """Whether ``rank`` has connected to ``peer`` (probed it and published ``reach``)."""
+        return bool(self.header[self._reach_word(rank, peer)])
+
+    def connected_to_me(self) -> list[int]:
+        """The ranks that have connected to this one (published their reach towards it)."""
+        return [r for r, word in enumerate(self._reach_column.tolist()) if word]
 
     # -- connect time
 
-    def attach(self, publish_reach: Callable[[World], dict[int, int]]) -> None:
-        """Publish this rank, wait for all, probe (``publish_reach``), wait for all again."""
+    def publish(self) -> None:
+        """Attach: start the fd server, expose the doorbell, publish the pid (no waiting)."""
         self._start_server()
+        bell = self.fds.doorbells[self.rank]
+        self.expose_fd("doorbell", lambda: os.dup(bell))
         self.header[self._word(self.rank, PID)] = os.getpid()
         self.header[self._word(self.rank, PHASE)] = PHASE_PUBLISHED
-        self._await_phase(PHASE_PUBLISHED)
-        for peer in range(self.size):
-            if peer != self.rank:
-                self._watch(peer)
-        for peer, mask in publish_reach(self).items():
-            self.header[self._reach_word(self.rank, peer)] = mask
-        self.header[self._word(self.rank, PHASE)] = PHASE_PROBED
-        self._await_phase(PHASE_PROBED)
-        self._forget_launched()
+
+    def open_pair(self, peer: int) -> None:
+        """Connect ``peer``'s end of the pair: wait until it has attached, map the two
+        channels, watch its exit (pidfd) and fetch its doorbell. Idempotent.
+
+        PeerGone once the channels are mapped means that the peer attached and exited
+        (what it sent before is in its ring); before, that it exited before attaching.
+        A peer that has closed its end keeps its rings (what it sent) but no longer
+        serves fds: its doorbell stays unknown (-1), and it sleeps no more.
+        """
+        if self.outboxes[peer] is None:
+            try:
+                self.await_phase(PHASE_PUBLISHED, [peer])
+            finally:
+                self._forget_launched()
+            sleeping = self._header_view(self._word(peer, SLEEPING), 1)
+            self.outboxes[peer], self.inboxes[peer] = pair_boxes(
+                self._map_pair, self.rank, peer, self.config, sleeping)
+        self._watch(peer)
+        if self.fds.doorbells[peer] < 0:
+            try:
+                self.fds.doorbells[peer] = self.fetch_fd(peer, "doorbell")
+            except CmaError:
+                if not self.has_closed(peer):
+                    raise
+
+    def publish_reach(self, peer: int, mask: int) -> None:
+        """Publish what this rank reaches ``peer`` with, and tell ``peer`` to connect back."""
+        self.header[self._reach_word(self.rank, peer)] = mask | REACH_PUBLISHED
+        self.header[self._word(peer, CONNECTS)] = 1  # (after the reach word: x86 keeps the order)
+
+    def set_phase(self, phase: int) -> None:
+        self.header[self._word(self.rank, PHASE)] = phase
 
     def _watch(self, rank: int) -> int:
         """The pidfd of ``rank``'s published pid, opened once (it reports the exit)."""
@@ -218,6 +273,21 @@ class World:
             raise ProtocolError(f"rank {rank} broke the protocol: its block of the world header "
                                 f"names pid {pid}, which no process has", peer=rank)
         return pid
+
+    def exited(self, rank: int) -> bool:
+        """Whether the process that attached ``rank`` (or was started to) is known to have
+        exited, for a rank not connected (no pidfd); False when no pid of it is known."""
+        pid = self.pid_of(rank) or self.header[self._word(rank, LAUNCHED)]
+        if not 0 < pid <= PID_LIMIT:
+            return False
+        try:
+            pidfd = _linux.pidfd_open(pid)
+        except PeerGone:
+            return True
+        try:
+            return not _linux.process_alive(pidfd)
+        finally:
+            _linux.close_fd(pidfd)
 
     def _launched_pidfd(self, rank: int) -> tuple[int, int]:
         """(pid, pidfd) of the process announced to attach ``rank``; (0, -1) if none is known."""
@@ -247,11 +317,12 @@ class World:
             _linux.close_fd(pidfd)
         self._launched.clear()
 
-    def _await_phase(self, phase: int) -> None:
+    def await_phase(self, phase: int, ranks: list[int]) -> None:
+        """Wait until each of ``ranks`` has reached ``phase``; PeerGone if one exits first."""
         deadline = time.monotonic() + CONNECT_TIMEOUT
         pause = 1e-5
         while True:
-            late = [r for r in range(self.size) if self.header[self._word(r, PHASE)] < phase]
+            late = [r for r in ranks if self.header[self._word(r, PHASE)] < phase]
             if not late:
                 return
             for r in late:
@@ -462,7 +533,10 @@ class World:
             if box is not None:
                 for view in (box.words, box.ctl, box.data, box.staging):
                     view.release()
-        for view in self._sleeping_views:
+        self.outboxes = [None] * self.size
+        self.inboxes = [None] * self.size
+        self._reach_column.release()
+        for view in self._views:
             view.release()
         self.header.release()
         for mm in self._maps:

@@ -17,6 +17,7 @@ import textwrap
 
 import numpy as np
 import pytest
+from test_run import cma_run
 
 import cma
 from cma.channel import ChannelConfig, channel_budget
@@ -87,9 +88,63 @@ def test_each_rank_maps_its_own_channels_only(tmp_path, size):
         # the header plus 2(N-1) channels; mapping the whole segment was N(N-1) channels
         assert figures["mapped"] == expected_mapping(size)
         assert figures["resident"] <= figures["mapped"]
-        # all N doorbells, a pidfd per peer, the memfd, the fd server, stdio and the
-        # transports' fds (a /proc/PID/mem fd per peer for vmfd): 3N plus a constant
+        # every rank talked to every other: per peer a doorbell, a pidfd and a transport
+        # fd (/proc/PID/mem for vmfd), plus the memfd, the fd server and stdio: 3N plus a constant
         assert figures["fds"] <= 3 * size + 16
+
+
+PAIRS = """
+import json, os, sys
+import numpy as np
+import cma
+from cma.channel import ChannelConfig
+
+comm = cma.COMM_WORLD
+rank, size = comm.Get_rank(), comm.Get_size()
+partner = rank ^ 1 if rank ^ 1 < size else rank  # the last rank of an odd world talks to itself
+data = np.full(1 << 16, rank, np.uint8)  # within the eager limit
+big = np.full(1 << 20, rank, np.uint8)   # a rendezvous: the transports' probes and fds
+got, got_big = np.empty_like(data), np.empty_like(big)
+comm.Sendrecv(data, partner, 1, recvbuf=got, source=partner, recvtag=1)
+comm.Sendrecv(big, partner, 2, recvbuf=got_big, source=partner, recvtag=2)
+assert (got == partner).all() and (got_big == partner).all()
+mapped = 0
+mine = False
+with open("/proc/self/smaps") as smaps:
+    for line in smaps:
+        first = line.split(None, 1)[0]
+        if "-" in first and not first.endswith(":"):
+            mine = "memfd:cma-" in line
+        elif mine and first == "Size:":
+            mapped += int(line.split()[1]) << 10
+figures = {"mapped": mapped, "fds": len(os.listdir("/proc/self/fd")),
+           "connected": sorted(comm._progress.outboxes)}
+with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as out:
+    json.dump(figures, out)
+comm.Sendrecv(data, partner, 3, recvbuf=got, source=partner, recvtag=3)  # both wrote, then exit
+"""
+
+
+def test_a_rank_that_talks_to_one_peer_maps_one_peer_and_holds_its_fds_only(tmp_path):
+    """Peers are connected on first use (issue #24): in a 9-rank world of pairs, each rank
+    maps the header and its partner's two channels, and holds fds for that peer alone."""
+    size = 9
+    prog = tmp_path / "rank.py"
+    prog.write_text(textwrap.dedent(PAIRS))
+    done = subprocess.run([sys.executable, "-m", "cma.run", "-n", str(size), "--timeout",
+                           str(RUN_TIMEOUT), sys.executable, str(prog), str(tmp_path)],
+                          capture_output=True, text=True, timeout=RUN_TIMEOUT + 30)
+    assert done.returncode == 0, done.stderr
+    config = ChannelConfig.for_ranks(size)
+    for rank in range(size):
+        figures = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        peers = 0 if rank == size - 1 else 1
+        assert figures["connected"] == ([rank ^ 1] if peers else [])
+        assert figures["mapped"] == config.header_bytes(size) + 2 * peers * config.pair_bytes
+        # stdio, the memfd, its own doorbell, the fd server, the vmfd transport's own memory
+        # fd, and per connected peer a doorbell, a pidfd and a memory fd: no term in N
+        # (all N at attach held 3N plus these)
+        assert figures["fds"] <= 10 + 3 * peers, figures
 
 
 def test_a_world_larger_than_the_soft_fd_limit_raises_it(tmp_path):
@@ -146,3 +201,72 @@ def test_a_process_holding_more_than_1024_fds_attaches_and_sees_its_peer_exit():
         for fd in held:
             os.close(fd)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+WILDCARD = """
+import sys, time
+import numpy as np
+import cma
+
+comm = cma.COMM_WORLD
+rank, size = comm.Get_rank(), comm.Get_size()
+if rank == 0:
+    comm.attach()
+    sources = []
+    for _ in range(size - 1):
+        status = cma.Status()
+        buf = np.empty(1 << 20, np.uint8)
+        comm.Recv(buf, source=cma.ANY_SOURCE, tag=4, status=status)  # waits before any connect
+        assert (buf[: status.count] == status.source).all()
+        sources.append(status.source)
+    assert sorted(sources) == list(range(1, size)), sources
+    print("OK", flush=True)
+else:
+    time.sleep(0.2)  # (rank 0 is asleep in its wildcard receive by then, most likely)
+    n = 1 << 20 if rank == size - 1 else 8  # one rendezvous: the receiver learns our reach
+    comm.Send(np.full(n, rank, np.uint8), dest=0, tag=4)
+"""
+
+
+def test_a_wildcard_receive_takes_messages_from_peers_not_connected_yet(tmp_path):
+    code, out, err, _ = cma_run(["-n", "4", "--timeout", str(RUN_TIMEOUT)], WILDCARD, tmp_path)
+    assert code == 0, err
+    assert out.split() == ["OK"]
+
+
+LEFT_BEHIND = """
+import sys, time
+import numpy as np
+import cma
+
+comm = cma.COMM_WORLD
+rank = comm.Get_rank()
+if rank == 2:
+    comm.Send(np.full(8, 7, np.uint8), dest=0, tag=1)  # then exits: its ring keeps it
+elif rank == 0:
+    comm.attach()
+    while not comm._world.exited(2):  # (rank 2 attached, sent and exited; not connected here)
+        time.sleep(0.01)
+    assert 2 not in comm._progress.outboxes
+    buf = np.empty(8, np.uint8)
+    comm.Recv(buf, source=2, tag=1)
+    assert (buf == 7).all()
+    try:
+        comm.Recv(buf, source=2, tag=1)
+    except cma.errors.PeerGone as exc:
+        print("gone", exc, flush=True)
+    try:
+        comm.Recv(buf, source=1, tag=1)  # connected by the receive: its exit ends the wait
+    except cma.errors.PeerGone as exc:
+        print("gone", exc, flush=True)
+else:
+    comm.attach()
+    time.sleep(0.3)
+"""
+
+
+def test_a_receive_from_an_unconnected_peer_takes_what_it_left_then_sees_it_exit(tmp_path):
+    code, out, err, _ = cma_run(["-n", "3", "--timeout", str(RUN_TIMEOUT)], LEFT_BEHIND, tmp_path)
+    assert code == 0, err
+    lines = out.splitlines()
+    assert len(lines) == 2 and lines[0].startswith("gone rank 2") and lines[1].startswith("gone rank 1"), out

@@ -104,7 +104,8 @@ def _writes(comm: cma.Comm) -> list[object]:
 
 def _released(comm: cma.Comm) -> list[tuple[int, int]]:
     """(fds, heap mappings) before, while the array lives, and after it is dropped."""
-    _world_of(comm)  # connect first: attaching opens fds of its own
+    _world_of(comm)
+    comm.transports()  # connect every peer first: attaching and connecting open fds of their own
     gc.collect()
     counts = [(_fds(), _heap_maps())]
     arr = cma.shared_array(comm, 1 << 20, np.uint8)  # a segment of its own
@@ -160,7 +161,8 @@ def _exposed_after(comm: cma.Comm) -> list[str]:
 
 def _fd_paths(comm: cma.Comm) -> str:
     """Make one array and say how the fd reached this rank ("pidfd_getfd" or "fd server")."""
-    world = _world_of(comm)  # attach first: the vmfd transport fetches fds when connecting
+    world = _world_of(comm)
+    comm.transports()  # connect every peer first: connecting fetches fds (vmfd, doorbells)
     refused = comm.rank and _linux.cma_access_errno(world.pid_of(0)) == errno.EPERM
     used = ["ptrace refused"] if refused else []
     take, fetch = _linux.pidfd_getfd, World.fetch_fd

@@ -5,9 +5,10 @@ its end closed), but hydra answers a rank killed by a signal by killing the othe
 with auto clean-up off, which would race rank 0's own detection.
 
 Arguments: the phase (Recv, Barrier, Probe, Allreduce of a rendezvous size, or Send of a
-rendezvous rank 1 never receives), the transport and a file. Run under ``mpiexec -disable-auto-cleanup`` so that
-nothing but cma.mpi notices the death: rank 0 writes the PeerGoneError it got to the file
-(hydra may stop forwarding output once a rank was killed) and exits 0.
+rendezvous rank 1 never receives), the transport and a file. Run under
+``mpiexec -disable-auto-cleanup`` so that nothing but cma.mpi notices the death: rank 0
+writes the PeerGoneError it got to the file (hydra may stop forwarding output once a rank
+was killed) and exits 0.
 """
 
 from __future__ import annotations

@@ -230,7 +230,7 @@ class NodeComm(CmaComm):
     def settle_any(self, reqs: list[Request]) -> None:
         """Wait until one of ``reqs`` (all this communicator's) is over."""
         if self._mixed:
-            self._mpi._progress_until(lambda: any(r._progress() for r in reqs), None)
+            self._mpi._progress_until(lambda: any(r._test_in_cma() for r in reqs), None)
             return
         (self._progress or self._attach()).wait_until(
             lambda: any(r._done_in_cma() for r in reqs), None)

@@ -10,13 +10,11 @@ from typing import TYPE_CHECKING, Any, cast
 
 from mpi4py import MPI
 
-from .. import _linux
 from ..comm import Comm as CmaComm
 from ..comm import Request as CmaRequest
 from ..comm import Status as CmaStatus
 from ..comm import recv_view, send_view
-from ..errors import CmaError, PeerGone
-from ..protocol import ANY_SOURCE as CMA_ANY_SOURCE
+from ..errors import CmaError
 from ..protocol import RecvOp, SendOp
 from . import specs
 from .datatypes import Typed
@@ -360,22 +358,16 @@ class NodeComm(CmaComm):
             self.progress()
 
     def _check_peers(self) -> None:
-        """Fail the pending requests that wait for a peer that has exited."""
+        """Fail the pending requests that wait for a peer that has exited (Progress decides)."""
         progress = self._progress
         assert progress is not None
-        world = progress.world
-        live = [fd for fd in world.pidfds if fd >= 0]
-        ready = _linux.wait_readable(live, 0)
-        if not ready:
+        progress.notice_exits()
+        if not progress.dead:
             return
-        progress.bury([r for r, fd in enumerate(world.pidfds) if fd in ready])
-        dead = progress.dead
-        everyone_gone = dead.issuperset(progress.peers)
         for op, req in list(self._pending.items()):
-            peer = op.dest if isinstance(op, SendOp) else op.source
-            if peer in dead or peer == CMA_ANY_SOURCE and everyone_gone:
-                req._fail(PeerGone(f"rank {self.comm_rank(peer) if peer >= 0 else peer} exited "
-                                   "before completing this operation"))
+            error = progress.exit_error(op.dest if isinstance(op, SendOp) else op.source)
+            if error is not None:
+                req._fail(error)
 
     def close(self) -> None:
         """Close the world; requests still pending fail (nothing will complete them)."""

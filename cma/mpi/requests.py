@@ -338,7 +338,10 @@ def _query(status: MPI.Status, box: list[Request]) -> None:
         status.Set_cancelled(True)
     error = req._error()
     if error is not None:
-        raise mpi_exception(error)
+        # MPI keeps only the error code; mpi4py prints what the callback raised, so the
+        # cause (which rank and pid exited, say) is still shown
+        exc = mpi_exception(error)
+        raise exc from (None if exc is error else error)
 
 
 def _cancel(completed: bool, box: list[Request]) -> None:

@@ -132,6 +132,13 @@ def test_rank_dies(env: dict[str, str], cleanup: bool, wait: str) -> None:
         assert re.search(rf"{error}: rank 1 \(pid \d+\) exited before completing", out), out
 
 
+def test_a_rank_that_cannot_take_the_world_fails_every_rank_at_once() -> None:
+    """Every rank raises CmaError naming rank 1, which could not take the node's world
+    (no_world.py). The others used to connect and wait for it until CMA_CONNECT_TIMEOUT,
+    set here beyond the backstop."""
+    expect_ok(3, "no_world.py", env={"CMA_CONNECT_TIMEOUT": str(RUN_TIMEOUT * 3)})
+
+
 @pytest.mark.parametrize(("n", "env", "mode"), [
     (1, {}, "one rank"), (2, {}, "one node"), (3, {}, "one node"),
     (3, {"CMA_MPI_NODES": "0,0,1"}, "mixed"), (4, {"CMA_MPI_NODES": "0,1,1,0"}, "mixed"),

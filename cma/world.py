@@ -8,8 +8,9 @@ mpi4py plugin) hands those fds to every rank: by fork inheritance, by pickling f
 Each rank then *attaches* in its own process (this is "connect time"): it publishes
 its pid, starts a small fd server on an abstract Unix socket (nothing on disk to
 leak) so verified peers can fetch fds it exposes (the vmfd transport's
-/proc/self/mem), waits until every rank has attached, probes each transport
-against each peer, publishes what it can reach, and waits until every rank has.
+/proc/self/mem; cma.mpi's node rank 0 serves the world's own fds so, before it
+attaches), waits until every rank has attached, probes each transport against each
+peer, publishes what it can reach, and waits until every rank has.
 After that every rank knows, for each pair, which transports work in each
 direction, so an explicitly requested transport that cannot work fails here, on
 every rank, before any message moves.

@@ -51,11 +51,13 @@ def _pretend_node(rank: int, size: int) -> int | None:
     return None
 
 
-def _share_world(node: MPI.Comm, members: list[tuple[int, int]]) -> WorldFds | None:
+def _share_world(node: MPI.Comm, members: list[tuple[int, int]]
+                 ) -> tuple[WorldFds, World | None] | None:
     """Node rank 0 creates the node's world and passes its fds to the others (collective):
     through its fd server, the one every attached rank runs, which admits the members' pids
     announced in the world's header and nobody else. None where a member failed (it reports
-    that; nobody may wait to connect to it), else this rank's fds of the world."""
+    that; nobody may wait to connect to it), else this rank's fds of the world, and on node
+    rank 0 its World, serving already, for its communicator to attach."""
     me = node.Get_rank()
     size = len(members)
     owner = members[0][1]
@@ -91,17 +93,22 @@ def _share_world(node: MPI.Comm, members: list[tuple[int, int]]) -> WorldFds | N
         if any(node.allgather(error)):
             if error is not None:
                 raise CmaError(error)
-            if fds is not None:
-                fds.close()
+            _release(fds, world)
             return None
-        return fds
     except BaseException:
-        if fds is not None:
-            fds.close()
+        _release(fds, world)
         raise
-    finally:
-        if world is not None:
-            world.close()  # (its address is free again for the world this rank attaches)
+    assert fds is not None
+    if world is not None:
+        world.withdraw_fd(WORLD_FDS)  # every member has it
+    return fds, world
+
+
+def _release(fds: WorldFds | None, world: World | None) -> None:
+    if world is not None:
+        world.close()
+    if fds is not None:
+        fds.close()
 
 
 def bootstrap(comm: Comm, transport: str, options: dict[str, Any]
@@ -123,11 +130,16 @@ def bootstrap(comm: Comm, transport: str, options: dict[str, Any]
         members: list[tuple[int, int]] = node.allgather((rank, os.getpid()))
         if len(members) > 1:
             try:
-                fds = _share_world(node, members)
-                if fds is not None:
-                    cma = NodeComm(comm, fds, node.Get_rank(), transport,
-                                   ranks=[r for r, _ in members],
-                                   mixed=len(members) < comm.Get_size(), **options)
+                handed = _share_world(node, members)
+                if handed is not None:
+                    fds, world = handed
+                    try:
+                        cma = NodeComm(comm, fds, node.Get_rank(), transport,
+                                       ranks=[r for r, _ in members],
+                                       mixed=len(members) < comm.Get_size(), world=world, **options)
+                    except BaseException:
+                        _release(fds, world)
+                        raise
                     cma.attach()  # now: a rank that never talks on-node must not stall the others
             except (CmaError, OSError, ValueError) as exc:
                 error = f"rank {rank}: {exc}"

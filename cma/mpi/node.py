@@ -16,6 +16,7 @@ from ..comm import Status as CmaStatus
 from ..comm import recv_view, send_view
 from ..errors import CmaError
 from ..protocol import RecvOp, SendOp
+from ..world import World
 from . import specs
 from .datatypes import Typed
 from .mpiapi import fill
@@ -47,8 +48,11 @@ class NodeComm(CmaComm):
     make_request = staticmethod(node_request)  # type: ignore[assignment]
 
     def __init__(self, mpi: Comm, *args: Any, ranks: Sequence[int], mixed: bool,
-                 **options: Any) -> None:
+                 world: World | None = None, **options: Any) -> None:
+        """``world``: this rank's World, made before attaching (node rank 0's, whose fd
+        server handed the world to the others); attach makes one otherwise."""
         super().__init__(*args, **options)
+        self._world = world
         self._mpi = mpi  # the wrapper: its _fail runs the error handler, raises its exception
         self._ranks = list(ranks)  # cma rank -> rank of the wrapped communicator
         self._mixed = mixed  # peers elsewhere too: waits must keep MPI moving

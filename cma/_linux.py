@@ -189,11 +189,16 @@ def recv_fds(sock: socket.socket, bufsize: int, maxfds: int) -> tuple[bytes, lis
     address space. With the flag no moment exists in which they are inheritable.
     """
     fds = array.array("i")
-    msg, ancdata, _, _ = sock.recvmsg(bufsize, socket.CMSG_SPACE(maxfds * fds.itemsize),
-                                      socket.MSG_CMSG_CLOEXEC)
+    msg, ancdata, flags, _ = sock.recvmsg(bufsize, socket.CMSG_SPACE(maxfds * fds.itemsize),
+                                          socket.MSG_CMSG_CLOEXEC)
     for level, kind, data in ancdata:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+    if flags & socket.MSG_CTRUNC:  # the kernel dropped fds this process had no room for
+        for fd in fds:
+            os.close(fd)
+        raise OSError(errno.EMFILE, f"{os.strerror(errno.EMFILE)}: fds passed to this process were "
+                      "dropped (raise the open-file limit, ulimit -n)")
     return msg, list(fds)
 
 

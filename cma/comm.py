@@ -254,7 +254,8 @@ class Comm(Collectives):
                              "(cma.Pipe, cma-run) to talk again")
         self._release_unused.detach()  # attached: close() releases everything
         _announced_ends.discard(self)
-        world = World(self._fds, self.rank)
+        # (cma.mpi's node rank 0 has one already: its fd server handed the world over)
+        world = self._world if self._world is not None else World(self._fds, self.rank)
         self._world = world
         connection = Connection(world, self.rank, self._transport_name, self._transport_options,
                                 self._user_thresholds)

@@ -509,7 +509,6 @@ class Progress:
 
     def _wait_loop(self, done: Callable[[], bool], peer: int | None, spin: float,
                    yield_cpu: bool) -> None:
-        world = self.world
         deadline = 0.0
         yield_cpu = yield_cpu or self.oversubscribed
         while not done():
@@ -524,20 +523,35 @@ class Progress:
                 continue
             if now < deadline and not self.pulls:
                 continue  # (a background pull needs the GIL back, and rings when done)
-            world.set_sleeping(1)
-            try:
-                # (accept: a peer's hint may have been lost, cleared here as it was set)
-                if self.poll() or done() or self.accept():
-                    continue
-                gone = world.sleep(SLEEP_MS)
-                self.counts.control_syscalls += 1
-            finally:
-                world.set_sleeping(0)
             # The deadline stays expired: only progress (above) earns a new spin, so a
             # waiter that wakes to nothing every SLEEP_MS sleeps again at once instead of
             # spinning (1 ms in 11 was 9 % of a CPU per idle waiter, taken from the peer).
-            if gone or peer in self.dead:
-                self._peers_gone(gone, done, peer)
+            self.doze(SLEEP_MS, done)
+            if self.dead and not done():
+                error = self.exit_error(peer)
+                if error is not None:
+                    raise error
+
+    def doze(self, timeout_ms: int, done: Callable[[], bool] | None = None) -> None:
+        """Sleep on this rank's doorbell and its peers' pidfds for up to ``timeout_ms``,
+        unless the rings moved, ``done()``, or a peer connected, once the sleeping flag is
+        up; peers that exited meanwhile are buried (``exit_error`` then says whom a wait
+        may no longer expect).
+
+        ``done`` may be left out where calling it twice would take two messages (mprobe).
+        """
+        world = self.world
+        world.set_sleeping(1)
+        try:
+            # (accept: a peer's hint may have been lost, cleared here as it was set)
+            if self.poll() or done is not None and done() or self.accept():
+                return
+            gone = world.sleep(timeout_ms)
+            self.counts.control_syscalls += 1
+        finally:
+            world.set_sleeping(0)
+        if gone:
+            self.bury(gone)
 
     def withdraw(self, op: SendOp | RecvOp) -> None:
         """Take a receive whose caller gave up waiting (an exception left its Wait) out of
@@ -568,16 +582,30 @@ class Progress:
 
     # -- peers that exit
 
-    def _peers_gone(self, gone: list[int], done: Callable[[], bool], peer: int | None) -> None:
-        self.bury(gone)
-        if done():
-            return
-        if peer is not None and peer in self.dead:
-            raise PeerGone(f"rank {peer} (pid {self.world.pid_of(peer)}) exited before "
-                           "completing this operation")
-        if peer is None and self.dead.issuperset(self.connected) and all(
-                self.world.exited(r) for r in self.peers if r not in self.outboxes):
-            raise PeerGone("every other rank has exited; nothing can complete this operation")
+    def notice_exits(self) -> None:
+        """Bury the peers whose pidfds report an exit, without sleeping (a wait inside
+        another library's loop, which never sleeps in ``doze``)."""
+        # (a sleep of 0 ms: it drains a rung doorbell too, which loses no wake-up, since
+        # every sleeper polls its rings once its flag is up)
+        gone = self.world.sleep(0)
+        if gone:
+            self.bury(gone)
+
+    def exit_error(self, peer: int | None) -> PeerGone | None:
+        """The error of a wait for ``peer`` (None or ANY_SOURCE: any rank may answer) now
+        that the ranks in ``dead`` have exited, or None if it may still end. The one place
+        that decides a peer is gone, for cma.Comm's waits and cma.mpi's alike. A wildcard
+        wait ends once every connected peer has exited and every other rank is known to
+        have exited too (one never connected may still send)."""
+        if peer is None or peer == ANY_SOURCE:
+            if self.dead.issuperset(self.connected) and all(
+                    self.world.exited(r) for r in self.peers if r not in self.outboxes):
+                return PeerGone("every other rank has exited; nothing can complete this operation")
+            return None
+        if peer in self.dead:
+            return PeerGone(f"rank {peer} (pid {self.world.pid_of(peer)}) exited before "
+                            "completing this operation")
+        return None
 
     def bury(self, gone: list[int]) -> None:
         """Take what the exited ranks left in the rings, then mark them dead."""
@@ -644,9 +672,10 @@ class _BrokenEngine:
 # Where a wait holds nothing half done: its loop's own steps, its sleep and what these
 # call directly (the done() predicate, a comprehension), but not a pass of progress.
 _IDLE_CODE = frozenset({Progress.wait_until.__code__, Progress._wait_loop.__code__,
+                        Progress.doze.__code__, Progress.exit_error.__code__,
                         World.sleep.__code__, World.set_sleeping.__code__,
                         _linux.wait_readable.__code__})
-_BUSY_CODE = frozenset({Progress.poll.__code__, Progress._peers_gone.__code__})
+_BUSY_CODE = frozenset({Progress.poll.__code__, Progress.bury.__code__})
 
 
 def _raised_while_idle(exc: BaseException) -> bool:

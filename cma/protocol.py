@@ -640,7 +640,7 @@ class Engine:
         if arrival is None:
             self.matcher.posted.append(op)
             return op, []
-        return op, self._match(op, arrival)
+        return op, self._receive_matched(op, arrival)
 
     def probe(self, source: int, tag: int) -> Arrival | None:
         return self.matcher.find_unexpected(source, tag)
@@ -653,7 +653,7 @@ class Engine:
     def mrecv(self, arrival: Arrival, buffer: memoryview | None) -> tuple[RecvOp, list[Action]]:
         """Receive a message a matched probe took (``buffer`` None: an object receive)."""
         op = RecvOp(arrival.source, arrival.tag, buffer)
-        return op, self._match(op, arrival)
+        return op, self._receive_matched(op, arrival)
 
     # -- packets from peers
 
@@ -676,8 +676,8 @@ class Engine:
                 self.matcher.unexpected.append(
                     Arrival(source, tag, is_object, len(held), held, None, sync))
                 return []
-            return self._match(op, Arrival(source, tag, is_object, len(payload), None, None, sync),
-                               payload)
+            return self._receive_matched(
+                op, Arrival(source, tag, is_object, len(payload), None, None, sync), payload)
         if base == RTS:
             rts = decode_rts(payload, source)
             if aux != sum(rts.sizes):
@@ -688,13 +688,16 @@ class Engine:
             if op is None:
                 self.matcher.unexpected.append(arrival)
                 return []
-            return self._match(op, arrival)
+            return self._receive_matched(op, arrival)
         if base == CTS:
             return self._cts(source, decode_cts(payload, source))
         return self._fin(source, aux)
 
-    def _match(self, op: RecvOp, arrival: Arrival, inline: bytes | memoryview | None = None
-               ) -> list[Action]:
+    def _receive_matched(self, op: RecvOp, arrival: Arrival,
+                         inline: bytes | memoryview | None = None) -> list[Action]:
+        """Start receiving ``arrival`` into ``op``, the receive it matched: deliver an eager
+        payload (``inline``: still in the ring), consume a message too large for the buffer,
+        or answer an RTS with the protocol the policy chooses (pull, CTS, stream)."""
         op.matched_source = arrival.source
         op.matched_tag = arrival.tag
         op.nbytes = arrival.nbytes

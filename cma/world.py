@@ -7,17 +7,19 @@ mpi4py plugin) hands those fds to every rank: by fork inheritance, by pickling f
 
 Each rank then *attaches* in its own process: it publishes its pid and starts a small
 fd server on an abstract Unix socket (nothing on disk to leak) so verified peers can
-fetch fds it exposes (its doorbell, the vmfd transport's /proc/self/mem). It *connects*
-a peer when it first talks to it (``open_pair``): waits until that peer has attached,
-opens its pidfd, maps the pair's two channels, fetches its doorbell, probes the
-transports against it and publishes what it can reach (``publish_reach``), which also
-tells the peer to map the pair in turn. A world of two ranks connects its pair at
-attach and waits for the peer's probe too, so an explicitly requested transport that
-cannot work fails there, on both ranks, before any message moves.
+fetch fds it exposes (its doorbell, the vmfd transport's /proc/self/mem; cma.mpi's node
+rank 0 serves the world's own fds so, before it attaches). It *connects* a peer when it
+first talks to it (``open_pair``): waits until that peer has attached, opens its pidfd,
+maps the pair's two channels, fetches its doorbell, probes the transports against it and
+publishes what it can reach (``publish_reach``), which also tells the peer to map the
+pair in turn. A world of two ranks connects its pair at attach and waits for the peer's
+probe too, so an explicitly requested transport that cannot work fails there, on both
+ranks, before any message moves.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import secrets
 import selectors
@@ -60,6 +62,9 @@ FDS_PER_RANK = 4
 FDS_SPARE = 64
 # The kernel's PID_MAX_LIMIT: a pid word above it (or below 1) was not written by a rank.
 PID_LIMIT = 1 << 22
+# The kernel's SCM_MAX_FD: a message carries at most this many fds (more: EINVAL), so the
+# fd server answers a request for more (a world's fds, from 253 ranks) in several.
+FDS_PER_MESSAGE = 253
 
 
 @dataclass
@@ -135,6 +140,53 @@ def announce(fds: WorldFds, rank: int, pid: int) -> None:
         header.release()
 
 
+def fd_server_address(world_id: str, rank: int) -> str:
+    """The abstract Unix socket of a rank's fd server (nothing on disk to leak)."""
+    return f"\0cma-{world_id}-{rank}"
+
+
+def fetch_fds(world_id: str, rank: int, pid: int, name: str, count: int = 1) -> list[int]:
+    """The ``count`` fds that rank ``rank`` of the world, process ``pid``, exposes as ``name``.
+
+    The one client of the fd server (``World.expose_fds``): the server must be ``pid``,
+    owned by our user (SO_PEERCRED), so a process that took the rank's address is told
+    nothing and hands nothing over.
+    """
+    fds: list[int] = []
+    reason = "connection closed"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(CONNECT_TIMEOUT)
+        try:
+            sock.connect(fd_server_address(world_id, rank))
+            server_pid, uid, _ = _linux.peer_credentials(sock)
+            if uid != os.getuid() or server_pid != pid:
+                raise CmaError(f"rank {rank}'s fd server is pid {server_pid} of uid {uid}, not "
+                               f"pid {pid} of uid {os.getuid()}: another process took its "
+                               f"address, so its {name!r} fd was not asked for")
+            try:
+                sock.sendall(name.encode())
+            except BrokenPipeError:
+                pass  # refused at accept: the refusal is waiting to be read
+            while len(fds) < count:
+                msg, got = _linux.recv_fds(sock, 256, min(count - len(fds), FDS_PER_MESSAGE))
+                if not got:
+                    reason = msg.decode(errors="replace") or reason
+                    break
+                fds += got
+        except OSError as exc:
+            for fd in fds:
+                _linux.close_fd(fd)
+            if exc.errno == errno.EMFILE:
+                raise CmaError(f"rank {rank}'s {name!r} fd could not be taken: {exc}") from exc
+            raise PeerGone(f"rank {rank} did not answer a request for its {name!r} fd: {exc}") from exc
+    if len(fds) != count:
+        for fd in fds:
+            _linux.close_fd(fd)
+        got_some = f" (got {len(fds)} of {count})" if fds else ""
+        raise CmaError(f"rank {rank} did not pass its {name!r} fd{got_some}: {reason}")
+    return fds
+
+
 class PeerLink:
     """What transports may know about one peer (see ``transports.base.Peer``)."""
 
@@ -175,7 +227,7 @@ class World:
         self.pidfds: list[int] = [-1] * self.size
         # while connecting: (pid, pidfd) of the process started to attach a late rank
         self._launched: dict[int, tuple[int, int]] = {}
-        self._exposed: dict[str, Callable[[], int]] = {}
+        self._exposed: dict[str, Callable[[], list[int]]] = {}
         self._server: socket.socket | None = None
         self._server_pid = 0
         self._server_thread: threading.Thread | None = None
@@ -356,22 +408,28 @@ class World:
 
     # -- fd exposure (SCM_RIGHTS over an abstract Unix socket, same user and same world only)
 
-    def _address(self, rank: int) -> str:
-        return f"\0cma-{self.fds.world_id}-{rank}"
-
     def expose_fd(self, name: str, opener: Callable[[], int]) -> None:
+        self._exposed[name] = lambda: [opener()]
+
+    def expose_fds(self, name: str, opener: Callable[[], list[int]]) -> None:
+        """Answer requests for ``name`` with the fds ``opener()`` returns (closed once sent)."""
         self._exposed[name] = opener
 
     def withdraw_fd(self, name: str) -> None:
         """Stop answering requests for ``name`` (a request already being answered finishes)."""
         self._exposed.pop(name, None)
 
+    def serve(self) -> None:
+        """Start the fd server before attaching (``attach`` starts it otherwise): cma.mpi's
+        bootstrap hands the world's own fds so, to the pids announced in the header."""
+        self._start_server()
+
     def _start_server(self) -> None:
         if self._server is not None:
             return
         server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            server.bind(self._address(self.rank))
+            server.bind(fd_server_address(self.fds.world_id, self.rank))
         except OSError as exc:
             server.close()
             raise CmaError(
@@ -420,16 +478,18 @@ class World:
                         self._answer(conn)
 
     def _admit(self, conn: socket.socket) -> bool:
-        """Whether ``conn`` comes from a peer of this world owned by our user (SO_PEERCRED);
-        anyone else is refused before the server reads a byte from it."""
+        """Whether ``conn`` comes from a peer of this world owned by our user (SO_PEERCRED):
+        a process that attached another rank, or one announced to (``announce``); anyone
+        else is refused before the server reads a byte from it."""
         conn.setblocking(False)
         try:
             pid, uid, _ = _linux.peer_credentials(conn)
         except OSError:
             conn.close()
             return False
-        peers = {self.pid_of(r) for r in range(self.size) if r != self.rank}
-        if uid == os.getuid() and pid in peers:
+        peers = {self.header[self._word(r, which)] for r in range(self.size) if r != self.rank
+                 for which in (PID, LAUNCHED)}
+        if uid == os.getuid() and pid in peers - {0}:
             return True
         self._reply(conn, b"refused: not a process of this world owned by the same user")
         conn.close()
@@ -446,16 +506,18 @@ class World:
             self._reply(conn, b"refused: nothing exposed under " + name.encode())
             return
         try:
-            fd = opener()
+            fds = opener()
         except (CmaError, OSError) as exc:
             self._reply(conn, f"refused: {exc}".encode())
             return
         try:
-            socket.send_fds(conn, [b"ok"], [fd])
+            for at in range(0, len(fds), FDS_PER_MESSAGE):
+                socket.send_fds(conn, [b"ok"], fds[at : at + FDS_PER_MESSAGE])
         except OSError:
             pass  # the asker went away
         finally:
-            os.close(fd)
+            for fd in fds:
+                _linux.close_fd(fd)
 
     @staticmethod
     def _reply(conn: socket.socket, text: bytes) -> None:
@@ -466,18 +528,7 @@ class World:
             pass
 
     def fetch_fd(self, peer: int, name: str) -> int:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-            sock.settimeout(CONNECT_TIMEOUT)
-            try:
-                sock.connect(self._address(peer))
-                sock.sendall(name.encode())
-                msg, fds = _linux.recv_fds(sock, 256, 1)
-            except OSError as exc:
-                raise PeerGone(f"rank {peer} did not answer a request for its {name!r} fd: {exc}") from exc
-            if not fds:
-                reason = msg.decode(errors="replace") or "connection closed"
-                raise CmaError(f"rank {peer} did not pass its {name!r} fd: {reason}")
-            return fds[0]
+        return fetch_fds(self.fds.world_id, peer, self.pid_of(peer), name)[0]
 
     # -- waking and sleeping
 

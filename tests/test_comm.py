@@ -1267,6 +1267,32 @@ def test_peer_exit_raises_peer_gone(transport, mode):
         a.close()
 
 
+@pytest.mark.timeout(30)
+def test_a_wait_for_a_peer_already_buried_raises_peer_gone():
+    """A wait for a peer whose exit an earlier wait saw raises PeerGone too. It hung: that
+    wait closed the peer's pidfd, so no later sleep could see the exit again."""
+    a, b = cma.Pipe(transport="shm")
+    exit_now = mp.get_context("fork").Event()
+    p = mp.get_context("fork").Process(target=gone_child, args=(b, "idle", exit_now))
+    try:
+        p.start()
+        b.close()
+        assert a.recv(source=1, tag=1) == "ready"
+        exit_now.set()
+        wait_exited(p.pid)
+        buf = np.empty(8, np.uint8)
+        with pytest.raises(PeerGone, match="every other rank has exited"):
+            a.Recv(buf, source=cma.ANY_SOURCE, tag=2)
+        with pytest.raises(PeerGone, match=rf"rank 1 \(pid {p.pid}\) exited"):
+            a.Recv(buf, source=1, tag=2)
+        with pytest.raises(PeerGone, match=rf"rank 1 \(pid {p.pid}\) exited"):
+            a.Irecv(buf, source=1, tag=2).Wait()
+    finally:
+        exit_now.set()
+        stop_process(p)
+        a.close()
+
+
 def rput_child(comm):
     buf = np.zeros(5 * FRAG, np.uint8)
     st = cma.Status()

@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import os
-import secrets
-import socket
 from typing import TYPE_CHECKING, Any
 
 from mpi4py import MPI
 
-from .. import _linux
 from ..channel import ChannelConfig
 from ..errors import CmaError
-from ..world import CONNECT_TIMEOUT, WorldFds
+from ..world import World, WorldFds, announce, fetch_fds
 from .node import NodeComm
 
 if TYPE_CHECKING:
@@ -21,6 +18,8 @@ if TYPE_CHECKING:
 ENV_DISABLE = "CMA_MPI_DISABLE"
 ENV_NODES = "CMA_MPI_NODES"
 ENV_RANKS_PER_NODE = "CMA_MPI_RANKS_PER_NODE"
+# what node rank 0's fd server hands the other ranks of the node: the world's memfd and doorbells
+WORLD_FDS = "world"
 
 
 # How Barrier is done, the same on every rank: MPI does not match a blocking collective
@@ -52,57 +51,64 @@ def _pretend_node(rank: int, size: int) -> int | None:
     return None
 
 
-def _share_world(node: MPI.Comm, members: list[tuple[int, int]]) -> WorldFds:
-    """Node rank 0 creates the node's world and passes its fds to the others (collective)."""
+def _share_world(node: MPI.Comm, members: list[tuple[int, int]]
+                 ) -> tuple[WorldFds, World | None] | None:
+    """Node rank 0 creates the node's world and passes its fds to the others (collective):
+    through its fd server, the one every attached rank runs, which admits the members' pids
+    announced in the world's header and nobody else. None where a member failed (it reports
+    that; nobody may wait to connect to it), else this rank's fds of the world, and on node
+    rank 0 its World, serving already, for its communicator to attach."""
     me = node.Get_rank()
     size = len(members)
-    if me == 0:
-        fds: WorldFds | None = None
-        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            fds = WorldFds.create(size)
-            address = f"\0cma-mpi-{secrets.token_hex(8)}"
-            server.bind(address)
-            server.listen(size)
-            node.bcast((address, fds.world_id, fds.config.encode(), None), root=0)
-        except (OSError, CmaError, ValueError) as exc:
-            node.bcast((None, None, None, f"node rank 0 could not create the world: {exc}"), root=0)
-            server.close()
-            if fds is not None:
-                fds.close()
-            raise
-        try:
-            server.settimeout(CONNECT_TIMEOUT)
-            pending = {pid for _, pid in members[1:]}
-            while pending:
-                conn, _ = server.accept()
-                with conn:
-                    pid, uid, _ = _linux.peer_credentials(conn)
-                    if uid == os.getuid() and pid in pending:  # others are refused: closed
-                        socket.send_fds(conn, [b"cma"], [fds.memfd, *fds.doorbells])
-                        pending.discard(pid)
-        except BaseException:
-            fds.close()
-            raise
-        finally:
-            server.close()
-        return fds
-    address, world_id, config, error = node.bcast(None, root=0)
-    if error is not None:
-        raise CmaError(error)
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.settimeout(CONNECT_TIMEOUT)
-        sock.connect(address)
-        pid, uid, _ = _linux.peer_credentials(sock)
-        if uid != os.getuid() or pid != members[0][1]:
-            raise CmaError(f"the bootstrap socket belongs to pid {pid} uid {uid}, not to "
-                           "node rank 0: another process took its name")
-        _, fdlist, _, _ = socket.recv_fds(sock, 16, size + 1)
-    if len(fdlist) != size + 1:
-        for fd in fdlist:
-            os.close(fd)
-        raise CmaError(f"node rank 0 passed {len(fdlist)} fds, expected {size + 1}")
-    return WorldFds(world_id, size, fdlist[0], fdlist[1:], ChannelConfig.decode(config))
+    owner = members[0][1]
+    fds: WorldFds | None = None
+    world: World | None = None
+    offer: tuple[str | None, str | None, str | None] = (None, None, None)
+    error = None
+    try:
+        if me == 0:
+            try:
+                fds = WorldFds.create(size)
+                for rank, (_, pid) in enumerate(members):
+                    announce(fds, rank, pid)  # who may fetch; attach then sees them exit early
+                world = World(fds, 0)
+                shared = fds
+                world.expose_fds(WORLD_FDS, lambda: [os.dup(fd) for fd in shared.inheritable()])
+                world.serve()
+                offer = (fds.world_id, fds.config.encode(), None)
+            except (OSError, CmaError, ValueError) as exc:
+                offer = (None, None, f"node rank 0 could not create the world: {exc}")
+            world_id, config, failed = node.bcast(offer, root=0)
+        else:
+            world_id, config, failed = node.bcast(None, root=0)
+        if failed is not None:
+            raise CmaError(failed)
+        if me != 0:
+            try:
+                fdlist = fetch_fds(world_id, 0, owner, WORLD_FDS, size + 1)
+                fds = WorldFds(world_id, size, fdlist[0], fdlist[1:], ChannelConfig.decode(config))
+            except (OSError, CmaError, ValueError) as exc:
+                error = f"could not take the node's world from node rank 0: {exc}"
+        # every member has its fds, or all learn who failed (and report nothing of their own)
+        if any(node.allgather(error)):
+            if error is not None:
+                raise CmaError(error)
+            _release(fds, world)
+            return None
+    except BaseException:
+        _release(fds, world)
+        raise
+    assert fds is not None
+    if world is not None:
+        world.withdraw_fd(WORLD_FDS)  # every member has it
+    return fds, world
+
+
+def _release(fds: WorldFds | None, world: World | None) -> None:
+    if world is not None:
+        world.close()
+    if fds is not None:
+        fds.close()
 
 
 def bootstrap(comm: Comm, transport: str, options: dict[str, Any]
@@ -124,11 +130,17 @@ def bootstrap(comm: Comm, transport: str, options: dict[str, Any]
         members: list[tuple[int, int]] = node.allgather((rank, os.getpid()))
         if len(members) > 1:
             try:
-                fds = _share_world(node, members)
-                cma = NodeComm(comm, fds, node.Get_rank(), transport,
-                               ranks=[r for r, _ in members], mixed=len(members) < comm.Get_size(),
-                               **options)
-                cma.attach()  # now: a rank that never talks on-node must not stall the others
+                handed = _share_world(node, members)
+                if handed is not None:
+                    fds, world = handed
+                    try:
+                        cma = NodeComm(comm, fds, node.Get_rank(), transport,
+                                       ranks=[r for r, _ in members],
+                                       mixed=len(members) < comm.Get_size(), world=world, **options)
+                    except BaseException:
+                        _release(fds, world)
+                        raise
+                    cma.attach()  # now: a rank that never talks on-node must not stall the others
             except (CmaError, OSError, ValueError) as exc:
                 error = f"rank {rank}: {exc}"
         machine = shared.Get_size()

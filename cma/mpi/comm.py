@@ -11,7 +11,6 @@ from typing import Any, Literal, NoReturn
 
 from mpi4py import MPI
 
-from .. import _linux
 from ..collectives import OPS, Op
 from ..comm import AUTO
 from ..comm import Comm as CmaComm
@@ -610,13 +609,14 @@ class Comm(MPI.Intracomm):
         return True
 
     def _progress_until(self, done: Callable[[], bool], peer: int | None) -> None:
-        """Drive cma and MPI until ``done()``: spin, then sleep with a growing pause.
+        """Drive cma and MPI until ``done()``: spin, then sleep with a growing pause, from
+        1 ms on in cma's ``Progress.doze`` (so cma's packets end it early, and it learns
+        there which peers exited).
 
-        ``peer`` is the cma rank whose exit makes waiting pointless (None: none is).
+        ``peer`` is the cma rank whose exit makes waiting pointless (None: none is, since
+        an off-node rank may still answer).
         """
         cma = self._cma
-        world = cma._world if cma is not None else None
-        pidfd = world.pidfds[peer] if world is not None and peer is not None else -1
         deadline = 0.0
         pause = PAUSE_MIN
         while not done():
@@ -629,15 +629,17 @@ class Comm(MPI.Intracomm):
                 if self._yield:
                     os.sched_yield()
                 continue
-            if pidfd >= 0 and _linux.wait_readable([pidfd], int(pause * 1000)):
-                pidfd = -1  # the peer exited: take what it left, then give up
-                if cma is not None:
-                    cma.Iprobe(CMA_ANY_SOURCE, ANY_TAG)
-                if not done():
-                    self._fail(PeerGone(f"rank {peer} exited before completing this operation"))
-                return
-            if pidfd < 0:
+            progress = None if cma is None else cma._progress
+            if progress is None or pause < PAUSE_MAX:
                 time.sleep(pause)
+            else:
+                progress.doze(int(pause * 1000))  # (not given done: mprobe's takes a message)
+            if peer is not None and progress is not None and progress.dead:
+                error = progress.exit_error(peer)
+                if error is not None:
+                    if done():
+                        return
+                    self._fail(error)
             pause = min(pause * 2, PAUSE_MAX)
 
 

@@ -10,14 +10,13 @@ from typing import TYPE_CHECKING, Any, cast
 
 from mpi4py import MPI
 
-from .. import _linux
 from ..comm import Comm as CmaComm
 from ..comm import Request as CmaRequest
 from ..comm import Status as CmaStatus
 from ..comm import recv_view, send_view
-from ..errors import CmaError, PeerGone
-from ..protocol import ANY_SOURCE as CMA_ANY_SOURCE
+from ..errors import CmaError
 from ..protocol import RecvOp, SendOp
+from ..world import World
 from . import specs
 from .datatypes import Typed
 from .mpiapi import fill
@@ -49,8 +48,11 @@ class NodeComm(CmaComm):
     make_request = staticmethod(node_request)  # type: ignore[assignment]
 
     def __init__(self, mpi: Comm, *args: Any, ranks: Sequence[int], mixed: bool,
-                 **options: Any) -> None:
+                 world: World | None = None, **options: Any) -> None:
+        """``world``: this rank's World, made before attaching (node rank 0's, whose fd
+        server handed the world to the others); attach makes one otherwise."""
         super().__init__(*args, **options)
+        self._world = world
         self._mpi = mpi  # the wrapper: its _fail runs the error handler, raises its exception
         self._ranks = list(ranks)  # cma rank -> rank of the wrapped communicator
         self._mixed = mixed  # peers elsewhere too: waits must keep MPI moving
@@ -230,7 +232,7 @@ class NodeComm(CmaComm):
     def settle_any(self, reqs: list[Request]) -> None:
         """Wait until one of ``reqs`` (all this communicator's) is over."""
         if self._mixed:
-            self._mpi._progress_until(lambda: any(r._progress() for r in reqs), None)
+            self._mpi._progress_until(lambda: any(r._test_in_cma() for r in reqs), None)
             return
         (self._progress or self._attach()).wait_until(
             lambda: any(r._done_in_cma() for r in reqs), None)
@@ -360,22 +362,16 @@ class NodeComm(CmaComm):
             self.progress()
 
     def _check_peers(self) -> None:
-        """Fail the pending requests that wait for a peer that has exited."""
+        """Fail the pending requests that wait for a peer that has exited (Progress decides)."""
         progress = self._progress
         assert progress is not None
-        world = progress.world
-        live = [fd for fd in world.pidfds if fd >= 0]
-        ready = _linux.wait_readable(live, 0)
-        if not ready:
+        progress.notice_exits()
+        if not progress.dead:
             return
-        progress.bury([r for r, fd in enumerate(world.pidfds) if fd in ready])
-        dead = progress.dead
-        everyone_gone = dead.issuperset(progress.peers)
         for op, req in list(self._pending.items()):
-            peer = op.dest if isinstance(op, SendOp) else op.source
-            if peer in dead or peer == CMA_ANY_SOURCE and everyone_gone:
-                req._fail(PeerGone(f"rank {self.comm_rank(peer) if peer >= 0 else peer} exited "
-                                   "before completing this operation"))
+            error = progress.exit_error(op.dest if isinstance(op, SendOp) else op.source)
+            if error is not None:
+                req._fail(error)
 
     def close(self) -> None:
         """Close the world; requests still pending fail (nothing will complete them)."""

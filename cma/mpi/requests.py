@@ -154,8 +154,8 @@ class Request(MPI.Grequest):
                 self._op.error = None
         return error
 
-    def _progress(self) -> bool:
-        """Move cma once; whether the operation is over."""
+    def _test_in_cma(self) -> bool:
+        """Move cma once (as MPI_Test moves MPI); whether the operation is over."""
         if self._done_in_cma():
             return True
         try:
@@ -189,18 +189,18 @@ class Request(MPI.Grequest):
         return _mpi_wait_obj(self, status)
 
     def Test(self, status: MPI.Status | None = None) -> bool:
-        if self and not self._progress():
+        if self and not self._test_in_cma():
             return False
         return self.Wait(status)
 
     def test(self, status: MPI.Status | None = None) -> tuple[bool, Any]:
-        if self and not self._progress():
+        if self and not self._test_in_cma():
             return False, None
         return True, self.wait(status)
 
     def Get_status(self, status: MPI.Status | None = None) -> bool:
         """Whether it has completed, without completing it (``status`` filled if so)."""
-        if self and not self._progress():
+        if self and not self._test_in_cma():
             return False
         return _mpi_get_status(self, status)
 
@@ -290,7 +290,7 @@ class Request(MPI.Grequest):
     @classmethod
     def _step_all(cls, requests: Sequence[MPI.Request]) -> None:
         for req in cls._ours(requests):
-            req._progress()
+            req._test_in_cma()
 
     @classmethod
     def Testall(cls, requests: Sequence[MPI.Request],
@@ -338,7 +338,10 @@ def _query(status: MPI.Status, box: list[Request]) -> None:
         status.Set_cancelled(True)
     error = req._error()
     if error is not None:
-        raise mpi_exception(error)
+        # MPI keeps only the error code; mpi4py prints what the callback raised, so the
+        # cause (which rank and pid exited, say) is still shown
+        exc = mpi_exception(error)
+        raise exc from (None if exc is error else error)
 
 
 def _cancel(completed: bool, box: list[Request]) -> None:

@@ -20,6 +20,7 @@ from _peers import NOBODY, run_in_child
 from conftest import Peer, stop_process
 
 import cma
+import cma.errors
 import cma.world
 from cma import _linux
 
@@ -158,3 +159,94 @@ def test_another_uid_is_handed_no_fd() -> None:
 
 def _attached(comm: cma.Comm) -> None:
     comm.attach()
+
+
+# -- handing a whole world over (cma.mpi's bootstrap): the same server, client and check
+
+WORLD_FDS = "world"
+
+
+def serving_world(size: int) -> tuple[cma.world.WorldFds, cma.world.World]:
+    """Rank 0 of a fresh world, its fd server answering WORLD_FDS with the world's fds."""
+    fds = cma.world.WorldFds.create(size)
+    world = cma.world.World(fds, 0)
+    world.expose_fds(WORLD_FDS, lambda: [os.dup(fd) for fd in fds.inheritable()])
+    world.serve()
+    return fds, world
+
+
+def fetch_world_as_rank(fds: cma.world.WorldFds, rank: int | None, owner: int) -> list[int]:
+    """In a child: announce itself as ``rank`` (None: not at all), fetch the world's fds;
+    the inode of each (an fd passed is the same file as rank 0's)."""
+    if rank is not None:
+        cma.world.announce(fds, rank, os.getpid())
+    got = cma.world.fetch_fds(fds.world_id, 0, owner, WORLD_FDS, fds.size + 1)
+    inodes = [os.fstat(fd).st_ino for fd in got]
+    for fd in got:
+        os.close(fd)
+    return inodes
+
+
+def ask_world_as_rank(fds: cma.world.WorldFds, rank: int) -> tuple[bytes, int]:
+    """In a child of another uid: announce itself as ``rank``, ask for the world's fds with
+    a bare client (fetch_fds would refuse a server of another uid before asking)."""
+    cma.world.announce(fds, rank, os.getpid())  # (the memfd was inherited: no uid check)
+    reply, got = ask(cma.world.fd_server_address(fds.world_id, 0), WORLD_FDS.encode())
+    for fd in got:
+        os.close(fd)
+    return reply, len(got)
+
+
+def test_a_world_is_handed_to_its_announced_members_only() -> None:
+    fds, world = serving_world(3)
+    try:
+        expected = [os.fstat(fd).st_ino for fd in fds.inheritable()]
+        owner = os.getpid()
+        assert run_in_child(lambda: fetch_world_as_rank(fds, 2, owner), timeout=30) == expected
+        # not announced: refused before the server reads the request, nothing handed over
+        with pytest.raises(RuntimeError, match="refused: not a process of this world"):
+            run_in_child(lambda: fetch_world_as_rank(fds, None, owner), timeout=30)
+        # announced, but of another uid
+        reply, count = run_in_child(lambda: ask_world_as_rank(fds, 1), uid=NOBODY, timeout=30)
+        assert count == 0
+        assert reply.startswith(b"refused: not a process of this world")
+    finally:
+        world.close()
+        fds.close()
+
+
+def test_a_process_that_took_a_servers_address_is_asked_nothing() -> None:
+    """fetch_fds checks the server's SO_PEERCRED before it sends its request."""
+    world_id = "f" * 16
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as squatter:
+        squatter.bind(cma.world.fd_server_address(world_id, 0))
+        squatter.listen(1)
+        with pytest.raises(cma.errors.CmaError, match="another process took its address"):
+            cma.world.fetch_fds(world_id, 0, os.getppid(), WORLD_FDS, 3)
+        conn, _ = squatter.accept()
+        with conn:
+            conn.settimeout(10)
+            assert conn.recv(256) == b""  # closed without a word
+
+
+def test_more_fds_than_one_message_carries_are_handed_over_whole() -> None:
+    """A node of 253 ranks or more: its world is more fds than SCM_RIGHTS carries at once."""
+    fds, world = serving_world(2)
+    count = 2 * cma.world.FDS_PER_MESSAGE + 7
+    bell = fds.doorbells[0]
+    world.expose_fds("many", lambda: [os.dup(bell) for _ in range(count)])
+    owner = os.getpid()
+
+    def fetch_many() -> tuple[int, set[int]]:
+        cma.world.announce(fds, 1, os.getpid())
+        got = cma.world.fetch_fds(fds.world_id, 0, owner, "many", count)
+        inodes = {os.fstat(fd).st_ino for fd in got}
+        for fd in got:
+            os.close(fd)
+        return len(got), inodes
+
+    try:
+        assert run_in_child(fetch_many, timeout=30) == (count, {os.fstat(bell).st_ino})
+    finally:
+        world.close()
+        fds.close()

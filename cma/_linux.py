@@ -111,6 +111,11 @@ def file_size(fd: int) -> int:
     return os.fstat(fd).st_size
 
 
+def file_inode(fd: int) -> int:
+    """The inode number of an open file: names a memfd for good while it is open."""
+    return os.fstat(fd).st_ino
+
+
 def buffer_address(buf: memoryview) -> int:
     """Virtual address of the first byte of a C-contiguous buffer (read-only ones too)."""
     if buf.nbytes == 0:

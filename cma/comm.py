@@ -42,6 +42,7 @@ from .progress import Progress
 from .protocol import Arrival, Matcher, RecvOp, SendOp, completed_recv
 from .requests import Message, Request, Status, null_recv
 from .stats import EagerCounts
+from .transports.xmap import View
 from .wire import ANY_SOURCE, ANY_TAG, BARRIER_TAG, PROC_NULL, TAG_MAX
 from .world import ENV_TRANSPORT, ENV_WORLD, World, WorldFds, announce
 
@@ -514,6 +515,41 @@ class Comm(Collectives):
         op, actions = progress.engine.recv(source, tag, mv)
         progress.run(actions)
         return self.make_request(self, op)
+
+    # -- views (no copy: the sender's heap memory, mapped)
+
+    def Irecv_view(self, source: int = ANY_SOURCE, tag: int = ANY_TAG) -> Request:
+        """Receive a buffer message as a read-only view: its request's ``wait()`` returns a
+        ``cma.View`` (a NumPy uint8 array). A rendezvous message whose send buffer is in
+        the sender's heap, where xmap is on, is the sender's memory itself, and the
+        sender's request completes only once the view is released (``release()``, a
+        ``with`` block, or garbage collection: then at this rank's next cma call); any
+        other message is a fresh array, copied as a receive would."""
+        progress = self._progress or self._attach()
+        source = self._check_source(source)
+        tag = self._check_tag(tag, wildcard=True)
+        if source == PROC_NULL:
+            return self.make_request(self, null_recv())
+        return self.make_request(self, progress.post_recv(source, tag, None, view=True))
+
+    def recv_view(self, source: int = ANY_SOURCE, tag: int = ANY_TAG,
+                  status: Status | None = None) -> View:
+        """``Irecv_view(source, tag).wait(status)``: the message as a read-only ``cma.View``."""
+        view: View = self.Irecv_view(source, tag).wait(status)
+        return view
+
+    def load_view(self, op: RecvOp) -> View:
+        """What a view receive hands out: the mapped view, or the received bytes as one."""
+        held, op.held = op.held, None
+        if held is not None:
+            return held
+        if len(op.segments) == 1:
+            arr = np.frombuffer(op.segments[0], np.uint8)
+        else:
+            arr = np.concatenate([np.frombuffer(s, np.uint8) for s in op.segments]) \
+                if op.segments else np.empty(0, np.uint8)
+        arr.flags.writeable = False
+        return arr.view(View)
 
     # -- objects (pickle protocol 5, large buffers out of band through the transport)
 

@@ -3,11 +3,13 @@ its engine chooses mechanisms by (docs/architecture.md, "Connect time")."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from .errors import CmaError, TransportUnavailable
 from .protocol import PIPELINE, PROTOCOL_NAMES, PULL, PUSH, Policy
 from .transports import REGISTRY, Transport
+from .transports.xmap import XmapTransport
 from .world import PeerLink, World
 
 AUTO = "auto"
@@ -22,6 +24,10 @@ AUTO_ORDER = ["cma", "vmfd", "shm"]
 NEVER = 1 << 62
 AUTO_THRESHOLDS = {"cma": 4 << 20, "vmfd": NEVER, "shm": 0}
 AUTO_SPLIT_ONLY = {"cma"}
+# xmap (mapping a peer's heap segments, for send buffers in its heap) beside the transport:
+# the ``xmap`` option, else CMA_XMAP ("1" on, "0" off)
+ENV_XMAP = "CMA_XMAP"
+XMAP_DEFAULT = "0"
 
 
 def check_transport_name(transport: str) -> None:
@@ -50,6 +56,9 @@ class Connection:
         split = bool(options.pop("split", True))
         # overlap wants pulls even one-sided: a pipeline needs both processes in cma calls
         overlap = bool(options.pop("overlap", False))
+        xmap = options.pop("xmap", None)
+        if xmap is None:
+            xmap = os.environ.get(ENV_XMAP, XMAP_DEFAULT) not in ("", "0")
         self.transports: dict[str, Transport] = {}
         self.reasons: dict[int, dict[str, str]] = {}
         self.links: list[PeerLink | None] = [None] * self.size
@@ -59,6 +68,8 @@ class Connection:
                 writes = True if push and "push" in cls.styles else None  # None: the class default
                 self.transports[name] = cls(world, writes=writes,
                                             **(options if transport != AUTO else {}))
+            if xmap:  # (last: the reach bits of the others stay their index in names)
+                self.transports[XmapTransport.name] = XmapTransport(world)
             world.attach(self._probe_peers)
             forced = None if transport == AUTO else transport
             if forced is not None:
@@ -119,6 +130,10 @@ class Connection:
                                   and "pull" in REGISTRY.classes[n].styles}
             policy.pushable[p] = {n for n in names if world.reach(p, self.rank) & bits[n]
                                   and self.transports[n].writes}
+        if XmapTransport.name in self.transports:
+            bit = 1 << len(names)
+            policy.mappable = {p for p in range(self.size)
+                               if p != self.rank and world.reach(self.rank, p) & bit}
         policy.pullable[self.rank] = {"self"}
         policy.order = ["self", *policy.order]
         if forced:
@@ -135,7 +150,7 @@ class Connection:
             if p == self.rank:
                 continue
             usable = [n for n in policy.order if n in policy.pullable[p] | policy.pushable[p]
-                      or n in policy.staged]
+                      or n in policy.staged] + (["xmap"] if p in policy.mappable else [])
             mode, large = policy.choose(p, 1 << 40, PULL | PUSH | PIPELINE)
             report[p] = {"uses": large, "protocol": PROTOCOL_NAMES[mode], "usable": usable,
                          "unavailable": dict(self.reasons.get(p, {}))}

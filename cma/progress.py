@@ -20,7 +20,7 @@ from typing import Any, cast
 
 import numpy as np
 
-from . import _linux
+from . import _linux, heap
 from .channel import Inbox, Outbox
 from .connect import Connection
 from .errors import (
@@ -42,6 +42,7 @@ from .protocol import (
     Deliver,
     Engine,
     Joiner,
+    MapView,
     Matcher,
     Pipeline,
     Pull,
@@ -52,12 +53,15 @@ from .protocol import (
     StreamIn,
     StreamOut,
     Transmit,
+    Unmap,
+    encode_unmap,
     slice_views,
     split_packet,
 )
 from .stats import EagerCounts
 from .transports import Region
-from .wire import ANY_SOURCE, EAGER, KIND_MASK, MORE
+from .transports.xmap import XmapTransport
+from .wire import ANY_SOURCE, EAGER, KIND_MASK, MORE, UNMAP, HeapRef
 from .world import PeerLink, World
 
 # How long a blocked call spins before it sleeps. Waking a sleeping process costs from
@@ -100,9 +104,12 @@ class Progress:
         self.transports = connection.transports
         self.links = connection.links
         self.matcher = matcher
+        xmap = self.transports.get(XmapTransport.name)
+        self.xmap = xmap if isinstance(xmap, XmapTransport) else None
         self.engine = Engine(rank, self.config.eager_limit, connection.policy,
                              PULL | PUSH | PIPELINE, allocate=_allocate, region_of=_region,
-                             matcher=matcher)
+                             matcher=matcher,
+                             heap_of=self._heap_ref if self.xmap is not None else None)
         self.peers = [p for p in range(size) if p != rank]
         self.outboxes = {p: box for p, box in enumerate(world.outboxes) if box is not None}
         self.inboxes = {p: box for p, box in enumerate(world.inboxes) if box is not None}
@@ -142,8 +149,9 @@ class Progress:
         self.run(actions)
         return op
 
-    def post_recv(self, source: int, tag: int, buffer: memoryview | None) -> RecvOp:
-        op, actions = self.engine.recv(source, tag, buffer)
+    def post_recv(self, source: int, tag: int, buffer: memoryview | None, view: bool = False
+                  ) -> RecvOp:
+        op, actions = self.engine.recv(source, tag, buffer, view)
         self.run(actions)
         return op
 
@@ -172,6 +180,11 @@ class Progress:
                 self._count_completed(action.op)
                 if self.completed is not None:
                     self.completed(action.op)
+            elif isinstance(action, MapView):
+                self._map_view(action)
+            elif isinstance(action, Unmap):
+                if self.xmap is not None:
+                    self.xmap.forget(action.peer, action.segments)
 
     def transmit(self, dest: int, kind: int, tag: int, aux: int, payload: bytes) -> None:
         if dest == self.rank:
@@ -239,6 +252,14 @@ class Progress:
 
     def _pull(self, action: Pull) -> None:
         op = action.op
+        if action.heap is not None:
+            # (never on overlap's thread: the mapping cache is this thread's)
+            assert self.xmap is not None
+            link = self.links[action.peer]
+            assert link is not None
+            self.xmap.read_heap(link, action.remote, action.heap, action.local)
+            self.run(self.engine.pulled(op, action.msgid))
+            return
         if action.peer == self.rank:
             op.mechanism = "self"
             self._copy_self(action.remote, action.local)
@@ -252,6 +273,44 @@ class Progress:
                 return
             read(link, action.remote, action.local)
         self.run(self.engine.pulled(op, action.msgid))
+
+    # -- xmap: mapping peers' heap segments
+
+    def _heap_ref(self, dest: int, mv: memoryview) -> HeapRef | None:
+        """Where a send buffer lies in our heap, offered to ``dest`` (None: not in it)."""
+        if dest == self.rank or not mv.nbytes:
+            return None
+        where = heap.locate(mv)
+        if where is None:
+            return None
+        assert self.xmap is not None
+        return self.xmap.offer(where, dest)
+
+    def _map_view(self, action: MapView) -> None:
+        xmap = self.xmap
+        link = self.links[action.peer]
+        assert xmap is not None and link is not None
+        op = action.op
+        held, lease = xmap.map_view(link, action.ref, op.nbytes)
+        op.held = xmap.hand_out(held, action.peer, action.msgid, lease, self.release_views)
+        self.run(self.engine.view_mapped(op))
+
+    def release_views(self) -> None:
+        """Send the FINs of the views released since (their senders' requests complete)."""
+        xmap = self.xmap
+        assert xmap is not None
+        while xmap.released:
+            peer, msgid, lease = xmap.released.popleft()
+            xmap.view_released(lease)
+            if peer not in self.dead and not self.broken and not self.closing:
+                self.run(self.engine.view_released(peer, msgid))
+
+    def _announce_given_back(self) -> None:
+        """Tell the peers that mapped our heap segments which of them we gave back."""
+        assert self.xmap is not None
+        for dest, segments in self.xmap.take_given_back().items():
+            if dest not in self.dead and not self.broken:
+                self.transmit(dest, UNMAP, 0, len(segments), encode_unmap(segments))
 
     def _checked(self, copy: Callable[[PeerLink, Any, Any], None], peer: int
                  ) -> Callable[[PeerLink, Any, Any], None]:
@@ -324,6 +383,13 @@ class Progress:
             moved = self._stream() or moved
         if self.pulls:
             moved = self._finish_pulls() or moved
+        xmap = self.xmap
+        if xmap is not None and (xmap.released or xmap.given_back):
+            if xmap.released:
+                self.release_views()
+            if xmap.given_back:
+                self._announce_given_back()
+            moved = True
         return moved
 
     def drain(self, peer: int, only_expected: bool) -> bool:

@@ -177,17 +177,9 @@ class Heap:
             if listener in self._listeners:
                 self._listeners.remove(listener)
 
-    def dup_fd(self, index: int, generation: int) -> int:
-        """A dup of the fd of segment (``index``, ``generation``) if it is still mapped here;
-        CmaError once it was given back (the number may name another file by then)."""
-        with self._locked():
-            for segment in self._segments:
-                if segment.index == index and segment.generation == generation:
-                    return _linux.dup_fd(segment.fd)
-        raise CmaError(f"heap segment {index} (generation {generation}) was given back")
-
     def _new_segment(self, nbytes: int, kind: str) -> tuple[Segment, mmap.mmap]:
-        fd = _linux.memfd_segment("cma-heap", nbytes)
+        # sealed against shrinking: a peer that maps it (xmap) can rely on every page
+        fd = _linux.memfd_segment("cma-heap", nbytes, sealed=True)
         try:
             mm = _linux.map_shared(fd, nbytes)
         except BaseException:

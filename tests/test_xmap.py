@@ -47,6 +47,21 @@ def map_count() -> int:
         return sum(1 for _ in f)
 
 
+# ------------------------------------------------------------------ the heap's side
+
+def test_heap_segments_are_sealed_against_shrinking():
+    a = cma.empty(SIZE, np.uint8)
+    fd = heap.locate(a).segment.fd
+    assert cma._linux.cannot_shrink(fd)
+    with pytest.raises(PermissionError):
+        os.ftruncate(fd, 4096)  # a peer mapping it could otherwise die of SIGBUS
+    plain = cma._linux.memfd_segment("cma-test", 4096)
+    try:
+        assert not cma._linux.cannot_shrink(plain)  # what xmap refuses to map
+    finally:
+        os.close(plain)
+
+
 # ------------------------------------------------------------------ Recv
 
 def _send_heap_twice(comm: cma.Comm) -> None:
@@ -93,6 +108,17 @@ def test_recv_from_a_heap_buffer_is_one_user_copy_from_a_cached_mapping(transpor
     assert second["syscalls"] == first["syscalls"]  # no system call once mapped
     end = got["end"]
     assert end["messages"] == 3  # the buffer outside the heap went another way
+
+
+def _refuse(pidfd: int, fd: int) -> int:
+    raise PermissionError(1, "refused by the test (as ptrace rules would)")
+
+
+def test_the_fd_server_serves_the_segment_when_pidfd_getfd_is_refused(monkeypatch):
+    monkeypatch.setattr(cma._linux, "pidfd_getfd", _refuse)  # the forked ranks inherit it
+    got, _ = run_ranks("auto", CONFIG, [_recv_heap, _send_heap_twice], timeout=60, xmap=True)
+    assert got["first"] and got["same_segment"] and got["second"]
+    assert got["end"]["cache_misses"] == 2 and got["end"]["messages"] == 3
 
 
 def test_xmap_off_leaves_heap_buffers_to_the_transport():

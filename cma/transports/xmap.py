@@ -23,6 +23,7 @@ communicator uses (the ``xmap`` option), and the protocol picks it per message.
 from __future__ import annotations
 
 import mmap
+import threading
 import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -42,10 +43,10 @@ from .base import Copies, Host, Peer, Region, Transport, TransportStats
 SPLIT_FROM = 4 << 20
 # Mappings kept per communicator (each is one VMA; the kernel allows 65530 by default).
 MAX_ENTRIES = 1024
-# System calls to map a segment: pidfd_getfd, two fstat, the reservation and the mmap over
-# it, close; the fd server instead of pidfd_getfd costs a socket, connect, send, recvmsg, close.
-MAP_SYSCALLS = 6
-FETCH_SYSCALLS = 5
+# System calls to map a segment: pidfd_getfd, two fstat, fcntl (seals), the reservation and
+# the mmap over it, close (counted as such: where ptrace rules refuse pidfd_getfd, the fd
+# server's socket, connect, send, recvmsg and close come on top, uncounted).
+MAP_SYSCALLS = 7
 ADDRESS_LIMIT = 1 << 56
 
 Space = tuple[int, int, int, int]  # (peer rank, peer pid, segment index, generation)
@@ -118,9 +119,11 @@ class XmapTransport(Transport):
             self._map, self._unmap, max_entries=max_entries, max_bytes=max_bytes)
         self.views_held = 0
         self.stats = XmapStats(self.cache.stats, lambda: self.views_held)
-        # sender: the segments offered, (index, generation) -> (inode, ranks offered to),
-        # and those given back since (appended by the heap, in any thread)
-        self._offered: dict[tuple[int, int], tuple[int, set[int]]] = {}
+        # sender: the segments offered, (index, generation) -> (inode, a read-only fd of
+        # it, ranks offered to), and those given back since (appended by the heap, in any
+        # thread); the fd server's thread dups the fds, under _serving
+        self._offered: dict[tuple[int, int], tuple[int, int, set[int]]] = {}
+        self._serving = threading.Lock()
         self.given_back: deque[tuple[int, int]] = deque()
         # receiver: released views, (peer, msgid, lease), appended by their finalizers in
         # any thread; progress sends the FINs
@@ -140,13 +143,23 @@ class XmapTransport(Transport):
         key = (segment.index, segment.generation)
         offered = self._offered.get(key)
         if offered is None:
-            offered = self._offered[key] = (_linux.file_inode(segment.fd), set())
-            index, generation = key
-            self.host.expose_fd(fd_name(*key),
-                                lambda: heap.HEAP.dup_fd(index, generation))
-        offered[1].add(dest)
+            # a read-only open of its own: what peers take (either way) maps read-only only
+            read_only = _linux.reopen_read_only(segment.fd)
+            offered = (_linux.file_inode(read_only), read_only, set())
+            with self._serving:
+                self._offered[key] = offered
+            self.host.expose_fd(fd_name(*key), lambda: self._serve(key))
+        offered[2].add(dest)
         return HeapRef(segment.index, segment.generation, where.offset,
-                       segment.file_offset + segment.size, segment.fd, offered[0])
+                       segment.file_offset + segment.size, offered[1], offered[0])
+
+    def _serve(self, key: tuple[int, int]) -> int:
+        """The fd server's opener (its thread): a dup of the segment's read-only fd."""
+        with self._serving:
+            offered = self._offered.get(key)
+            if offered is None:
+                raise CmaError(f"heap segment {key[0]} (generation {key[1]}) was given back")
+            return _linux.dup_fd(offered[1])
 
     def _segment_given_back(self, segment: heap.Segment) -> None:
         # (under the heap's lock, maybe in another thread: only take note)
@@ -159,11 +172,13 @@ class XmapTransport(Transport):
         out: dict[int, list[tuple[int, int]]] = {}
         while self.given_back:
             key = self.given_back.popleft()
-            offered = self._offered.pop(key, None)
+            with self._serving:
+                offered = self._offered.pop(key, None)
             if offered is None:
                 continue
             self.host.withdraw_fd(fd_name(*key))
-            for rank in offered[1]:
+            _linux.close_fd(offered[1])
+            for rank in offered[2]:
                 out.setdefault(rank, []).append(key)
         return out
 
@@ -254,6 +269,10 @@ class XmapTransport(Transport):
             if _linux.file_inode(fd) != ref.inode:
                 raise TransportFault(0, f"xmap: rank {peer.rank}'s fd {ref.fd} is not the heap "
                                      f"segment it named (inode {ref.inode}); refusing to map it")
+            if not _linux.cannot_shrink(fd):
+                raise TransportFault(0, f"xmap: rank {peer.rank}'s heap segment {ref.segment} is "
+                                     "not sealed against shrinking: cut short while mapped, it "
+                                     "would kill this process (SIGBUS); refusing to map it")
             if _linux.file_size(fd) < size:
                 raise TransportFault(0, f"xmap: rank {peer.rank}'s heap segment {ref.segment} holds "
                                      f"{_linux.file_size(fd)} bytes, not the {size} it named")
@@ -320,9 +339,11 @@ class XmapTransport(Transport):
 
     def close(self) -> None:
         heap.HEAP.unlisten(self._segment_given_back)
-        for key in list(self._offered):
+        with self._serving:
+            offered, self._offered = self._offered, {}
+        for key, (_, read_only, _) in offered.items():
             self.host.withdraw_fd(fd_name(*key))
-        self._offered.clear()
+            _linux.close_fd(read_only)
         for space in list(self._spaces.values()):
             self.cache.invalidate(0, ADDRESS_LIMIT, space)
         self._spaces.clear()

@@ -377,3 +377,21 @@ def test_cma_run_world_maps_the_roots_heap(tmp_path) -> None:
                               env={"CMA_XMAP": "1"}, timeout=90)
     assert code == 0, err
     assert [(tmp_path / f"rank{r}").read_text() for r in range(3)] == ["ok"] * 3
+
+
+# ------------------------------------------------------------------ cma-bench
+
+def test_cma_bench_xmap_rows_count_one_copy_and_none_for_views(tmp_path) -> None:
+    from test_bench import run_cli
+
+    sizes = ["--min-size", "4M", "--max-size", "4M", "--iterations", "3", "--warmup", "1"]
+    for view, copies in ((False, 1.0), (True, 0.0)):
+        _, doc = run_cli(["latency", "--transport", "xmap", "--baseline", "memcpy2", *sizes,
+                          *(["--recv-view"] if view else [])], tmp_path)
+        names = [s["name"] for s in doc["series"]]
+        assert names == ["memcpy2", "xmap"]
+        xmap = doc["series"][1]
+        assert xmap["status"] == "ok", xmap["reason"]
+        [result] = xmap["results"]
+        assert result["copies"]["via"] == ["xmap"]
+        assert result["copies"]["user"] == copies and result["copies"]["kernel"] == 0

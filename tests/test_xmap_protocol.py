@@ -7,6 +7,8 @@ from __future__ import annotations
 from array import array
 
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from cma.errors import ProtocolError
 from cma.protocol import (
@@ -186,3 +188,54 @@ def test_an_rts_offering_xmap_is_checked_before_matching():
     words = array("q", [1, PULL | XMAP, 1, BIG, 0x1000])  # the refs are missing
     with pytest.raises(ProtocolError):
         receiver.packet(1, RTS, 1, BIG, words.tobytes())
+
+
+# ------------------------------------------------------------------ forged packets
+
+words = st.one_of(st.integers(-2**63, 2**63 - 1), st.sampled_from([0, 1, 7, 4096, 1 << 20]))
+
+
+small = st.integers(-5, 1 << 21)
+structured = st.builds(
+    lambda size, addr, fields: encode_rts(1, PULL | XMAP, [size], [Region(addr, size)],
+                                          [HeapRef(*fields)]),
+    small, words, st.tuples(small, small, small, small, small, small))
+payloads = st.one_of(st.lists(words, min_size=3, max_size=20).map(lambda w: array("q", w).tobytes()),
+                     structured)
+
+
+@settings(max_examples=300, deadline=None)
+@given(payloads, st.booleans())
+@example(encode_rts(1, PULL | XMAP, [BIG], [Region(0x1000, BIG)], [ref()]), True).via("a view")
+@example(encode_rts(1, PULL | XMAP, [BIG], [Region(0x1000, BIG)], [ref()]), False).via("a pull")
+def test_a_forged_xmap_rts_or_unmap_is_refused_or_stays_within_the_segment(payload, view):
+    """Whatever words a peer writes, an RTS offering XMAP either raises ProtocolError or
+    leads to copies that stay inside the segment it names; an UNMAP likewise."""
+    for kind in (RTS, UNMAP):
+        receiver = engine(0, {1})
+        receiver.recv(1, 1, None, view=view)
+        size = decode_rts(payload).sizes if kind == RTS and _decodes(payload) else [0]
+        aux = sum(size) if kind == RTS else len(payload) // 16
+        try:
+            actions = receiver.packet(1, kind, 1, aux, payload)
+        except ProtocolError as exc:
+            assert exc.peer == 1
+            continue
+        for action in actions:
+            if isinstance(action, Pull) and action.heap is not None:
+                for region, ref_ in zip(action.remote, action.heap, strict=True):
+                    assert 0 <= ref_.offset and ref_.offset + region.nbytes <= ref_.extent
+            if isinstance(action, MapView):
+                assert ref_ok(action.ref, action.op.nbytes)
+
+
+def _decodes(payload: bytes) -> bool:
+    try:
+        decode_rts(payload)
+    except ProtocolError:
+        return False
+    return True
+
+
+def ref_ok(ref_: HeapRef, nbytes: int) -> bool:
+    return 0 <= ref_.offset and ref_.offset + nbytes <= ref_.extent and ref_.generation >= 1

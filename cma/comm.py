@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from . import _linux
+from . import _linux, heap
 from ._exporters import cai_array, dlpack_array
 from .channel import RING_EMPTY, ChannelConfig, Inbox, Outbox
 from .collectives import Collectives
@@ -565,6 +565,14 @@ class Comm(Collectives):
             return False
 
         stream = pickle.dumps(obj, protocol=5, buffer_callback=out_of_band)
+        progress = self._progress
+        if oob and progress is not None and progress.xmap is not None \
+                and all(heap.is_shared(buffer) for buffer in oob):
+            # XMAP is offered only when every buffer is in the heap: the stream goes too
+            # (a copy of a few hundred bytes, so that the arrays are not copied twice)
+            held = heap.alloc(len(stream))
+            held[:] = np.frombuffer(stream, np.uint8)
+            return [held.data, *oob]
         return [memoryview(stream), *oob]
 
     def load_object(self, op: RecvOp) -> Any:

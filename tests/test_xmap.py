@@ -405,3 +405,33 @@ def test_cma_bench_xmap_rows_count_one_copy_and_none_for_views(tmp_path) -> None
 def test_cma_mpi_node_communicators_use_xmap_with_cma_xmap_set() -> None:
     test_mpi = pytest.importorskip("test_mpi")  # (skips without mpi4py or mpiexec)
     test_mpi.expect_ok(2, "xmap.py", env={"CMA_XMAP": "1"})
+
+
+# ------------------------------------------------------------------ objects
+
+def _send_objects(comm: cma.Comm) -> None:
+    a = cma.empty(SIZE, np.uint8)
+    a[:] = pattern(SIZE, 21)
+    b = cma.zeros((512, 1024), np.float64)
+    b[3] = 5.0
+    comm.send({"a": a, "b": b, "note": "heap arrays"}, 0, 1)
+    comm.send({"plain": np.full(SIZE, 4, np.uint8)}, 0, 2)  # not in the heap
+    comm.Barrier()
+
+
+def _recv_objects(comm: cma.Comm) -> list:
+    got = comm.recv(source=1, tag=1)
+    stats = xmap_stats(comm)
+    plain = comm.recv(source=1, tag=2)
+    after = xmap_stats(comm)
+    comm.Barrier()
+    return [bool((got["a"] == pattern(SIZE, 21)).all()), float(got["b"].sum()), got["note"],
+            stats["messages"], stats["user_copies"], bool((plain["plain"] == 4).all()),
+            after["messages"]]
+
+
+def test_an_object_of_heap_arrays_comes_through_xmap():
+    got, _ = run_ranks("auto", CONFIG, [_recv_objects, _send_objects], timeout=60, xmap=True)
+    assert got[:3] == [True, 5.0 * 1024, "heap arrays"]
+    assert got[3:5] == [1, 1.0]  # one message, each byte (stream included) copied once
+    assert got[5] and got[6] == 1  # the array outside the heap went another way

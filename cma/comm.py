@@ -579,7 +579,10 @@ class Comm(Collectives):
         if not op.is_object:
             return bytearray(op.segments[0]) if op.segments else bytearray()
         stream, *buffers = op.segments
-        return pickle.loads(stream, buffers=buffers)
+        obj = pickle.loads(stream, buffers=buffers)
+        if op.view:
+            op.segments = []  # (the object's arrays alone keep the sender's buffers now)
+        return obj
 
     def send(self, obj: Any, dest: int, tag: int = 0) -> None:
         self.isend(obj, dest, tag).Wait()
@@ -616,17 +619,26 @@ class Comm(Collectives):
         return self.make_request(self, self.start_send(segments, dest, tag, True, sync=sync))
 
     def recv(self, buf: Any = None, source: int = ANY_SOURCE, tag: int = ANY_TAG,
-             status: Status | None = None) -> Any:
+             status: Status | None = None, views: bool = False) -> Any:
+        if views:
+            return self.irecv(buf, source, tag, views=True).wait(status)
         return self.irecv(buf, source, tag).wait(status)
 
-    def irecv(self, buf: Any = None, source: int = ANY_SOURCE, tag: int = ANY_TAG) -> Request:
-        """Receive an object of any size (``buf`` is accepted for mpi4py compatibility, unused)."""
+    def irecv(self, buf: Any = None, source: int = ANY_SOURCE, tag: int = ANY_TAG,
+              views: bool = False) -> Request:
+        """Receive an object of any size (``buf`` is accepted for mpi4py compatibility, unused).
+
+        ``views``: where the object's buffers all lie in the sender's heap and xmap is on,
+        its arrays are read-only views of the sender's memory (no copy), and the sender's
+        request completes once every one of them is garbage-collected (then, at this
+        rank's next cma call)."""
         progress = self._progress or self._attach()
         source = self._check_source(source)
         tag = self._check_tag(tag, wildcard=True)
         if source == PROC_NULL:
             return self.make_request(self, null_recv(), is_object=True)
-        return self.make_request(self, progress.post_recv(source, tag, None), is_object=True)
+        return self.make_request(self, progress.post_recv(source, tag, None, view=views),
+                                 is_object=True)
 
     def sendrecv(self, sendobj: Any, dest: int, sendtag: int = 0, recvbuf: Any = None,
                  source: int = ANY_SOURCE, recvtag: int = ANY_TAG,

@@ -291,8 +291,19 @@ class Progress:
         link = self.links[action.peer]
         assert xmap is not None and link is not None
         op = action.op
-        held, lease = xmap.map_view(link, action.ref, op.nbytes)
-        op.held = xmap.hand_out(held, action.peer, action.msgid, lease, self.release_views)
+        mapped = []
+        try:
+            for ref, size in zip(action.refs, action.sizes, strict=True):
+                mapped.append(xmap.map_view(link, ref, size))
+        except BaseException:
+            xmap.view_released([lease for _, lease in mapped])
+            raise
+        views = xmap.hand_out([held for held, _ in mapped], action.peer, action.msgid,
+                              [lease for _, lease in mapped], self.release_views)
+        if op.is_object or len(views) > 1:  # (load_object unpickles from them)
+            op.segments = [view.data for view in views]
+        else:
+            op.held = views[0]
         self.run(self.engine.view_mapped(op))
 
     def release_views(self) -> None:
@@ -300,8 +311,8 @@ class Progress:
         xmap = self.xmap
         assert xmap is not None
         while xmap.released:
-            peer, msgid, lease = xmap.released.popleft()
-            xmap.view_released(lease)
+            peer, msgid, leases = xmap.released.popleft()
+            xmap.view_released(leases)
             if peer not in self.dead and not self.broken and not self.closing:
                 self.run(self.engine.view_released(peer, msgid))
 

@@ -355,12 +355,14 @@ class Pull:
 
 @dataclass
 class MapView:
-    """Map the buffer ``ref`` names in the peer's heap and hand it out as ``op``'s view; the
-    FIN for ``msgid`` goes when the view is released (``Engine.view_released``)."""
+    """Map the buffers ``refs`` name in the peer's heap (of ``sizes`` bytes) and hand them
+    out as ``op``'s views; the FIN for ``msgid`` goes when every one of them is released
+    (``Engine.view_released``)."""
 
     op: RecvOp
     peer: int
-    ref: HeapRef
+    refs: list[HeapRef]
+    sizes: list[int]
     msgid: int
 
 
@@ -807,10 +809,10 @@ class Engine:
         buffer = op.buffer
         mapped = rts.heap is not None and rts.regions is not None \
             and arrival.source in self.policy.mappable
-        if mapped and op.view and len(rts.sizes) == 1:
+        if mapped and op.view:
             assert rts.heap is not None
             op.mechanism = "xmap"
-            return [MapView(op, arrival.source, rts.heap[0], rts.msgid)]
+            return [MapView(op, arrival.source, rts.heap, rts.sizes, rts.msgid)]
         if buffer is None:
             op.segments = [self.allocate(n) for n in rts.sizes]
         elif isinstance(buffer, memoryview):

@@ -435,3 +435,45 @@ def test_an_object_of_heap_arrays_comes_through_xmap():
     assert got[:3] == [True, 5.0 * 1024, "heap arrays"]
     assert got[3:5] == [1, 1.0]  # one message, each byte (stream included) copied once
     assert got[5] and got[6] == 1  # the array outside the heap went another way
+
+
+def _send_object_for_views(comm: cma.Comm) -> int:
+    a = cma.empty(SIZE, np.uint8)
+    a[:] = pattern(SIZE, 23)
+    b = cma.empty((1024, 512), np.float64)
+    b.fill(2.0)
+    req = comm.isend({"a": a, "b": b}, 0, 1)
+    comm.recv(source=0, tag=8)  # the receiver holds the object's arrays
+    held = sum(not req.Test() for _ in range(HOLD_CHECKS))
+    comm.send("checked", 0, 9)
+    req.Wait()  # once both arrays are gone (bounded by the test's timeout)
+    comm.Barrier()
+    return held
+
+
+def _recv_object_views(comm: cma.Comm) -> list:
+    got = comm.recv(source=1, tag=1, views=True)
+    stats = xmap_stats(comm)
+    ok = bool((got["a"] == pattern(SIZE, 23)).all()) and float(got["b"].sum()) == 2.0 * 1024 * 512
+    ok = ok and not got["a"].flags.writeable and not got["b"].flags.writeable
+    comm.send("holding", 1, 8)
+    comm.recv(source=1, tag=9)
+    b = got["b"][:10]  # a slice keeps its buffer: released only with it
+    del got
+    gc.collect()
+    comm.progress()
+    before_last = xmap_stats(comm)["views_held"]
+    del b
+    gc.collect()
+    comm.Barrier()  # (its progress sends the FIN)
+    return [ok, stats["user_copies"], stats["views_held"], before_last,
+            xmap_stats(comm)["views_held"]]
+
+
+def test_recv_with_views_gives_an_object_whose_arrays_are_the_senders_memory():
+    got, held = run_ranks("auto", CONFIG, [_recv_object_views, _send_object_for_views],
+                          timeout=60, xmap=True)
+    ok, copies, views, before_last, after = got
+    assert ok and copies == 0.0 and views == 3  # the stream, a and b
+    assert before_last == 3 and after == 0  # one FIN, once every array is gone
+    assert held == HOLD_CHECKS

@@ -149,7 +149,8 @@ def test_a_view_maps_in_place_and_its_fin_waits_for_the_release():
     send, rts = sender.send(0, 1, [memoryview(bytearray(BIG))])
     op, _ = receiver.recv(1, 1, None, view=True)
     [mapview] = deliver(rts, receiver, 1)
-    assert isinstance(mapview, MapView) and mapview.ref == ref() and mapview.op is op
+    assert isinstance(mapview, MapView) and mapview.refs == [ref()] and mapview.op is op
+    assert mapview.sizes == [BIG]
     assert op.segments == [] and op.mechanism == "xmap"  # nothing allocated
     assert receiver.view_mapped(op) == [Complete(op)] and op.done
     assert not send.done  # the sender's buffer is still the receiver's view
@@ -173,11 +174,17 @@ def test_a_view_of_a_message_not_in_the_heap_is_a_fresh_copy():
     assert [s.nbytes for s in op.segments] == [BIG]
 
 
-def test_a_view_of_several_buffers_is_copied_out_of_the_mappings():
+def test_an_object_of_several_heap_buffers_is_mapped_whole_for_views():
     sender = engine(1, set(), heap={BIG: ref(), BIG + 8: ref(8192)})
     receiver = engine(0, {1})
     _, rts = sender.send(0, 1, [memoryview(bytearray(BIG)), memoryview(bytearray(BIG + 8))], True)
     op, _ = receiver.recv(1, 1, None, view=True)
+    [mapview] = deliver(rts, receiver, 1)
+    assert isinstance(mapview, MapView) and mapview.refs == [ref(), ref(8192)]
+    assert mapview.sizes == [BIG, BIG + 8] and op.is_object and op.segments == []
+    # without views the same message is pulled through xmap
+    _, rts = sender.send(0, 2, [memoryview(bytearray(BIG)), memoryview(bytearray(BIG + 8))], True)
+    op, _ = receiver.recv(1, 2, None)
     [pull] = deliver(rts, receiver, 1)
     assert isinstance(pull, Pull) and pull.transport == "xmap" and len(pull.heap) == 2
     assert [s.nbytes for s in op.segments] == [BIG, BIG + 8]
@@ -226,7 +233,7 @@ def test_a_forged_xmap_rts_or_unmap_is_refused_or_stays_within_the_segment(paylo
                 for region, ref_ in zip(action.remote, action.heap, strict=True):
                     assert 0 <= ref_.offset and ref_.offset + region.nbytes <= ref_.extent
             if isinstance(action, MapView):
-                assert ref_ok(action.ref, action.op.nbytes)
+                assert all(ref_ok(r, n) for r, n in zip(action.refs, action.sizes, strict=True))
 
 
 def _decodes(payload: bytes) -> bool:

@@ -125,9 +125,9 @@ class XmapTransport(Transport):
         self._offered: dict[tuple[int, int], tuple[int, int, set[int]]] = {}
         self._serving = threading.Lock()
         self.given_back: deque[tuple[int, int]] = deque()
-        # receiver: released views, (peer, msgid, lease), appended by their finalizers in
+        # receiver: released views, (peer, msgid, leases), appended by their finalizers in
         # any thread; progress sends the FINs
-        self.released: deque[tuple[int, int, Lease[mmap.mmap]]] = deque()
+        self.released: deque[tuple[int, int, list[Lease[mmap.mmap]]]] = deque()
         self._spaces: dict[tuple[int, int], Space] = {}  # (rank, index) -> its mapped space
         self._wanted: tuple[Peer, HeapRef] | None = None  # what the cache's next map is of
         self._threads = max(1, threads)
@@ -212,11 +212,26 @@ class XmapTransport(Transport):
         self.views_held += 1
         return held, lease
 
-    def hand_out(self, held: np.ndarray[Any, Any], peer: int, msgid: int, lease: Lease[mmap.mmap],
-                 flush: Any) -> View:
-        """``held`` as a View whose release (explicit, or when the last array of it dies)
-        queues (peer, msgid, lease) in ``released`` and, if explicit, calls ``flush``."""
-        done = weakref.finalize(held, self.released.append, (peer, msgid, lease))
+    def hand_out(self, helds: list[np.ndarray[Any, Any]], peer: int, msgid: int,
+                 leases: list[Lease[mmap.mmap]], flush: Any) -> list[View]:
+        """``helds`` as Views; once each is released (explicitly, or when the last array of
+        it dies), (peer, msgid, leases) is queued in ``released`` and, if the last release
+        was explicit, ``flush`` is called."""
+        left = [len(helds)]
+        lock = threading.Lock()  # (finalizers may run in any thread)
+
+        def one_released() -> None:
+            with lock:
+                left[0] -= 1
+                if left[0]:
+                    return
+            self.released.append((peer, msgid, leases))
+
+        return [self._hand_out_one(held, one_released, flush) for held in helds]
+
+    @staticmethod
+    def _hand_out_one(held: np.ndarray[Any, Any], released: Callable[[], None], flush: Any) -> View:
+        done = weakref.finalize(held, released)
         done.atexit = False
         flush_ref = weakref.WeakMethod(flush)  # (a bound method of the communicator's progress)
 
@@ -231,9 +246,10 @@ class XmapTransport(Transport):
         view._release = release
         return view
 
-    def view_released(self, lease: Lease[mmap.mmap]) -> None:
-        self.views_held -= 1
-        lease.release()
+    def view_released(self, leases: list[Lease[mmap.mmap]]) -> None:
+        for lease in leases:
+            self.views_held -= 1
+            lease.release()
 
     def forget(self, rank: int, segments: Sequence[tuple[int, int]]) -> None:
         """``rank`` gave these (index, generation) back: drop our mappings of them."""

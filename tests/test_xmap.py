@@ -405,6 +405,7 @@ def test_cma_bench_xmap_rows_count_one_copy_and_none_for_views(tmp_path) -> None
 def test_cma_mpi_node_communicators_use_xmap_with_cma_xmap_set() -> None:
     test_mpi = pytest.importorskip("test_mpi")  # (skips without mpi4py or mpiexec)
     test_mpi.expect_ok(2, "xmap.py", env={"CMA_XMAP": "1"})
+    test_mpi.expect_ok(2, "xmap.py", env={"CMA_XMAP": "1", "CMA_MPI_NODES": "0,1"})
 
 
 # ------------------------------------------------------------------ objects

@@ -136,15 +136,19 @@ class XmapTransport(Transport):
 
     # ------------------------------------------------------------ the sender's side
 
-    def offer(self, where: heap.Location, dest: int) -> HeapRef:
+    def offer(self, where: heap.Location, dest: int) -> HeapRef | None:
         """The HeapRef of a send buffer at ``where`` for rank ``dest``, its segment served
-        on the fd server from the first offer until it is given back."""
+        on the fd server from the first offer until it is given back; None (no XMAP) if
+        the segment cannot be reopened read-only (no /proc)."""
         segment = where.segment
         key = (segment.index, segment.generation)
         offered = self._offered.get(key)
         if offered is None:
             # a read-only open of its own: what peers take (either way) maps read-only only
-            read_only = _linux.reopen_read_only(segment.fd)
+            try:
+                read_only = _linux.reopen_read_only(segment.fd)
+            except OSError:
+                return None
             offered = (_linux.file_inode(read_only), read_only, set())
             with self._serving:
                 self._offered[key] = offered

@@ -23,6 +23,7 @@ communicator uses (the ``xmap`` option), and the protocol picks it per message.
 from __future__ import annotations
 
 import mmap
+import os
 import threading
 import weakref
 from collections import deque
@@ -130,7 +131,9 @@ class XmapTransport(Transport):
         self.released: deque[tuple[int, int, list[Lease[mmap.mmap]]]] = deque()
         self._spaces: dict[tuple[int, int], Space] = {}  # (rank, index) -> its mapped space
         self._wanted: tuple[Peer, HeapRef] | None = None  # what the cache's next map is of
-        self._threads = max(1, threads)
+        # a second thread only where a second CPU may run it (cma-bench --bind pins each
+        # process to one: the two halves would only take turns)
+        self._threads = max(1, min(threads, len(os.sched_getaffinity(0))))
         self._pool = ProcessPool(self._threads - 1, "cma-xmap") if self._threads > 1 else None
         heap.HEAP.listen(self._segment_given_back)
 

@@ -32,15 +32,29 @@ PAGE_SIZE = mmap.PAGESIZE
 
 # ---------------------------------------------------------------- shared memory
 
-def memfd_segment(name: str, nbytes: int) -> int:
-    """An anonymous shared-memory file of ``nbytes`` (never a named /dev/shm file: nothing leaks)."""
-    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+def memfd_segment(name: str, nbytes: int, sealed: bool = False) -> int:
+    """An anonymous shared-memory file of ``nbytes`` (never a named /dev/shm file: nothing leaks).
+
+    ``sealed``: it can never shrink (F_SEAL_SHRINK), so a process that maps it cannot be
+    killed by SIGBUS because its owner cut it short; ``cannot_shrink`` checks it.
+    """
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | (os.MFD_ALLOW_SEALING if sealed else 0))
     try:
         os.ftruncate(fd, nbytes)
+        if sealed:
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
     except OSError:
         os.close(fd)
         raise
     return fd
+
+
+def cannot_shrink(fd: int) -> bool:
+    """Whether the file behind ``fd`` is sealed against shrinking (a sealed memfd)."""
+    try:
+        return bool(fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK)
+    except OSError:  # EINVAL: not a file that takes seals
+        return False
 
 
 _mmap = _libc.mmap
@@ -109,6 +123,17 @@ def huge_page_size() -> int:
 def file_size(fd: int) -> int:
     """The size of an open file (a mapping of it beyond this size faults with SIGBUS)."""
     return os.fstat(fd).st_size
+
+
+def reopen_read_only(fd: int) -> int:
+    """A new, read-only open of the file behind ``fd`` (close-on-exec): whoever gets it can
+    map the file only read-only."""
+    return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+
+
+def file_inode(fd: int) -> int:
+    """The inode number of an open file: names a memfd for good while it is open."""
+    return os.fstat(fd).st_ino
 
 
 def buffer_address(buf: memoryview) -> int:

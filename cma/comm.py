@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from . import _linux
+from . import _linux, heap
 from ._exporters import cai_array, dlpack_array
 from .channel import FAST_SPINS, RING_EMPTY, ChannelConfig, Inbox, Outbox
 from .collectives import Collectives
@@ -42,6 +42,7 @@ from .progress import Progress
 from .protocol import Arrival, Matcher, RecvOp, SendOp, completed_recv
 from .requests import Message, Request, Status, null_recv
 from .stats import EagerCounts
+from .transports.xmap import View
 from .wire import ANY_SOURCE, ANY_TAG, BARRIER_TAG, PROC_NULL, TAG_MAX
 from .world import ENV_TRANSPORT, ENV_WORLD, World, WorldFds, announce
 
@@ -528,6 +529,41 @@ class Comm(Collectives):
         progress.run(actions)
         return self.make_request(self, op)
 
+    # -- views (no copy: the sender's heap memory, mapped)
+
+    def Irecv_view(self, source: int = ANY_SOURCE, tag: int = ANY_TAG) -> Request:
+        """Receive a buffer message as a read-only view: its request's ``wait()`` returns a
+        ``cma.View`` (a NumPy uint8 array). A rendezvous message whose send buffer is in
+        the sender's heap, where xmap is on, is the sender's memory itself, and the
+        sender's request completes only once the view is released (``release()``, a
+        ``with`` block, or garbage collection: then at this rank's next cma call); any
+        other message is a fresh array, copied as a receive would."""
+        progress = self._progress or self._attach()
+        source = self._check_source(source)
+        tag = self._check_tag(tag, wildcard=True)
+        if source == PROC_NULL:
+            return self.make_request(self, null_recv())
+        return self.make_request(self, progress.post_recv(source, tag, None, view=True))
+
+    def recv_view(self, source: int = ANY_SOURCE, tag: int = ANY_TAG,
+                  status: Status | None = None) -> View:
+        """``Irecv_view(source, tag).wait(status)``: the message as a read-only ``cma.View``."""
+        view: View = self.Irecv_view(source, tag).wait(status)
+        return view
+
+    def load_view(self, op: RecvOp) -> View:
+        """What a view receive hands out: the mapped view, or the received bytes as one."""
+        held, op.held = op.held, None
+        if held is not None:
+            return held
+        if len(op.segments) == 1:
+            arr = np.frombuffer(op.segments[0], np.uint8)
+        else:
+            arr = np.concatenate([np.frombuffer(s, np.uint8) for s in op.segments]) \
+                if op.segments else np.empty(0, np.uint8)
+        arr.flags.writeable = False
+        return arr.view(View)
+
     # -- objects (pickle protocol 5, large buffers out of band through the transport)
 
     def _pickle(self, obj: Any) -> list[memoryview]:
@@ -542,13 +578,24 @@ class Comm(Collectives):
             return False
 
         stream = pickle.dumps(obj, protocol=5, buffer_callback=out_of_band)
+        progress = self._progress
+        if oob and progress is not None and progress.xmap is not None \
+                and all(heap.is_shared(buffer) for buffer in oob):
+            # XMAP is offered only when every buffer is in the heap: the stream goes too
+            # (a copy of a few hundred bytes, so that the arrays are not copied twice)
+            held = heap.alloc(len(stream))
+            held[:] = np.frombuffer(stream, np.uint8)
+            return [held.data, *oob]
         return [memoryview(stream), *oob]
 
     def load_object(self, op: RecvOp) -> Any:
         if not op.is_object:
             return bytearray(op.segments[0]) if op.segments else bytearray()
         stream, *buffers = op.segments
-        return pickle.loads(stream, buffers=buffers)
+        obj = pickle.loads(stream, buffers=buffers)
+        if op.view:
+            op.segments = []  # (the object's arrays alone keep the sender's buffers now)
+        return obj
 
     def send(self, obj: Any, dest: int, tag: int = 0) -> None:
         self.isend(obj, dest, tag).Wait()
@@ -585,17 +632,26 @@ class Comm(Collectives):
         return self.make_request(self, self.start_send(segments, dest, tag, True, sync=sync))
 
     def recv(self, buf: Any = None, source: int = ANY_SOURCE, tag: int = ANY_TAG,
-             status: Status | None = None) -> Any:
+             status: Status | None = None, views: bool = False) -> Any:
+        if views:
+            return self.irecv(buf, source, tag, views=True).wait(status)
         return self.irecv(buf, source, tag).wait(status)
 
-    def irecv(self, buf: Any = None, source: int = ANY_SOURCE, tag: int = ANY_TAG) -> Request:
-        """Receive an object of any size (``buf`` is accepted for mpi4py compatibility, unused)."""
+    def irecv(self, buf: Any = None, source: int = ANY_SOURCE, tag: int = ANY_TAG,
+              views: bool = False) -> Request:
+        """Receive an object of any size (``buf`` is accepted for mpi4py compatibility, unused).
+
+        ``views``: where the object's buffers all lie in the sender's heap and xmap is on,
+        its arrays are read-only views of the sender's memory (no copy), and the sender's
+        request completes once every one of them is garbage-collected (then, at this
+        rank's next cma call)."""
         progress = self._progress or self._attach()
         source = self._check_source(source)
         tag = self._check_tag(tag, wildcard=True)
         if source == PROC_NULL:
             return self.make_request(self, null_recv(), is_object=True)
-        return self.make_request(self, progress.post_recv(source, tag, None), is_object=True)
+        return self.make_request(self, progress.post_recv(source, tag, None, view=views),
+                                 is_object=True)
 
     def sendrecv(self, sendobj: Any, dest: int, sendtag: int = 0, recvbuf: Any = None,
                  source: int = ANY_SOURCE, recvtag: int = ANY_TAG,
@@ -684,9 +740,10 @@ class Comm(Collectives):
     def Barrier(self) -> None:
         """Dissemination barrier: ceil(log2 size) rounds of zero-byte messages (through the
         rings directly, as the collectives' messages go: a message that follows the
-        barrier's stays in the ring for its own receive's fast path)."""
-        if self._progress is None:
-            self._attach()
+        barrier's stays in the ring for its own receive's fast path). It starts with a pass of
+        progress, so what this rank owes its peers (queued packets, a heap segment's
+        announcement) is on its way before they leave the barrier."""
+        (self._progress or self._attach()).poll()
         step = 1
         while step < self.size:
             dest = (self.rank + step) % self.size

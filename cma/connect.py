@@ -3,11 +3,13 @@ the policy its engine chooses mechanisms by (docs/architecture.md, "Connect time
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from .errors import CmaError, TransportUnavailable
 from .protocol import PIPELINE, PROTOCOL_NAMES, PULL, PUSH, Policy
 from .transports import REGISTRY, Transport
+from .transports.xmap import XmapTransport
 from .world import PHASE_PROBED, PeerLink, World
 
 AUTO = "auto"
@@ -22,6 +24,10 @@ AUTO_ORDER = ["cma", "vmfd", "shm"]
 NEVER = 1 << 62
 AUTO_THRESHOLDS = {"cma": 4 << 20, "vmfd": NEVER, "shm": 0}
 AUTO_SPLIT_ONLY = {"cma"}
+# xmap (mapping a peer's heap segments, for send buffers in its heap) beside the transport:
+# the ``xmap`` option, else CMA_XMAP ("1" on, "0" off)
+ENV_XMAP = "CMA_XMAP"
+XMAP_DEFAULT = "0"
 
 
 def check_transport_name(transport: str) -> None:
@@ -53,6 +59,9 @@ class Connection:
         split = bool(options.pop("split", True))
         # overlap wants pulls even one-sided: a pipeline needs both processes in cma calls
         overlap = bool(options.pop("overlap", False))
+        xmap = options.pop("xmap", None)
+        if xmap is None:
+            xmap = os.environ.get(ENV_XMAP, XMAP_DEFAULT) not in ("", "0")
         self.transports: dict[str, Transport] = {}
         self.reasons: dict[int, dict[str, str]] = {}
         self.links: list[PeerLink | None] = [None] * self.size
@@ -65,6 +74,8 @@ class Connection:
                 writes = True if push and "push" in cls.styles else None  # None: the class default
                 self.transports[name] = cls(world, writes=writes,
                                             **(options if transport != AUTO else {}))
+            if xmap:  # (last: the reach bits of the others stay their index in names)
+                self.transports[XmapTransport.name] = XmapTransport(world)
             self.policy = self._policy(names, self.forced, push, split, overlap, thresholds)
             world.publish()
             if self.size == 2:
@@ -102,6 +113,8 @@ class Connection:
         policy = self.policy
         policy.pullable[peer] = {n for n in self.names if mask & self.bits[n]
                                  and "pull" in REGISTRY.classes[n].styles}
+        if mask & 1 << len(self.names):  # (xmap's bit: it comes last, when it is set up)
+            policy.mappable.add(peer)
         # (a peer that has closed serves no fds: what it sent is all there is to take)
         if check and self.forced is not None and not world.has_closed(peer):
             self._check_forced(self.rank, peer, mask)
@@ -168,7 +181,7 @@ class Connection:
             if p == self.rank:
                 continue
             usable = [n for n in policy.order if n in policy.pullable[p] | policy.pushable[p]
-                      or n in policy.staged]
+                      or n in policy.staged] + (["xmap"] if p in policy.mappable else [])
             mode, large = policy.choose(p, 1 << 40, PULL | PUSH | PIPELINE)
             report[p] = {"uses": large, "protocol": PROTOCOL_NAMES[mode], "usable": usable,
                          "unavailable": dict(self.reasons.get(p, {}))}

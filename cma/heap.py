@@ -99,6 +99,9 @@ class Heap:
         self._free_indices: list[int] = []
         self._next_index = 0
         self._generations = itertools.count(1)
+        # told of every segment of ours (not imported) given back, under the lock and in
+        # any thread: xmap announces them to the peers that mapped them
+        self._listeners: list[Callable[[Segment], None]] = []
 
     # ------------------------------------------------------------ locking
     # A finalizer can run in any thread, at any allocation, even inside a locked
@@ -159,9 +162,24 @@ class Heap:
             del self._starts[i], self._segments[i]
         self._slabs.pop(segment.index, None)
         self._free_indices.append(segment.index)
+        if segment.kind != "imported":
+            for listener in self._listeners:
+                listener(segment)
+
+    def listen(self, listener: Callable[[Segment], None]) -> None:
+        """Call ``listener(segment)`` for each segment of ours given back from now on: it
+        runs under the heap's lock, maybe in another thread, so it must only take note."""
+        with self._locked():
+            self._listeners.append(listener)
+
+    def unlisten(self, listener: Callable[[Segment], None]) -> None:
+        with self._locked():
+            if listener in self._listeners:
+                self._listeners.remove(listener)
 
     def _new_segment(self, nbytes: int, kind: str) -> tuple[Segment, mmap.mmap]:
-        fd = _linux.memfd_segment("cma-heap", nbytes)
+        # sealed against shrinking: a peer that maps it (xmap) can rely on every page
+        fd = _linux.memfd_segment("cma-heap", nbytes, sealed=True)
         try:
             mm = _linux.map_shared(fd, nbytes)
         except BaseException:
@@ -285,6 +303,7 @@ class Heap:
         """The child shares the parent's slabs: it must not hand out their free blocks too."""
         self._lock = threading.Lock()
         self._pending.clear()
+        self._listeners.clear()  # (the parent's communicators, which the child cannot use)
         with self._locked():  # dropping a mapping may run a finalizer: it waits for the lock
             for slab in self._slabs.values():
                 slab.retired = True

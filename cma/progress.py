@@ -21,7 +21,7 @@ from typing import Any, cast
 
 import numpy as np
 
-from . import _linux
+from . import _linux, heap
 from .channel import Inbox, Outbox
 from .connect import Connection
 from .errors import (
@@ -43,6 +43,7 @@ from .protocol import (
     Deliver,
     Engine,
     Joiner,
+    MapView,
     Matcher,
     Pipeline,
     Pull,
@@ -53,12 +54,15 @@ from .protocol import (
     StreamIn,
     StreamOut,
     Transmit,
+    Unmap,
+    encode_unmap,
     slice_views,
     split_packet,
 )
 from .stats import EagerCounts
 from .transports import Region
-from .wire import ANY_SOURCE, EAGER, KIND_MASK, MORE
+from .transports.xmap import XmapTransport
+from .wire import ANY_SOURCE, EAGER, KIND_MASK, MORE, UNMAP, HeapRef
 from .world import PeerLink, World
 
 # How long a blocked call spins before it sleeps. Waking a sleeping process costs from
@@ -101,9 +105,12 @@ class Progress:
         self.transports = connection.transports
         self.links = connection.links
         self.matcher = matcher
+        xmap = self.transports.get(XmapTransport.name)
+        self.xmap = xmap if isinstance(xmap, XmapTransport) else None
         self.engine = Engine(rank, self.config.eager_limit, connection.policy,
                              PULL | PUSH | PIPELINE, allocate=_allocate, region_of=_region,
-                             matcher=matcher)
+                             matcher=matcher,
+                             heap_of=self._heap_ref if self.xmap is not None else None)
         self.peers = [p for p in range(size) if p != rank]
         # The peers connected so far (connect): their ring ends, by peer, and a list that
         # connect replaces rather than extends, so that a pass over it may connect more.
@@ -198,10 +205,11 @@ class Progress:
         self.run(actions)
         return op
 
-    def post_recv(self, source: int, tag: int, buffer: memoryview | None) -> RecvOp:
+    def post_recv(self, source: int, tag: int, buffer: memoryview | None, view: bool = False
+                  ) -> RecvOp:
         if source not in self.outboxes:
             self.connect(source)  # (its exit must end the wait; ANY_SOURCE: none)
-        op, actions = self.engine.recv(source, tag, buffer)
+        op, actions = self.engine.recv(source, tag, buffer, view)
         self.run(actions)
         return op
 
@@ -230,6 +238,11 @@ class Progress:
                 self._count_completed(action.op)
                 if self.completed is not None:
                     self.completed(action.op)
+            elif isinstance(action, MapView):
+                self._map_view(action)
+            elif isinstance(action, Unmap):
+                if self.xmap is not None:
+                    self.xmap.forget(action.peer, action.segments)
 
     def transmit(self, dest: int, kind: int, tag: int, aux: int, payload: bytes) -> None:
         if dest == self.rank:
@@ -297,6 +310,14 @@ class Progress:
 
     def _pull(self, action: Pull) -> None:
         op = action.op
+        if action.heap is not None:
+            # (never on overlap's thread: the mapping cache is this thread's)
+            assert self.xmap is not None
+            link = self.links[action.peer]
+            assert link is not None
+            self.xmap.read_heap(link, action.remote, action.heap, action.local)
+            self.run(self.engine.pulled(op, action.msgid))
+            return
         if action.peer == self.rank:
             op.mechanism = "self"
             self._copy_self(action.remote, action.local)
@@ -310,6 +331,55 @@ class Progress:
                 return
             read(link, action.remote, action.local)
         self.run(self.engine.pulled(op, action.msgid))
+
+    # -- xmap: mapping peers' heap segments
+
+    def _heap_ref(self, dest: int, mv: memoryview) -> HeapRef | None:
+        """Where a send buffer lies in our heap, offered to ``dest`` (None: not in it)."""
+        if dest == self.rank or not mv.nbytes:
+            return None
+        where = heap.locate(mv)
+        if where is None:
+            return None
+        assert self.xmap is not None
+        return self.xmap.offer(where, dest)
+
+    def _map_view(self, action: MapView) -> None:
+        xmap = self.xmap
+        link = self.links[action.peer]
+        assert xmap is not None and link is not None
+        op = action.op
+        mapped = []
+        try:
+            for ref, size in zip(action.refs, action.sizes, strict=True):
+                mapped.append(xmap.map_view(link, ref, size))
+        except BaseException:
+            xmap.view_released([lease for _, lease in mapped])
+            raise
+        views = xmap.hand_out([held for held, _ in mapped], action.peer, action.msgid,
+                              [lease for _, lease in mapped], self.release_views)
+        if op.is_object or len(views) > 1:  # (load_object unpickles from them)
+            op.segments = [view.data for view in views]
+        else:
+            op.held = views[0]
+        self.run(self.engine.view_mapped(op))
+
+    def release_views(self) -> None:
+        """Send the FINs of the views released since (their senders' requests complete)."""
+        xmap = self.xmap
+        assert xmap is not None
+        while xmap.released:
+            peer, msgid, leases = xmap.released.popleft()
+            xmap.view_released(leases)
+            if peer not in self.dead and not self.broken and not self.closing:
+                self.run(self.engine.view_released(peer, msgid))
+
+    def _announce_given_back(self) -> None:
+        """Tell the peers that mapped our heap segments which of them we gave back."""
+        assert self.xmap is not None
+        for dest, segments in self.xmap.take_given_back().items():
+            if dest not in self.dead and not self.broken:
+                self.transmit(dest, UNMAP, 0, len(segments), encode_unmap(segments))
 
     def _checked(self, copy: Callable[[PeerLink, Any, Any], None], peer: int
                  ) -> Callable[[PeerLink, Any, Any], None]:
@@ -384,6 +454,13 @@ class Progress:
             moved = self._stream() or moved
         if self.pulls:
             moved = self._finish_pulls() or moved
+        xmap = self.xmap
+        if xmap is not None and (xmap.released or xmap.given_back):
+            if xmap.released:
+                self.release_views()
+            if xmap.given_back:
+                self._announce_given_back()
+            moved = True
         return moved
 
     def drain(self, peer: int, only_expected: bool) -> bool:

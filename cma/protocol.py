@@ -45,6 +45,8 @@ from .wire import (
     OBJECT,
     RTS,
     SYNC,
+    UNMAP,
+    HeapRef,
     Region,
 )
 
@@ -53,12 +55,17 @@ PULL = 1
 PUSH = 2
 PIPELINE = 4
 SPLIT = 8  # a receiver's choice only: needs PULL and PUSH offered
-PROTOCOL_NAMES = {PULL: "RGET", PUSH: "RPUT", PIPELINE: "PIPELINE", SPLIT: "SPLIT"}
+# offered with PULL when every send buffer lies in the sender's shared heap: the RTS then
+# carries a HeapRef per buffer, and a receiver that can map the sender's heap (xmap)
+# copies from its own mapping, or hands out a view of it (recv_view)
+XMAP = 16
+PROTOCOL_NAMES = {PULL: "RGET", PUSH: "RPUT", PIPELINE: "PIPELINE", SPLIT: "SPLIT", XMAP: "XMAP"}
 # No Linux user address space reaches 2**56 (x86-64's 5-level paging stops just below):
 # a region a peer names beyond it, or wrapping round, is a forgery, not a buffer.
 ADDRESS_LIMIT = 1 << 56
 # the flags each packet kind may carry
-KIND_FLAGS = {EAGER: OBJECT | SYNC, RTS: OBJECT, CTS: 0, FIN: 0}
+KIND_FLAGS = {EAGER: OBJECT | SYNC, RTS: OBJECT, CTS: 0, FIN: 0, UNMAP: 0}
+HEAP_REF_WORDS = len(HeapRef._fields)
 
 
 def split_point(nbytes: int) -> int:
@@ -102,12 +109,18 @@ def source_matches(wanted: int, source: int) -> bool:
 
 # ------------------------------------------------------------------ wire formats
 
-def encode_rts(msgid: int, offers: int, sizes: Sequence[int], regions: Sequence[Region] | None) -> bytes:
+def encode_rts(msgid: int, offers: int, sizes: Sequence[int], regions: Sequence[Region] | None,
+               heap: Sequence[HeapRef] | None = None) -> bytes:
+    """``heap`` (with ``regions``, and XMAP in ``offers``): where each buffer lies in the
+    sender's shared heap."""
     words = array("q", [msgid, offers, len(sizes)])
     words.extend(sizes)
     if regions is not None:
         for region in regions:
             words.append(region.addr)
+    if heap is not None:
+        for ref in heap:
+            words.extend(ref)
     return words.tobytes()
 
 
@@ -117,6 +130,7 @@ class RtsInfo:
     offers: int
     sizes: list[int]
     regions: list[Region] | None
+    heap: list[HeapRef] | None = None
 
 
 def _words(payload: bytes | memoryview, at_least: int, what: str, peer: int) -> array[int]:
@@ -140,14 +154,46 @@ def decode_rts(payload: bytes | memoryview, peer: int = -1) -> RtsInfo:
     """An RTS's fields; ProtocolError (naming ``peer``) if they do not hang together."""
     words = _words(payload, 3, "an RTS", peer)
     msgid, offers, nseg = words[0], words[1], words[2]
-    if not (0 <= nseg and len(words) in (3 + nseg, 3 + 2 * nseg)) or offers & ~(PULL | PUSH | PIPELINE):
+    mapped = bool(offers & XMAP)
+    lengths = (3 + (2 + HEAP_REF_WORDS) * nseg,) if mapped else (3 + nseg, 3 + 2 * nseg)
+    if not (0 <= nseg and len(words) in lengths) or offers & ~(PULL | PUSH | PIPELINE | XMAP) \
+            or mapped and not offers & PULL:
         raise ProtocolError(f"rank {peer} broke the protocol: an RTS of {len(words)} words "
                             f"claims {nseg} buffers, offers {offers:#x}", peer=peer)
     sizes = list(words[3 : 3 + nseg])
     addrs = words[3 + nseg : 3 + 2 * nseg]
     regions = [Region(a, n) for a, n in zip(addrs, sizes, strict=True)] if len(addrs) == nseg else None
     check_regions(regions or [Region(0, n) for n in sizes], "an RTS", peer)
-    return RtsInfo(msgid, offers, sizes, regions)
+    heap = None
+    if mapped:
+        at = 3 + 2 * nseg
+        heap = [HeapRef(*words[at + i * HEAP_REF_WORDS : at + (i + 1) * HEAP_REF_WORDS])
+                for i in range(nseg)]
+        for ref, size in zip(heap, sizes, strict=True):
+            if not (0 <= ref.segment and 1 <= ref.generation and 0 <= ref.offset
+                    and ref.offset + size <= ref.extent <= ADDRESS_LIMIT and 0 <= ref.fd
+                    and 0 <= ref.inode):
+                raise ProtocolError(f"rank {peer} broke the protocol: an RTS places a buffer of "
+                                    f"{size} bytes in its heap at {ref}, which no segment "
+                                    "holds", peer=peer)
+    return RtsInfo(msgid, offers, sizes, regions, heap)
+
+
+def encode_unmap(segments: Sequence[tuple[int, int]]) -> bytes:
+    """An UNMAP's payload: the (index, generation) of each heap segment given back."""
+    words = array("q")
+    for index, generation in segments:
+        words.extend((index, generation))
+    return words.tobytes()
+
+
+def decode_unmap(payload: bytes | memoryview, count: int, peer: int = -1) -> list[tuple[int, int]]:
+    """An UNMAP's segments; ProtocolError (naming ``peer``) unless it holds ``count`` of them."""
+    words = _words(payload, 0, "an UNMAP", peer)
+    if count < 0 or len(words) != 2 * count:
+        raise ProtocolError(f"rank {peer} broke the protocol: an UNMAP of {len(words)} words "
+                            f"for {count} segments", peer=peer)
+    return [(words[2 * i], words[2 * i + 1]) for i in range(count)]
 
 
 def encode_cts(msgid: int, recvid: int, mode: int, transport: str, regions: Sequence[Region]) -> bytes:
@@ -230,6 +276,10 @@ class RecvOp:
     copies_left: int = 1
     done: bool = False
     awaits_fin: bool = False  # RPUT or SPLIT: the sender's FIN says its copy is in
+    # recv_view: no buffer; the sender's memory is mapped and handed out in place if it can
+    # be (the FIN waits until the view is released), else the message lands in a new one
+    view: bool = False
+    held: Any = None  # recv_view: what the I/O layer handed out (the mapped view)
 
     @property
     def capacity(self) -> int:
@@ -300,6 +350,28 @@ class Pull:
     remote: list[Region]
     local: list[memoryview]
     msgid: int
+    heap: list[HeapRef] | None = None  # xmap: copy from our mapping of the peer's heap
+
+
+@dataclass
+class MapView:
+    """Map the buffers ``refs`` name in the peer's heap (of ``sizes`` bytes) and hand them
+    out as ``op``'s views; the FIN for ``msgid`` goes when every one of them is released
+    (``Engine.view_released``)."""
+
+    op: RecvOp
+    peer: int
+    refs: list[HeapRef]
+    sizes: list[int]
+    msgid: int
+
+
+@dataclass
+class Unmap:
+    """``peer`` gave these heap segments (index, generation) back: drop our mappings of them."""
+
+    peer: int
+    segments: list[tuple[int, int]]
 
 
 @dataclass
@@ -328,7 +400,7 @@ class Complete:
     op: SendOp | RecvOp
 
 
-Action = Transmit | Deliver | Pull | Push | StreamOut | StreamIn | Complete
+Action = Transmit | Deliver | Pull | Push | StreamOut | StreamIn | Complete | MapView | Unmap
 
 
 # ------------------------------------------------------------------ matching
@@ -533,6 +605,7 @@ class Policy:
     # called with a peer missing from ``pushable`` (it has not connected back yet, as far as
     # this rank knew): may fill its entry in
     learn: Callable[[int], None] | None = None
+    mappable: set[int] = field(default_factory=set)  # peers whose heap we may map (xmap)
 
     def choose(self, peer: int, nbytes: int, offers: int, ring_full: bool = False
                ) -> tuple[int, str]:
@@ -583,8 +656,12 @@ class Engine:
         allocate: Callable[[int], memoryview],
         region_of: Callable[[memoryview], Region],
         matcher: Matcher | None = None,
+        heap_of: Callable[[int, memoryview], HeapRef | None] | None = None,
     ) -> None:
+        """``heap_of(dest, buffer)``: where a send buffer lies in this process's shared heap
+        (None: not in it), to offer XMAP to ``dest``; None when this rank does not let peers map its heap."""
         self.rank = rank
+        self.heap_of = heap_of
         self.allocate = allocate
         self.region_of = region_of
         self.eager_limit = eager_limit
@@ -630,12 +707,21 @@ class Engine:
         self.sends[op.msgid] = op
         regions = [self.region_of(s) for s in segments] if expose else None
         offers = self.offers if expose else self.offers & ~PULL
-        rts = encode_rts(op.msgid, offers, [s.nbytes for s in segments], regions)
+        heap: list[HeapRef] | None = None
+        if expose and self.heap_of is not None and offers & PULL:
+            refs = [self.heap_of(dest, s) for s in segments]
+            if refs and None not in refs:
+                heap = refs  # type: ignore[assignment]  # (no None among them)
+                offers |= XMAP
+        rts = encode_rts(op.msgid, offers, [s.nbytes for s in segments], regions, heap)
         op.awaits_cts = op.awaits_fin = True
         return op, [Transmit(dest, RTS | flag, tag, nbytes, rts)]
 
-    def recv(self, source: int, tag: int, buffer: memoryview | None) -> tuple[RecvOp, list[Action]]:
-        op = RecvOp(source, tag, buffer)
+    def recv(self, source: int, tag: int, buffer: memoryview | None, view: bool = False
+             ) -> tuple[RecvOp, list[Action]]:
+        """``view`` (with no buffer): hand the message out in place if it is in the
+        sender's heap and we may map it (MapView), else in a new buffer."""
+        op = RecvOp(source, tag, buffer, view=view)
         arrival = self.matcher.take_unexpected(source, tag)
         if arrival is None:
             self.matcher.posted.append(op)
@@ -691,6 +777,8 @@ class Engine:
             return self._receive_matched(op, arrival)
         if base == CTS:
             return self._cts(source, decode_cts(payload, source))
+        if base == UNMAP:
+            return [Unmap(source, decode_unmap(payload, aux, source))]
         return self._fin(source, aux)
 
     def _receive_matched(self, op: RecvOp, arrival: Arrival,
@@ -727,12 +815,22 @@ class Engine:
             return [Transmit(arrival.source, FIN, 0, rts.msgid, b""), Complete(op)]
         actions: list[Action] = []
         buffer = op.buffer
+        mapped = rts.heap is not None and rts.regions is not None \
+            and arrival.source in self.policy.mappable
+        if mapped and op.view:
+            assert rts.heap is not None
+            op.mechanism = "xmap"
+            return [MapView(op, arrival.source, rts.heap, rts.sizes, rts.msgid)]
         if buffer is None:
             op.segments = [self.allocate(n) for n in rts.sizes]
         elif isinstance(buffer, memoryview):
             op.segments = [buffer[: arrival.nbytes]]
         else:
             op.segments = buffer.segments(arrival.nbytes)
+        if mapped:
+            assert rts.regions is not None
+            op.mechanism = "xmap"
+            return [Pull(op, arrival.source, "xmap", rts.regions, op.segments, rts.msgid, rts.heap)]
         mode, transport = self.policy.choose(arrival.source, arrival.nbytes, rts.offers,
                                              ring_full=arrival.nbytes <= self.eager_limit)
         op.mechanism = transport
@@ -823,6 +921,15 @@ class Engine:
             return [fin, *self._copy_done(self.recvs, op.recvid)]
         op.done = True
         return [fin, Complete(op)]
+
+    def view_mapped(self, op: RecvOp) -> list[Action]:
+        """A MapView's view is handed out: the receive is complete, the sender is not."""
+        op.done = True
+        return [Complete(op)]
+
+    def view_released(self, peer: int, msgid: int) -> list[Action]:
+        """The view of a MapView from ``peer`` was released: it may reuse its buffer now."""
+        return [Transmit(peer, FIN, 0, msgid, b"")]
 
     def pushed(self, op: SendOp, recvid: int) -> list[Action]:
         return [Transmit(op.dest, FIN, 0, recvid, b""), *self._copy_done(self.sends, op.msgid)]

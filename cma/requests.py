@@ -113,6 +113,8 @@ class Request:
 
     def _result(self) -> Any:
         op = self._op
+        if isinstance(op, RecvOp) and op.view and not self._object:
+            return self._comm.load_view(op)
         if self._object and isinstance(op, RecvOp) and op.matched_source != PROC_NULL:
             return self._comm.load_object(op)
         return None

@@ -21,6 +21,7 @@ EAGER = 1
 RTS = 2
 CTS = 3
 FIN = 4
+UNMAP = 5  # a sender gave heap segments back: payload (index, generation) pairs, aux their count
 OBJECT = 0x100  # flag on EAGER/RTS: the payload is a pickle stream (+ out-of-band buffers)
 # flag on EAGER: a synchronous send (Ssend), complete only once matched; aux holds its
 # msgid, which the receiver's FIN names when a receive takes the message
@@ -30,7 +31,7 @@ KIND_MASK = 0xFF
 # A packet is four words (kind, tag, payload size, aux) and its payload. What aux holds is
 # the kind's: EAGER|SYNC the send's msgid (which FIN names back), EAGER 0, RTS the message's
 # size, CTS the msgid it answers, FIN the id (msgid or recvid) of the operation whose copy
-# the peer finished.
+# the peer finished, UNMAP how many segments its payload names.
 
 
 class Region(NamedTuple):
@@ -38,3 +39,18 @@ class Region(NamedTuple):
 
     addr: int
     nbytes: int
+
+
+class HeapRef(NamedTuple):
+    """Where a send buffer lies in its owner's shared heap (``cma.heap``), as an RTS offers it
+    for ``xmap``: the segment's index (``segment``) and generation (never reused: stale mappings are told
+    apart by it), the buffer's byte offset in the segment's file, the bytes of the file a
+    mapping needs (``extent``), the owner's fd number for it (``pidfd_getfd``) and its inode
+    (checked on the fd received, whichever way it came)."""
+
+    segment: int
+    generation: int
+    offset: int
+    extent: int
+    fd: int
+    inode: int

@@ -198,6 +198,17 @@ class PeerLink:
     def fetch_fd(self, name: str) -> int:
         return self.world.fetch_fd(self.rank, name)
 
+    def take_fd(self, number: int, name: str) -> int:
+        """The peer's fd ``number``, taken with pidfd_getfd where ptrace rules allow (~3 us),
+        else the fd it exposed as ``name``, fetched from its fd server (~50 us)."""
+        pidfd = self.world.pidfds[self.rank]
+        if pidfd >= 0:
+            try:
+                return _linux.pidfd_getfd(pidfd, number)
+            except OSError:  # EPERM (ptrace rules), ENOSYS (before Linux 5.6), EBADF
+                pass
+        return self.fetch_fd(name)
+
 
 class World:
     """One rank's view of a world: the mapping, its rings, doorbells and peers."""

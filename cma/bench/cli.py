@@ -27,7 +27,7 @@ from .report import (
 )
 from .results import Series, compared_series, crossovers, machine_info, merge_series, series_json
 from .runners import bind_cpus, bound_cpus, mpi_world
-from .schedule import BASELINES, run_schedule, schedule, select_series
+from .schedule import BASELINES, DEFAULT_BASELINES, run_schedule, schedule, select_series
 from .sizes import KINDS, MIB, format_size, parse_size, size_range
 
 # ---------------------------------------------------------------- command line
@@ -75,10 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated cma transports (shm,cma,vmfd,auto; cma.mpi under mpiexec), "
              "'all' (every transport registered here, plus auto) or 'none' (default: all)")
     common.add_argument(
-        "--baseline", default=",".join(BASELINES), metavar="LIST",
+        "--baseline", default=",".join(DEFAULT_BASELINES), metavar="LIST",
         help="comma-separated baselines: memcpy (np.copyto in one process), mp-pipe "
-             "(multiprocessing.Pipe), mpi4py (only under mpiexec), or 'none' "
-             f"(default: {','.join(BASELINES)})")
+             "(multiprocessing.Pipe), mpi4py (only under mpiexec), memcpy2 (np.copyto "
+             f"by two threads, the copy ceiling of xmap), or 'none' (default: "
+             f"{','.join(DEFAULT_BASELINES)}; choices: {','.join(BASELINES)})")
     common.add_argument("--min-size", type=_size_arg, default=8, metavar="SIZE",
                         help="smallest message, e.g. 8, 4K, 64KiB, 1M (units binary; default 8)")
     common.add_argument("--max-size", type=_size_arg, default=None, metavar="SIZE",
@@ -93,6 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--cold", action="store_true",
                         help="a never-touched receive buffer every iteration, so first-touch "
                              "page faults are measured (default: warm, reused buffers)")
+    common.add_argument("--recv-view", action="store_true",
+                        help="latency only: receive with recv_view, released at once (the "
+                             "xmap series: no copy, the sender's Send returns after the "
+                             "release; other series: the view of a fresh copy)")
     common.add_argument("--window", type=_count_arg(1), default=64, metavar="N",
                         help="messages in flight per iteration for bw and bibw (default 64)")
     common.add_argument("--json", metavar="FILE",
@@ -180,6 +185,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if ns.cold and any(form.endswith("bytearray") for form in ns.buffer):
         parser.error("--cold receives into pages no one has touched, but a bytearray is "
                      "written when it is made: use --buffer numpy or spec with --cold")
+    if ns.recv_view and (ns.kind != "latency" or any(f.startswith("spec") for f in ns.buffer)):
+        parser.error("--recv-view times latency with bare buffers only")
     if ns.plot:
         try:
             import matplotlib  # noqa: F401
@@ -224,6 +231,7 @@ def write_json(path: str, args: argparse.Namespace, plans: dict[str, Plan],
             "quick": args.quick, "iterations": args.iterations, "warmup": args.warmup,
             "rounds": args.rounds, "interleave": args.interleave, "guard": args.guard,
             "settle": args.settle, "buffer": args.buffer, "waitall": args.waitall,
+            "recv_view": args.recv_view,
             "transport": args.transport, "baseline": args.baseline, "cpus": dict(bound_cpus),
             "samples_ns": "nanoseconds per timed sample: a round trip (latency), a window "
                           "(bw, bibw) or one copy (memcpy); time per message = sample / "
@@ -261,7 +269,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     knobs = dict(window=args.window, cold=args.cold, quick=args.quick,
                  iterations=args.iterations, warmup=args.warmup)
-    plans = {"messages": replace(build_plan(args.kind, args.sizes, **knobs), waitall=args.waitall),
+    plans = {"messages": replace(build_plan(args.kind, args.sizes, **knobs), waitall=args.waitall,
+                                 view=args.recv_view),
              "memcpy": build_plan("memcpy", args.sizes, **knobs)}
     if args.guard > 0:
         # the in-process memcpy has no second CPU to wait for

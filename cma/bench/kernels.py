@@ -6,6 +6,7 @@ from __future__ import annotations
 import mmap
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,6 +23,7 @@ BUFFER_FORMS = {
     "bytearray": "a bare bytearray",
     "spec": "[array, count, MPI.BYTE] built in every call ([array, count, 'B'] for cma transports)",
     "spec-bytearray": "the same over a bytearray",
+    "heap": "a NumPy uint8 array from the shared heap (cma.empty), as xmap maps it",
 }
 BUFFER_KINDS = ("latency", "bw")
 
@@ -45,6 +47,7 @@ class Plan:
     guard_cpus: tuple[int, ...] = ()  # the two CPUs the probe copies between
     buffer: str = "numpy"  # --buffer: one of BUFFER_FORMS
     waitall: str = "each"  # --waitall: one of WAITALL_MODES
+    view: bool = False  # --recv-view: receive with recv_view (released at once), not Recv
 
 
 def build_plan(kind: str, sizes: Sequence[int], *, window: int, cold: bool, quick: bool,
@@ -83,6 +86,11 @@ def make_buffers(size: int, form: str) -> _Buffers:
     """The send and receive buffers of one size in a --buffer form, every page written."""
     send: Buffer = touched(size, 0x5A)
     recv: Buffer = touched(size, 0)
+    if form == "heap":
+        import cma
+
+        send = cma.empty(size, np.uint8)
+        send.fill(0x5A)
     if form.endswith("bytearray"):
         send, recv = bytearray(send), bytearray(recv)
     return _Buffers(send, recv, touched(1, 1))
@@ -107,6 +115,13 @@ def _receive_buffers(ep: Endpoint, bufs: _Buffers, n: int, count: int, per_itera
         for _ in range(n):
             yield warm
         return
+    drop = _mapping_dropper(ep)
+    if drop is not None:  # xmap: cold means every message maps the sender's segment anew
+        warm = [bufs.recv] * count
+        for _ in range(n):
+            drop()
+            yield warm
+        return
     size = len(bufs.recv)
     batch = max(1, COLD_POOL_BYTES // (per_iteration * size))
     mapped: list[list[list[Buffer]]] = []  # batches still mapped, oldest first
@@ -119,6 +134,32 @@ def _receive_buffers(ep: Endpoint, bufs: _Buffers, n: int, count: int, per_itera
         # (a cma communicator counts this barrier's few bytes in the timed loop's stats)
         ep.comm.Barrier()
         yield from mapped[-1]
+
+
+def _mapping_dropper(ep: Endpoint) -> Callable[[], object] | None:
+    """The flush of a cma communicator's xmap mappings, if it has any (its cache is the
+    communicator's own: reached through its progress, as nothing else needs it)."""
+    xmap = getattr(getattr(ep.comm, "_progress", None), "xmap", None)
+    return None if xmap is None else xmap.cache.flush
+
+
+def _pingpong_view(ep: Endpoint, bufs: _Buffers, n: int, cold: bool, window: int) -> list[int]:
+    """``_pingpong`` receiving each message with ``recv_view``, released at once: the
+    sender's Send returns only after that release (a view of its heap memory)."""
+    send, view, sbuf = ep.comm.Send, ep.comm.recv_view, bufs.send
+    peer = 1 - ep.rank
+    clock = time.perf_counter_ns
+    samples = []
+    for _ in _receive_buffers(ep, bufs, n, 1, 1, cold):
+        if ep.rank == 0:
+            t0 = clock()
+            send(sbuf, peer, TAG_DATA)
+            view(peer, TAG_DATA).release()
+            samples.append(clock() - t0)
+        else:
+            view(peer, TAG_DATA).release()
+            send(sbuf, peer, TAG_DATA)
+    return samples
 
 
 def _pingpong(ep: Endpoint, bufs: _Buffers, n: int, cold: bool, window: int) -> list[int]:
@@ -224,23 +265,37 @@ KERNELS: dict[tuple[str, bool], Kernel] = {
 }
 
 
-def kernel_for(kind: str, form: str) -> Kernel:
+def kernel_for(kind: str, form: str, view: bool = False) -> Kernel:
+    if view:
+        if kind != "latency" or form.startswith("spec"):
+            raise ValueError("--recv-view times cma-bench latency with bare buffers only")
+        return _pingpong_view
     try:
         return KERNELS[(kind, form.startswith("spec"))]
     except KeyError:
         raise ValueError(f"cma-bench {kind} has no --buffer {form}") from None
 
 
-def memcpy_size(plan: Plan, sp: SizePlan) -> SizeResult:
-    """The ceiling: ``np.copyto`` of the same size inside one process."""
+def memcpy_size(plan: Plan, sp: SizePlan, threads: int = 1) -> SizeResult:
+    """The ceiling: ``np.copyto`` of the same size inside one process; with ``threads=2``
+    the two halves at once (NumPy lets go of the GIL), as xmap copies large messages."""
     clock = time.perf_counter_ns
     src, dst = touched(sp.size, 0x5A), touched(sp.size, 0)
     samples = []
+    half = sp.size // 2 & ~4095
+    pool = ThreadPoolExecutor(1) if threads > 1 else None
     for i in range(sp.warmup + sp.iterations):
         if plan.cold:
             dst = _fresh(sp.size)
         t0 = clock()
-        np.copyto(dst, src)
+        if pool is not None and half:
+            future = pool.submit(np.copyto, dst[:half], src[:half])
+            np.copyto(dst[half:], src[half:])
+            future.result()
+        else:
+            np.copyto(dst, src)
         if i >= sp.warmup:
             samples.append(clock() - t0)
+    if pool is not None:
+        pool.shutdown()
     return SizeResult(sp.size, sp.iterations, sp.warmup, 1, samples)

@@ -276,7 +276,8 @@ def compared_series(series: Sequence[Series]) -> tuple[dict[str, dict[int, float
                                                          dict[str, dict[int, float]]]:
     """Reported times and their standard errors for the series a crossover report compares
     (not memcpy)."""
-    chosen = [s for s in series if s.status == "ok" and s.results and s.name != "memcpy"]
+    chosen = [s for s in series if s.status == "ok" and s.results
+              and s.name not in ("memcpy", "memcpy2")]
     return ({s.name: {r.size: r.time_us for r in s.results} for s in chosen},
             {s.name: {r.size: r.time_sem_us for r in s.results} for s in chosen})
 

@@ -30,7 +30,7 @@ def _run_size(ep: Endpoint, plan: Plan, sp: SizePlan) -> SizeResult | None:
     the result lists every probe and the mean of every loop left out.
     """
     comm = ep.comm
-    kernel = kernel_for(plan.kind, plan.buffer)
+    kernel = kernel_for(plan.kind, plan.buffer, plan.view)
     active = ep.rank < 2
     result = SizeResult(size=sp.size, iterations=sp.iterations, warmup=sp.warmup,
                         messages_per_sample=messages_per_sample(plan.kind, plan.window),
@@ -137,8 +137,14 @@ class Runner:
 
 
 class MemcpyRunner(Runner):
+    threads = 1
+
     def run_size(self, sp: SizePlan) -> SizeResult:
-        return memcpy_size(self.plan, sp)
+        return memcpy_size(self.plan, sp, self.threads)
+
+
+class Memcpy2Runner(MemcpyRunner):
+    threads = 2
 
 
 class EndpointRunner(Runner):

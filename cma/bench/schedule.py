@@ -15,7 +15,7 @@ from .endpoints import mp_pipe_pair
 from .kernels import Plan
 from .report import Progress
 from .results import Series
-from .runners import MemcpyRunner, PeerRunner, Runner, WorldRunner
+from .runners import Memcpy2Runner, MemcpyRunner, PeerRunner, Runner, WorldRunner
 from .sizes import format_size
 
 # ---------------------------------------------------------------- order
@@ -77,7 +77,9 @@ class SeriesSpec:
     buffer: str | None = None  # the --buffer form it sends; None: it ignores --buffer
 
 
-BASELINES = ("memcpy", "mp-pipe", "mpi4py")
+BASELINES = ("memcpy", "mp-pipe", "mpi4py", "memcpy2")
+DEFAULT_BASELINES = BASELINES[:3]  # memcpy2 (two threads of np.copyto) only when named
+COPY_BASELINES = ("memcpy", "memcpy2")  # one process: the memcpy plan
 
 
 def _split(text: str) -> list[str]:
@@ -108,6 +110,8 @@ def select_series(kind: str, transports: str, baselines: str, world: Any | None,
             continue
         if name == "memcpy":
             specs.append(SeriesSpec(name, "baseline", "local", MemcpyRunner))
+        elif name == "memcpy2":
+            specs.append(SeriesSpec(name, "baseline", "local", Memcpy2Runner))
         elif name == "mp-pipe":
             specs.append(SeriesSpec(
                 name, "baseline", "local", lambda plan: PeerRunner(plan, mp_pipe_pair, "pipe"),
@@ -121,6 +125,10 @@ def select_series(kind: str, transports: str, baselines: str, world: Any | None,
             not_run += [Series(named, "baseline", "skipped", _mpi_hint(), buffer=form)
                         for named, form in _forms(name, buffers)]
     for name in _transport_names(transports, world):
+        if name == "xmap":  # auto with xmap beside it, sending from the shared heap
+            specs.append(SeriesSpec(name, "transport", "local",
+                                    _cma_pipe_runner("auto", xmap=True), buffer="heap"))
+            continue
         runner = _cma_mpi_runner(world) if name == "cma.mpi" else _cma_pipe_runner(name)
         where = "world" if name == "cma.mpi" else "local"
         specs += [SeriesSpec(named, "transport", where, runner, buffer=form)
@@ -146,7 +154,7 @@ def _transport_names(text: str, world: Any | None) -> list[str]:
     plugin = ["cma.mpi"] if world is not None else []
     if wanted == ["all"]:  # the teaching transports only when named
         return [*REGISTRY.practical(), "auto", *plugin]
-    available = [*cma.transport_names(), "auto", *plugin]
+    available = [*cma.transport_names(), "auto", "xmap", *plugin]
     unknown = [name for name in wanted if name not in available]
     if unknown:
         raise ValueError(f"transport {', '.join(unknown)} not available here: choose from "
@@ -154,11 +162,11 @@ def _transport_names(text: str, world: Any | None) -> list[str]:
     return wanted
 
 
-def _cma_pipe_runner(name: str) -> Callable[[Plan], Runner]:
+def _cma_pipe_runner(name: str, **options: Any) -> Callable[[Plan], Runner]:
     def pair() -> tuple[Any, Any]:
         import cma
 
-        return cma.Pipe(transport=name)
+        return cma.Pipe(transport=name, **options)
 
     return lambda plan: PeerRunner(plan, pair, "cma")
 
@@ -231,7 +239,7 @@ def run_schedule(specs: Sequence[SeriesSpec], plans: Mapping[str, Plan],
                 if spec.where == "local" and rank != 0 or any(
                         s.status != "ok" for s in runs[index]):
                     continue
-                plan = plans["memcpy" if spec.name == "memcpy" else "messages"]
+                plan = plans["memcpy" if spec.name in COPY_BASELINES else "messages"]
                 sp = plan.sizes[size_index]
                 if settle > 0 and previous not in (-1, index):
                     time.sleep(settle)

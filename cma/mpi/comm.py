@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, NoReturn
 
+import numpy as np
 from mpi4py import MPI
 
 from ..collectives import OPS, Op
@@ -19,6 +20,7 @@ from ..comm import Status as CmaStatus
 from ..errors import CmaError, InvalidRank, InvalidTag, PeerGone, TruncationError
 from ..protocol import ANY_SOURCE as CMA_ANY_SOURCE
 from ..protocol import SendOp
+from ..transports.xmap import View
 from ..wire import PROC_NULL as CMA_PROC_NULL
 from .bootstrap import BARRIER_CMA, BARRIER_MPI, BARRIER_NONBLOCKING, ENV_DISABLE, bootstrap, env_flag
 from .errors import PeerGoneError, TruncateError
@@ -391,6 +393,26 @@ class Comm(MPI.Intracomm):
         obj = self.recv(recvbuf, source, recvtag, status)
         send.Wait()
         return obj
+
+    # -- views (xmap: a node communicator made with CMA_XMAP=1)
+
+    def recv_view(self, source: int = ANY_SOURCE, tag: int = ANY_TAG,
+                  status: MPI.Status | None = None) -> Any:
+        """``cma.Comm.recv_view``: from a rank on this node, the sender's heap memory itself
+        where xmap is on; from any other (or a wildcard over ranks of both kinds), the
+        message received into a new array, as a read-only ``cma.View``."""
+        peer = self._fast.get(source)
+        if peer is not None and self._cma is not None:
+            try:
+                return self._cma.Irecv_view(peer, tag).wait(status)  # type: ignore[arg-type]  # (a node request: MPI's Status)
+            except CmaError as exc:
+                self._fail(exc)
+        probed = MPI.Status()
+        self.Probe(source, tag, probed)
+        buf = np.empty(probed.Get_count(MPI.BYTE), np.uint8)
+        self.Recv(buf, probed.Get_source(), probed.Get_tag(), status)
+        buf.flags.writeable = False
+        return buf.view(View)
 
     # -- probes
 

@@ -111,6 +111,10 @@ class Request(MPI.Grequest):
             return
         self._over = True
         op = self._op
+        if isinstance(op, RecvOp) and op.view and not self._object and op.error is None \
+                and op.matched_source >= 0:  # (recv_view: MPI hands out the view)
+            _complete_obj(self, self._node.load_view(op))
+            return
         if self._object and isinstance(op, RecvOp) and op.error is None and op.matched_source >= 0:
             try:
                 value = self._node.load_object(op)

@@ -50,12 +50,20 @@ class Peer(Protocol):
         """A file descriptor the peer exposed under ``name``, passed over SCM_RIGHTS."""
         ...
 
+    def take_fd(self, number: int, name: str) -> int:
+        """The peer's fd ``number`` (pidfd_getfd), or failing that the one it exposed as ``name``."""
+        ...
+
 
 class Host(Protocol):
     """What a transport may ask of its own process's bootstrap."""
 
     def expose_fd(self, name: str, opener: Callable[[], int]) -> None:
         """Serve ``opener()``'s fd to verified peers that ask for ``name``."""
+        ...
+
+    def withdraw_fd(self, name: str) -> None:
+        """Stop serving ``name``."""
         ...
 
 

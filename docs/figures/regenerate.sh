@@ -115,6 +115,13 @@ python -m cma.bench bw --transport all --min-size 4K --max-size 4M --quick "${gu
 python -m cma.bench latency --transport all --min-size 64K --max-size 16M --quick --cold \
     "${guard[@]}" > docs/figures/latency-cold.txt
 
+# xmap (docs/figures/xmap.txt was made by hand, with mpiexec -n 2 for the warm table):
+# python -m cma.bench latency --transport xmap,auto --baseline memcpy,memcpy2,mpi4py \
+#     --min-size 64K --max-size 64M --quick --rounds 3
+# python -m cma.bench latency --transport xmap --baseline none --cold --min-size 4M --max-size 64M --quick --rounds 3
+# python -m cma.bench latency --transport xmap --baseline none --recv-view --min-size 64K --max-size 1G --quick
+# python bench/xmap_reduce.py --size 64M --repeat 7
+
 # every sample of the latency run is ~12 MB of JSON: keep it compressed in the repository
 gzip -f docs/figures/latency.json
 

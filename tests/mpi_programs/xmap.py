@@ -1,0 +1,52 @@
+"""cma.mpi.Comm with CMA_XMAP=1: a heap buffer received on the node through xmap (a bare
+array and a buffer spec) and as a view, counted by the node communicator's stats; with
+CMA_MPI_NODES=0,1 (each rank a node of its own) the same calls through MPI, the view a
+copy. Prints "OK <rank>"."""
+
+import os
+
+import numpy as np
+from mpi4py import MPI
+
+import cma
+import cma.mpi
+
+comm = cma.mpi.Comm(MPI.COMM_WORLD)
+apart = bool(os.environ.get("CMA_MPI_NODES"))
+
+
+def xmap_stats() -> dict:
+    return {} if apart else comm._cma.stats()["xmap"]  # the node communicator's
+
+
+
+n = 8 << 20
+if comm.Get_rank() == 1:
+    a = cma.empty(n, np.uint8)
+    a[:] = 7
+    comm.Send(a, 0, 1)
+    comm.Send([a, n, MPI.BYTE], 0, 2)
+    comm.Send(a, 0, 3)  # returns once rank 0 released its view
+    comm.Send(np.full(100, 3, np.uint8), 0, 4)  # eager: a view of a copy
+    ok = True
+else:
+    buf = np.zeros(n, np.uint8)
+    comm.Recv(buf, 1, 1)
+    ok = bool((buf == 7).all())
+    buf[:] = 0
+    comm.Recv([buf, n, MPI.BYTE], 1, 2)
+    ok = ok and bool((buf == 7).all())
+    stats = xmap_stats()
+    ok = ok and (apart or stats["messages"] == 2 and stats["user_copies"] == 1.0
+                 and stats["cache_hits"] == 1)
+    status = MPI.Status()
+    with comm.recv_view(1, 3, status) as view:
+        ok = ok and isinstance(view, cma.View) and bool((view == 7).all()) and view.size == n
+        ok = ok and status.Get_source() == 1 and status.Get_count(MPI.BYTE) == n
+    small = comm.recv_view(MPI.ANY_SOURCE, 4)
+    ok = ok and bool((small == 3).all()) and not small.flags.writeable
+    stats = xmap_stats()
+    ok = ok and (apart or stats["messages"] == 3 and stats["user_copies"] == 2 / 3)
+comm.Barrier()
+if ok:
+    print(f"OK {comm.Get_rank()}", flush=True)

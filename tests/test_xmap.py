@@ -1,0 +1,480 @@
+"""xmap over real processes: Recv from a sender's heap buffer (one user copy out of a
+mapping of the sender's segment), recv_view (none: the sender's memory itself, the
+sender's request held until the view is released), segments given back, a sender that
+dies under a view, and nothing leaking over many messages.
+
+Every world is a fork of this process (``run_ranks``, ``cma.Pipe``) or a ``cma-run``;
+each wait is bounded, and every child is reaped."""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing as mp
+import os
+import textwrap
+import time
+
+import numpy as np
+import pytest
+from conftest import run_ranks, stop_process
+from test_run import cma_run
+
+import cma
+from cma import heap
+from cma.channel import ChannelConfig
+from cma.errors import PeerGone
+
+# a small eager limit: rendezvous (and so xmap) from 16 KiB, with small buffers
+CONFIG = ChannelConfig(eager_limit=16 << 10, ring_bytes=64 << 10, frag_size=16 << 10, stage_slots=4)
+SIZE = 3 << 20  # above a slab block: a segment of its own
+HOLD_CHECKS = 20  # polls of the sender's request while the view is held (each 10 ms apart)
+
+
+def pattern(n: int, seed: int) -> np.ndarray:
+    return (np.arange(n, dtype=np.uint64) * 2654435761 + seed).astype(np.uint8)
+
+
+def xmap_stats(comm: cma.Comm) -> dict[str, float]:
+    return comm.stats().get("xmap", {})
+
+
+def fd_count() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def map_count() -> int:
+    with open("/proc/self/maps") as f:
+        return sum(1 for _ in f)
+
+
+# ------------------------------------------------------------------ the heap's side
+
+def test_heap_segments_are_sealed_against_shrinking():
+    a = cma.empty(SIZE, np.uint8)
+    fd = heap.locate(a).segment.fd
+    assert cma._linux.cannot_shrink(fd)
+    with pytest.raises(PermissionError):
+        os.ftruncate(fd, 4096)  # a peer mapping it could otherwise die of SIGBUS
+    plain = cma._linux.memfd_segment("cma-test", 4096)
+    try:
+        assert not cma._linux.cannot_shrink(plain)  # what xmap refuses to map
+    finally:
+        os.close(plain)
+
+
+# ------------------------------------------------------------------ Recv
+
+def _send_heap_twice(comm: cma.Comm) -> None:
+    for seed in (1, 2):
+        a = cma.empty(SIZE, np.uint8)
+        a[:] = pattern(SIZE, seed)
+        comm.Send(a, 0, seed)
+        if seed == 1:
+            keep = a  # the second message comes from the same segment, rewritten
+            keep[:] = pattern(SIZE, 3)
+            comm.Send(keep, 0, 3)
+    comm.Send(np.full(SIZE, 9, np.uint8), 0, 4)  # not in the heap
+    comm.Barrier()
+
+
+def _recv_heap(comm: cma.Comm) -> dict:
+    buf = np.empty(SIZE, np.uint8)
+    out = {}
+    comm.Recv(buf, 1, 1)
+    out["first"] = bool((buf == pattern(SIZE, 1)).all())
+    out["after_first"] = xmap_stats(comm)
+    comm.Recv(buf, 1, 3)
+    out["same_segment"] = bool((buf == pattern(SIZE, 3)).all())
+    out["after_second"] = xmap_stats(comm)
+    comm.Recv(buf, 1, 2)
+    out["second"] = bool((buf == pattern(SIZE, 2)).all())
+    comm.Recv(buf, 1, 4)
+    out["not_heap"] = bool((buf == 9).all())
+    out["end"] = xmap_stats(comm)
+    comm.Barrier()
+    return out
+
+
+@pytest.mark.parametrize("transport", ["auto", "shm"])
+def test_recv_from_a_heap_buffer_is_one_user_copy_from_a_cached_mapping(transport):
+    got, _ = run_ranks(transport, CONFIG, [_recv_heap, _send_heap_twice], timeout=60, xmap=True)
+    assert got["first"] and got["same_segment"] and got["second"] and got["not_heap"]
+    first = got["after_first"]
+    assert (first["messages"], first["user_copies"], first["kernel_copies"]) == (1, 1.0, 0.0)
+    assert (first["cache_misses"], first["cache_hits"], first["mappings"]) == (1, 0, 1)
+    assert first["syscalls"] > 0  # the one mapping
+    second = got["after_second"]
+    assert (second["messages"], second["cache_hits"], second["cache_misses"]) == (2, 1, 1)
+    assert second["syscalls"] == first["syscalls"]  # no system call once mapped
+    end = got["end"]
+    assert end["messages"] == 3  # the buffer outside the heap went another way
+
+
+def _refuse(pidfd: int, fd: int) -> int:
+    raise PermissionError(1, "refused by the test (as ptrace rules would)")
+
+
+def test_the_fd_server_serves_the_segment_when_pidfd_getfd_is_refused(monkeypatch):
+    monkeypatch.setattr(cma._linux, "pidfd_getfd", _refuse)  # the forked ranks inherit it
+    got, _ = run_ranks("auto", CONFIG, [_recv_heap, _send_heap_twice], timeout=60, xmap=True)
+    assert got["first"] and got["same_segment"] and got["second"]
+    assert got["end"]["cache_misses"] == 2 and got["end"]["messages"] == 3
+
+
+def test_xmap_off_leaves_heap_buffers_to_the_transport():
+    got, _ = run_ranks("auto", CONFIG, [_recv_heap, _send_heap_twice], timeout=60, xmap=False)
+    assert got["first"] and got["second"] and got["end"] == {}
+
+
+# ------------------------------------------------------------------ recv_view
+
+def _view_sender(comm: cma.Comm) -> list:
+    a = cma.empty(SIZE, np.uint8)
+    a[:] = pattern(SIZE, 5)
+    log = []
+    for how in ("release", "with", "gc"):
+        req = comm.Isend(a, 0, 1)
+        comm.recv(source=0, tag=8)  # the receiver holds its view now
+        held = 0
+        for _ in range(HOLD_CHECKS):
+            held += not req.Test()
+            time.sleep(0.01)
+        log.append((how, held))
+        comm.send("checked", 0, 9)
+        req.Wait()  # completes once the view is released (bounded by the test's timeout)
+    comm.Barrier()
+    return log
+
+
+def _view_receiver(comm: cma.Comm) -> list:
+    out = []
+    for how in ("release", "with", "gc"):
+        view = comm.recv_view(1, 1)
+        stats = xmap_stats(comm)
+        ok = isinstance(view, cma.View) and not view.flags.writeable and \
+            bool((view == pattern(SIZE, 5)).all())
+        try:
+            view[0] = 1
+            ok = False
+        except ValueError:
+            pass
+        comm.send("holding", 1, 8)
+        comm.recv(source=1, tag=9)
+        if how == "release":
+            view.release()
+            view.release()  # a second release does nothing
+        elif how == "with":
+            with view[100:200] as part:  # a slice shares the view's release
+                ok = ok and part.nbytes == 100
+        else:
+            del view
+            gc.collect()
+            comm.Iprobe(1, 99)  # any call: its FIN goes at this rank's next cma call
+        out.append((ok, stats["user_copies"], stats["views_held"]))
+    comm.Barrier()
+    out.append(xmap_stats(comm)["views_held"])
+    return out
+
+
+def test_recv_view_is_the_senders_memory_and_holds_its_request_until_released():
+    got, log = run_ranks("auto", CONFIG, [_view_receiver, _view_sender], timeout=60, xmap=True)
+    for ok, copies, held in got[:3]:
+        assert ok and copies == 0.0 and held == 1
+    assert got[3] == 0
+    # the sender's request did not complete while the view was held
+    assert log == [("release", HOLD_CHECKS), ("with", HOLD_CHECKS), ("gc", HOLD_CHECKS)]
+
+
+def _small_and_plain(comm: cma.Comm) -> None:
+    comm.Send(np.arange(100, dtype=np.uint8), 0, 1)  # eager
+    comm.Send(np.full(SIZE, 7, np.uint8), 0, 2)  # not in the heap
+    comm.Barrier()
+
+
+def _views_of_copies(comm: cma.Comm) -> list:
+    small = comm.recv_view(1, 1)
+    plain = comm.recv_view(1, 2)
+    out = [bool((small == np.arange(100)).all()), bool((plain == 7).all()),
+           isinstance(plain, cma.View), plain.flags.writeable]
+    plain.release()  # (nothing to give back: a no-op)
+    comm.Barrier()
+    return out
+
+
+def test_a_view_of_a_message_not_in_the_heap_is_a_fresh_array():
+    got, _ = run_ranks("auto", CONFIG, [_views_of_copies, _small_and_plain], timeout=60, xmap=True)
+    assert got == [True, True, True, False]
+
+
+# ------------------------------------------------------------------ segments given back
+
+def _give_back_and_reuse(comm: cma.Comm) -> list:
+    a = cma.empty(SIZE, np.uint8)
+    a[:] = 1
+    where = heap.locate(a)
+    first = (where.segment.index, where.generation)
+    comm.Send(a, 0, 1)
+    comm.Send(np.zeros(1, np.uint8), 0, 7)  # (Send keeps its last array: now this one)
+    del a, where
+    gc.collect()
+    comm.Barrier()  # (its progress announces the segment given back)
+    comm.Barrier()  # the receiver has taken the announcement
+    b = cma.empty(SIZE, np.uint8)
+    b[:] = 2
+    again = heap.locate(b)
+    second = (again.segment.index, again.generation)
+    del again
+    comm.Send(b, 0, 2)
+    comm.Send(np.zeros(1, np.uint8), 0, 7)
+    del b
+    gc.collect()
+    c = cma.empty(SIZE, np.uint8)  # reused at once, no announcement in between
+    c[:] = 3
+    comm.Send(c, 0, 3)
+    comm.Barrier()
+    return [first, second]
+
+
+def _receive_through_fresh_mappings(comm: cma.Comm) -> list:
+    buf = np.empty(SIZE, np.uint8)
+    comm.Recv(buf, 1, 1)
+    comm.Recv(np.empty(1, np.uint8), 1, 7)
+    out: list = [bool((buf == 1).all())]
+    comm.Barrier()
+    comm.Barrier()
+    out.append(xmap_stats(comm))  # the announcement dropped the mapping
+    comm.Recv(buf, 1, 2)
+    out.append(bool((buf == 2).all()))
+    comm.Recv(np.empty(1, np.uint8), 1, 7)
+    comm.Recv(buf, 1, 3)
+    out.append(bool((buf == 3).all()))
+    out.append(xmap_stats(comm))
+    comm.Barrier()
+    return out
+
+
+def test_a_segment_given_back_is_never_read_through_a_stale_mapping():
+    got, (first, second) = run_ranks("auto", CONFIG, [_receive_through_fresh_mappings,
+                                                      _give_back_and_reuse], timeout=60, xmap=True)
+    assert first[0] == second[0] and first[1] < second[1], "the index was not reused"
+    ok1, announced, ok2, ok3, end = got
+    assert ok1 and ok2 and ok3
+    assert (announced["mappings"], announced["bytes_mapped"], announced["cache_invalidations"]) \
+        == (0, 0, 1)
+    assert end["cache_misses"] == 3 and end["cache_hits"] == 0
+    assert end["mappings"] == 1  # the older generations were dropped
+
+
+# ------------------------------------------------------------------ a sender that dies
+
+def _send_and_die(comm: cma.Comm) -> None:
+    a = cma.empty(SIZE, np.uint8)
+    a[:] = pattern(SIZE, 11)
+    comm.Isend(a, 0, 1)
+    comm.recv(source=0, tag=8)
+    os._exit(0)  # with the view held and its request pending
+
+
+def test_a_view_outlives_its_sender_and_later_operations_raise_peer_gone():
+    comm, child_end = cma.Pipe(config=CONFIG, xmap=True)
+    proc = mp.get_context("fork").Process(target=_send_and_die, args=(child_end,), daemon=True)
+    proc.start()
+    child_end.close()
+    try:
+        view = comm.recv_view(1, 1)
+        comm.send("holding", 1, 8)
+        proc.join(30)
+        assert proc.exitcode == 0
+        with pytest.raises(PeerGone):
+            comm.recv(source=1, tag=2)
+        assert bool((view == pattern(SIZE, 11)).all())  # our mapping: still readable
+        view.release()
+        comm.progress()  # (no FIN to a dead rank; nothing raises)
+    finally:
+        stop_process(proc, 5)
+        comm.close()
+
+
+# ------------------------------------------------------------------ no leaks
+
+MESSAGES = 1000
+LEAK_SIZE = 300 << 10  # a segment of its own each time, given back each time
+
+
+def _many_sender(comm: cma.Comm) -> tuple[int, int]:
+    comm.Barrier()
+    before = fd_count(), map_count()
+    for i in range(MESSAGES):
+        a = cma.empty(LEAK_SIZE, np.uint8)
+        a[:1] = i % 251
+        comm.Send(a, 0, 1)
+        del a
+    comm.Send(np.zeros(1, np.uint8), 0, 2)  # (Send keeps its last array: now this one)
+    gc.collect()
+    comm.Barrier()  # (its progress closes what the last segment held)
+    comm.Barrier()
+    return fd_count() - before[0], map_count() - before[1]
+
+
+def _many_receiver(comm: cma.Comm) -> tuple:
+    buf = np.empty(LEAK_SIZE, np.uint8)
+    comm.Barrier()
+    before = fd_count(), map_count()
+    ok = True
+    for i in range(MESSAGES):
+        if i % 2:
+            comm.Recv(buf, 1, 1)
+            ok = ok and buf[0] == i % 251
+        else:
+            with comm.recv_view(1, 1) as view:
+                ok = ok and view[0] == i % 251
+    comm.Recv(np.empty(1, np.uint8), 1, 2)
+    comm.Barrier()
+    comm.progress()
+    comm.Barrier()
+    stats = xmap_stats(comm)
+    return ok, fd_count() - before[0], map_count() - before[1], stats["mappings"], stats["messages"]
+
+
+def test_fds_and_mappings_do_not_leak_over_a_thousand_messages():
+    got, sent = run_ranks("auto", CONFIG, [_many_receiver, _many_sender], timeout=240, xmap=True)
+    ok, fds, maps, mappings, messages = got
+    assert ok and messages == MESSAGES
+    assert fds <= 1 and maps <= 4 and mappings <= 2, got
+    assert sent[0] <= 1 and sent[1] <= 4, sent
+
+
+# ------------------------------------------------------------------ a cma-run world
+
+RUN_PROGRAM = """
+import os, sys
+import numpy as np
+import cma
+
+comm = cma.COMM_WORLD
+n = 3 << 20
+if comm.rank == 0:
+    a = cma.empty(n, np.uint8)
+    a[:] = 42
+    for r in range(1, comm.size):
+        comm.Send(a, r, 1)
+    reqs = [comm.Isend(a, r, 2) for r in range(1, comm.size)]
+    for req in reqs:
+        req.Wait()
+    ok = True
+else:
+    buf = np.empty(n, np.uint8)
+    comm.Recv(buf, 0, 1)
+    with comm.recv_view(0, 2) as view:
+        ok = bool((buf == 42).all()) and bool((view == 42).all())
+    s = comm.stats()["xmap"]
+    ok = ok and s["messages"] == 2 and s["user_copies"] == 0.5
+comm.Barrier()
+with open(os.path.join(sys.argv[1], f"rank{comm.rank}"), "w") as f:
+    f.write("ok" if ok else "bad")
+"""
+
+
+def test_cma_run_world_maps_the_roots_heap(tmp_path) -> None:
+    code, _, err, _ = cma_run(["-n", "3"], textwrap.dedent(RUN_PROGRAM), tmp_path,
+                              env={"CMA_XMAP": "1"}, timeout=90)
+    assert code == 0, err
+    assert [(tmp_path / f"rank{r}").read_text() for r in range(3)] == ["ok"] * 3
+
+
+# ------------------------------------------------------------------ cma-bench
+
+def test_cma_bench_xmap_rows_count_one_copy_and_none_for_views(tmp_path) -> None:
+    from test_bench import run_cli
+
+    sizes = ["--min-size", "4M", "--max-size", "4M", "--iterations", "3", "--warmup", "1"]
+    for view, copies in ((False, 1.0), (True, 0.0)):
+        _, doc = run_cli(["latency", "--transport", "xmap", "--baseline", "memcpy2", *sizes,
+                          *(["--recv-view"] if view else [])], tmp_path)
+        names = [s["name"] for s in doc["series"]]
+        assert names == ["memcpy2", "xmap"]
+        xmap = doc["series"][1]
+        assert xmap["status"] == "ok", xmap["reason"]
+        [result] = xmap["results"]
+        assert result["copies"]["via"] == ["xmap"]
+        assert result["copies"]["user"] == copies and result["copies"]["kernel"] == 0
+
+
+# ------------------------------------------------------------------ cma.mpi
+
+def test_cma_mpi_node_communicators_use_xmap_with_cma_xmap_set() -> None:
+    test_mpi = pytest.importorskip("test_mpi")  # (skips without mpi4py or mpiexec)
+    test_mpi.expect_ok(2, "xmap.py", env={"CMA_XMAP": "1"})
+    test_mpi.expect_ok(2, "xmap.py", env={"CMA_XMAP": "1", "CMA_MPI_NODES": "0,1"})
+
+
+# ------------------------------------------------------------------ objects
+
+def _send_objects(comm: cma.Comm) -> None:
+    a = cma.empty(SIZE, np.uint8)
+    a[:] = pattern(SIZE, 21)
+    b = cma.zeros((512, 1024), np.float64)
+    b[3] = 5.0
+    comm.send({"a": a, "b": b, "note": "heap arrays"}, 0, 1)
+    comm.send({"plain": np.full(SIZE, 4, np.uint8)}, 0, 2)  # not in the heap
+    comm.Barrier()
+
+
+def _recv_objects(comm: cma.Comm) -> list:
+    got = comm.recv(source=1, tag=1)
+    stats = xmap_stats(comm)
+    plain = comm.recv(source=1, tag=2)
+    after = xmap_stats(comm)
+    comm.Barrier()
+    return [bool((got["a"] == pattern(SIZE, 21)).all()), float(got["b"].sum()), got["note"],
+            stats["messages"], stats["user_copies"], bool((plain["plain"] == 4).all()),
+            after["messages"]]
+
+
+def test_an_object_of_heap_arrays_comes_through_xmap():
+    got, _ = run_ranks("auto", CONFIG, [_recv_objects, _send_objects], timeout=60, xmap=True)
+    assert got[:3] == [True, 5.0 * 1024, "heap arrays"]
+    assert got[3:5] == [1, 1.0]  # one message, each byte (stream included) copied once
+    assert got[5] and got[6] == 1  # the array outside the heap went another way
+
+
+def _send_object_for_views(comm: cma.Comm) -> int:
+    a = cma.empty(SIZE, np.uint8)
+    a[:] = pattern(SIZE, 23)
+    b = cma.empty((1024, 512), np.float64)
+    b.fill(2.0)
+    req = comm.isend({"a": a, "b": b}, 0, 1)
+    comm.recv(source=0, tag=8)  # the receiver holds the object's arrays
+    held = sum(not req.Test() for _ in range(HOLD_CHECKS))
+    comm.send("checked", 0, 9)
+    req.Wait()  # once both arrays are gone (bounded by the test's timeout)
+    comm.Barrier()
+    return held
+
+
+def _recv_object_views(comm: cma.Comm) -> list:
+    got = comm.recv(source=1, tag=1, views=True)
+    stats = xmap_stats(comm)
+    ok = bool((got["a"] == pattern(SIZE, 23)).all()) and float(got["b"].sum()) == 2.0 * 1024 * 512
+    ok = ok and not got["a"].flags.writeable and not got["b"].flags.writeable
+    comm.send("holding", 1, 8)
+    comm.recv(source=1, tag=9)
+    b = got["b"][:10]  # a slice keeps its buffer: released only with it
+    del got
+    gc.collect()
+    comm.progress()
+    before_last = xmap_stats(comm)["views_held"]
+    del b
+    gc.collect()
+    comm.Barrier()  # (its progress sends the FIN)
+    return [ok, stats["user_copies"], stats["views_held"], before_last,
+            xmap_stats(comm)["views_held"]]
+
+
+def test_recv_with_views_gives_an_object_whose_arrays_are_the_senders_memory():
+    got, held = run_ranks("auto", CONFIG, [_recv_object_views, _send_object_for_views],
+                          timeout=60, xmap=True)
+    ok, copies, views, before_last, after = got
+    assert ok and copies == 0.0 and views == 3  # the stream, a and b
+    assert before_last == 3 and after == 0  # one FIN, once every array is gone
+    assert held == HOLD_CHECKS

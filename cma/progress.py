@@ -452,9 +452,13 @@ class Progress:
         world = self.world
         deadline = 0.0
         yield_cpu = yield_cpu or self.oversubscribed
+        slept = False
         while not done():
-            if self.poll():
+            # Once asleep, a pass runs only if there is work: a Ctrl-C landing inside an
+            # empty pass (every SLEEP_MS) would otherwise break the communicator (#23).
+            if (not slept or self._has_work()) and self.poll():
                 deadline = 0.0
+                slept = False
                 continue
             if yield_cpu:
                 os.sched_yield()
@@ -466,9 +470,10 @@ class Progress:
                 continue  # (a background pull needs the GIL back, and rings when done)
             world.set_sleeping(1)
             try:
-                if self.poll() or done():
+                if (not slept or self._has_work()) and self.poll() or done():
                     continue
                 gone = world.sleep(SLEEP_MS)
+                slept = True
                 self.counts.control_syscalls += 1
             finally:
                 world.set_sleeping(0)
@@ -477,6 +482,17 @@ class Progress:
             # spinning (1 ms in 11 was 9 % of a CPU per idle waiter, taken from the peer).
             if gone:
                 self._peers_gone(gone, done, peer)
+
+    def _has_work(self) -> bool:
+        """Whether a pass of progress would find anything to do; reads only, so a signal
+        raised in here leaves nothing half done. (The first pass of a wait published
+        every tail the fast paths consumed; later passes publish their own.)"""
+        if self.loopback or self.txq_pending or self.out_streams or self.in_streams or self.pulls:
+            return True
+        for box in self.inboxes.values():
+            if box.ready():
+                return True
+        return False
 
     def withdraw(self, op: SendOp | RecvOp) -> None:
         """Take a receive whose caller gave up waiting (an exception left its Wait) out of
@@ -580,8 +596,11 @@ class _BrokenEngine:
 
 
 # Where a wait holds nothing half done: its loop's own steps, its sleep and what these
-# call directly (the done() predicate, a comprehension), but not a pass of progress.
+# call directly (the done() predicate, a comprehension), the read-only look for work,
+# but not a pass of progress.
 _IDLE_CODE = frozenset({Progress.wait_until.__code__, Progress._wait_loop.__code__,
+                        Progress._has_work.__code__, Inbox.ready.__code__,
+                        Inbox._position.__code__, BackgroundPulls.__bool__.__code__,
                         World.sleep.__code__, World.set_sleeping.__code__,
                         _linux.wait_readable.__code__})
 _BUSY_CODE = frozenset({Progress.poll.__code__, Progress._peers_gone.__code__})

@@ -64,6 +64,17 @@ def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
             proc.wait()
 
 
+def _how(code: int) -> str:
+    """How a rank ended, as Popen's return code tells it (negative: the signal)."""
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"was killed by {name} (signal {-code})"
+    return f"exited with code {code}"
+
+
 def launch(args: argparse.Namespace) -> int:
     given = {name: getattr(args, name) for name in ("eager_limit", "frag_size", "stage_slots")}
     config = dataclasses.replace(ChannelConfig.for_ranks(args.n),
@@ -102,8 +113,8 @@ def launch(args: argparse.Namespace) -> int:
             if failed:
                 rank, code = failed[0]
                 if not interrupted:
-                    print(f"cma-run: rank {rank} exited with code {code}; stopping the others",
-                          file=sys.stderr)
+                    print(f"cma-run: rank {rank} (pid {procs[rank].pid}) {_how(code)}; "
+                          "stopping the others", file=sys.stderr)
                 _stop(procs)
                 return code if code > 0 else 128 - code
             if all(c == 0 for c in codes):

@@ -200,6 +200,18 @@ def test_failing_rank_stops_everyone(tmp_path):
     assert elapsed < 30, f"cma-run took {elapsed:.1f} s to give up"
 
 
+KILLED = FAIL.replace("sys.exit(3)", "import signal; os.kill(os.getpid(), signal.SIGKILL)")
+
+
+def test_a_killed_rank_of_three_is_named_with_its_signal(tmp_path):
+    code, out, err, elapsed = cma_run(["-n", "3"], KILLED, tmp_path, timeout=60)
+    pids = [int((tmp_path / f"pid{r}").read_text()) for r in range(3)]
+    assert code == 128 + signal.SIGKILL, err
+    assert f"rank 2 (pid {pids[2]}) was killed by SIGKILL" in err, err
+    assert_all_gone(pids)
+    print(f"cma-run gave up after {elapsed:.2f} s (the ranks' start included)")
+
+
 def test_timeout_stops_everyone(tmp_path):
     code, out, err, elapsed = cma_run(["-n", "2", "--timeout", "3"], HANG, tmp_path, timeout=60)
     assert code == 124, err

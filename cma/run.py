@@ -47,7 +47,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     if not args.command:
         parser.error("no program given (e.g. cma-run -n 4 python prog.py)")
     if args.n < 1:
-        parser.error("-n must be at least 1")
+        parser.error(f"-n must be at least 1 (got {args.n}): the number of ranks to start")
     return args
 
 
@@ -126,7 +126,9 @@ def launch(args: argparse.Namespace) -> int:
                 return 124
             time.sleep(0.01)
     except OSError as exc:
-        print(f"cma-run: cannot start {args.command[0]!r}: {exc}", file=sys.stderr)
+        print(f"cma-run: cannot start {args.command[0]!r}: {exc.strerror or exc} (give the "
+              "program's path, or a name on PATH, e.g. cma-run -n 2 python prog.py)",
+              file=sys.stderr)
         _stop(procs)
         return 127
     finally:

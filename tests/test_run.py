@@ -220,6 +220,24 @@ def test_timeout_stops_everyone(tmp_path):
     assert elapsed < 30
 
 
+@pytest.mark.parametrize("n", ["0", "-3"])
+def test_no_ranks_is_an_error(tmp_path, n):
+    proc = subprocess.run([sys.executable, "-m", "cma.run", "-n", n, sys.executable, "-c", "pass"],
+                          capture_output=True, text=True, timeout=RUN_TIMEOUT, cwd=tmp_path)
+    assert proc.returncode == 2
+    assert f"-n must be at least 1 (got {n})" in proc.stderr, proc.stderr
+
+
+def test_a_program_that_does_not_exist_is_an_error(tmp_path):
+    missing = str(tmp_path / "no-such-program")
+    proc = subprocess.run([sys.executable, "-m", "cma.run", "-n", "2", missing], capture_output=True,
+                          text=True, timeout=RUN_TIMEOUT, cwd=tmp_path)
+    assert proc.returncode == 127
+    assert f"cannot start {missing!r}: No such file or directory (give the program's path" \
+        in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 def test_missing_program_is_an_error(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "cma.run", "-n", "2"], capture_output=True,
                           text=True, timeout=RUN_TIMEOUT, cwd=tmp_path)

@@ -102,7 +102,7 @@ class Progress:
         self.matcher = matcher
         self.engine = Engine(rank, self.config.eager_limit, connection.policy,
                              PULL | PUSH | PIPELINE, allocate=_allocate, region_of=_region,
-                             matcher=matcher)
+                             matcher=matcher, max_object_bytes=_linux.memory_bytes())
         self.peers = [p for p in range(size) if p != rank]
         self.outboxes = {p: box for p, box in enumerate(world.outboxes) if box is not None}
         self.inboxes = {p: box for p, box in enumerate(world.inboxes) if box is not None}

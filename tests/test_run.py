@@ -191,6 +191,49 @@ def test_small_eager_limit_and_staging(tmp_path, eager_limit, transport):
     assert [r[2] for r in read_ranks(tmp_path, 2)] == [transport, transport]
 
 
+START_METHOD = """
+import multiprocessing as mp, os, sys
+import numpy as np
+import cma
+
+def child(end):
+    end.Send(np.full(1000, end.rank + 1, np.uint8), dest=0, tag=2)
+    end.close()
+
+if __name__ == "__main__":
+    mp.set_start_method(sys.argv[2])
+    comm = cma.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    got = comm.sendrecv(rank, dest=(rank + 1) % size, source=(rank - 1) % size)
+    assert got == (rank - 1) % size
+    a, b = cma.Pipe()
+    proc = mp.Process(target=child, args=(b,))
+    proc.start()
+    b.close()
+    buf = np.zeros(1000, np.uint8)
+    a.Recv(buf, source=1, tag=2)
+    proc.join(30)
+    assert proc.exitcode == 0 and (buf == 2).all()
+    a.close()
+    comm.Barrier()
+    with open(os.path.join(sys.argv[1], f"rank{rank}"), "w") as f:
+        f.write(mp.get_start_method())
+"""
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
+def test_ranks_under_each_start_method(tmp_path, method):
+    """A rank of cma-run that sets a start method (3.14 makes forkserver the default on
+    Linux) talks over COMM_WORLD and to a child of its own through cma.Pipe."""
+    path = tmp_path / "prog.py"
+    path.write_text(START_METHOD)
+    cmd = [sys.executable, "-m", "cma.run", "-n", "2", "--timeout", "60", sys.executable,
+           str(path), str(tmp_path), method]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert [(tmp_path / f"rank{r}").read_text() for r in range(2)] == [method, method]
+
+
 def test_failing_rank_stops_everyone(tmp_path):
     code, out, err, elapsed = cma_run(["-n", "4"], FAIL, tmp_path, timeout=60)
     assert code == 3, err

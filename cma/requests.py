@@ -145,9 +145,17 @@ class Request:
         return [req.wait(statuses[i] if statuses is not None else None)
                 for i, req in enumerate(requests)]
 
+    def _ready(self) -> bool:
+        """Whether a Wait would return at once, after a step of progress if needed (Test
+        without finishing: a finished request reports an empty status from then on)."""
+        if self._spent or self._done():
+            return True
+        self._comm.progress()
+        return self._done()
+
     @classmethod
     def Testall(cls, requests: Sequence[Request], statuses: list[Status] | None = None) -> bool:
-        if not all(req._done() or req.Test() for req in requests):
+        if not all(req._ready() for req in requests):
             return False
         return cls.Waitall(requests, statuses)
 

@@ -33,14 +33,15 @@ from .heap import alloc, empty, empty_like, is_shared, zeros
 from .shared import shared_array
 from .transports import REGISTRY
 from .transports.xmap import View
-from .wire import ANY_SOURCE, ANY_TAG, PROC_NULL
+from .wire import ANY_SOURCE, ANY_TAG, PROC_NULL, UNDEFINED
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ANY_SOURCE", "ANY_TAG", "AUTO", "BAND", "BOR", "BXOR", "COMM_WORLD", "ChannelConfig",
     "Comm", "IN_PLACE", "LAND", "LOR", "LXOR", "MAX", "MAXLOC", "MIN", "MINLOC", "Op",
-    "PROC_NULL", "PROD", "Pipe", "Request", "SUM", "Status", "View", "alloc", "empty", "empty_like",
+    "PROC_NULL", "PROD", "Pipe", "Request", "SUM", "Status", "UNDEFINED", "View", "alloc", "empty",
+    "empty_like",
     "errors", "is_shared", "shared_array", "transport_names", "zeros",
 ]
 

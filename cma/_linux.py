@@ -555,6 +555,16 @@ def open_self_mem(writable: bool) -> int:
         ) from exc
 
 
+def memory_bytes() -> int:
+    """RAM plus swap of this machine: no process here can hold more."""
+    total = 0
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith(("MemTotal:", "SwapTotal:")):
+                total += int(line.split()[1]) * 1024
+    return total or os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 def mem_fd_owner(fd: int) -> tuple[int, bool]:
     """(pid, writable) of a /proc/PID/mem fd; ``TransportFault`` if ``fd`` is anything else."""
     try:

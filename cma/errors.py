@@ -69,6 +69,10 @@ class Cancelled(CmaError):
     """
 
 
+class RequestActive(CmaError, RuntimeError):
+    """A persistent request started again while active: complete it (Wait, Test) first."""
+
+
 class CommClosed(CmaError):
     """The communicator was closed; make a new world (cma.Pipe, cma-run) to talk again."""
 

@@ -109,7 +109,7 @@ class Progress:
         self.xmap = xmap if isinstance(xmap, XmapTransport) else None
         self.engine = Engine(rank, self.config.eager_limit, connection.policy,
                              PULL | PUSH | PIPELINE, allocate=_allocate, region_of=_region,
-                             matcher=matcher,
+                             matcher=matcher, max_object_bytes=_linux.memory_bytes(),
                              heap_of=self._heap_ref if self.xmap is not None else None)
         self.peers = [p for p in range(size) if p != rank]
         # The peers connected so far (connect): their ring ends, by peer, and a list that
@@ -185,9 +185,7 @@ class Progress:
         """Connect the peers that have connected to this rank since it last looked; True
         if there were any (their packets may be waiting)."""
         self.connects[0] = 0  # (before looking: a peer that sets it after is seen next time)
-        if len(self.outboxes) == len(self.peers):
-            return False
-        new = [r for r in self.world.connected_to_me() if r not in self.outboxes and r not in self.dead]
+        new = self._newly_connected()
         for peer in new:
             try:
                 self.connect(peer)
@@ -588,9 +586,13 @@ class Progress:
                    yield_cpu: bool) -> None:
         deadline = 0.0
         yield_cpu = yield_cpu or self.oversubscribed
+        slept = False
         while not done():
-            if self.poll():
+            # Once asleep, a pass runs only if there is work: a Ctrl-C landing inside an
+            # empty pass (every SLEEP_MS) would otherwise break the communicator (#23).
+            if (not slept or self._has_work()) and self.poll():
                 deadline = 0.0
+                slept = False
                 continue
             if yield_cpu:
                 os.sched_yield()
@@ -603,25 +605,30 @@ class Progress:
             # The deadline stays expired: only progress (above) earns a new spin, so a
             # waiter that wakes to nothing every SLEEP_MS sleeps again at once instead of
             # spinning (1 ms in 11 was 9 % of a CPU per idle waiter, taken from the peer).
-            self.doze(SLEEP_MS, done)
+            self.doze(SLEEP_MS, done, idle=slept)
+            slept = True
             if self.dead and not done():
                 error = self.exit_error(peer)
                 if error is not None:
                     raise error
 
-    def doze(self, timeout_ms: int, done: Callable[[], bool] | None = None) -> None:
+    def doze(self, timeout_ms: int, done: Callable[[], bool] | None = None,
+             idle: bool = False) -> None:
         """Sleep on this rank's doorbell and its peers' pidfds for up to ``timeout_ms``,
         unless the rings moved, ``done()``, or a peer connected, once the sleeping flag is
         up; peers that exited meanwhile are buried (``exit_error`` then says whom a wait
         may no longer expect).
 
         ``done`` may be left out where calling it twice would take two messages (mprobe).
+        ``idle``: this wait has slept already, so a pass runs only if there is work (a
+        Ctrl-C landing inside an empty pass, every SLEEP_MS, would break the communicator).
         """
         world = self.world
         world.set_sleeping(1)
         try:
             # (accept: a peer's hint may have been lost, cleared here as it was set)
-            if self.poll() or done is not None and done() or self.accept():
+            if (not idle or self._has_work()) and (self.poll() or self.accept()) \
+                    or done is not None and done():
                 return
             gone = world.sleep(timeout_ms)
             self.counts.control_syscalls += 1
@@ -629,6 +636,27 @@ class Progress:
             world.set_sleeping(0)
         if gone:
             self.bury(gone)
+
+    def _has_work(self) -> bool:
+        """Whether a pass of progress would find anything to do; reads only, so a signal
+        raised in here leaves nothing half done. (The first pass of a wait published
+        every tail the fast paths consumed; later passes publish their own.)"""
+        if self.loopback or self.txq_pending or self.out_streams or self.in_streams or self.pulls:
+            return True
+        xmap = self.xmap
+        if xmap is not None and (xmap.released or xmap.given_back):
+            return True
+        for box in self.inboxes.values():
+            if box.ready():
+                return True
+        return bool(self._newly_connected())
+
+    def _newly_connected(self) -> list[int]:
+        """The peers that connected to this rank and that it has not connected back (reads
+        only: a wait asks it while idle)."""
+        if len(self.outboxes) == len(self.peers):
+            return []
+        return [r for r in self.world.connected_to_me() if r not in self.outboxes and r not in self.dead]
 
     def withdraw(self, op: SendOp | RecvOp) -> None:
         """Take a receive whose caller gave up waiting (an exception left its Wait) out of
@@ -747,9 +775,13 @@ class _BrokenEngine:
 
 
 # Where a wait holds nothing half done: its loop's own steps, its sleep and what these
-# call directly (the done() predicate, a comprehension), but not a pass of progress.
+# call directly (the done() predicate, a comprehension), the read-only look for work,
+# but not a pass of progress.
 _IDLE_CODE = frozenset({Progress.wait_until.__code__, Progress._wait_loop.__code__,
                         Progress.doze.__code__, Progress.exit_error.__code__,
+                        Progress._has_work.__code__, Progress._newly_connected.__code__,
+                        World.connected_to_me.__code__, Inbox.ready.__code__,
+                        Inbox._position.__code__, BackgroundPulls.__bool__.__code__,
                         World.sleep.__code__, World.set_sleeping.__code__,
                         _linux.wait_readable.__code__})
 _BUSY_CODE = frozenset({Progress.poll.__code__, Progress.bury.__code__})

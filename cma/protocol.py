@@ -553,6 +553,10 @@ class Stream:
         return None
 
 
+# The largest control packet split_packet may make: an RTS of 16 Mi buffers (16 bytes each)
+MAX_JOINED_BYTES = 1 << 28
+
+
 def split_packet(kind: int, payload: bytes, limit: int) -> list[tuple[int, bytes]]:
     """A control packet whose payload exceeds ``limit`` (an RTS listing thousands of
     buffers) as pieces of at most ``limit`` bytes, each but the last flagged MORE."""
@@ -564,8 +568,9 @@ def split_packet(kind: int, payload: bytes, limit: int) -> list[tuple[int, bytes
 class Joiner:
     """Joins the pieces of split control packets, per peer (split_packet's other end)."""
 
-    def __init__(self) -> None:
+    def __init__(self, limit: int = MAX_JOINED_BYTES) -> None:
         self.partial: dict[int, bytearray] = {}
+        self.limit = limit
 
     def __contains__(self, peer: int) -> bool:
         return peer in self.partial
@@ -573,6 +578,11 @@ class Joiner:
     def join(self, peer: int, kind: int, payload: bytes | memoryview) -> bytes | None:
         """The whole payload once its last piece is in (MORE clear), else None."""
         joined = self.partial.setdefault(peer, bytearray())
+        if len(joined) + len(payload) > self.limit:
+            del self.partial[peer]
+            raise ProtocolError(f"rank {peer} broke the protocol: a control packet split in pieces "
+                                f"grew past {self.limit} bytes, more than any RTS or CTS lists",
+                                peer=peer)
         joined += payload
         if kind & MORE:
             return None
@@ -657,11 +667,15 @@ class Engine:
         region_of: Callable[[memoryview], Region],
         matcher: Matcher | None = None,
         heap_of: Callable[[int, memoryview], HeapRef | None] | None = None,
+        max_object_bytes: int | None = None,
     ) -> None:
         """``heap_of(dest, buffer)``: where a send buffer lies in this process's shared heap
-        (None: not in it), to offer XMAP to ``dest``; None when this rank does not let peers map its heap."""
+        (None: not in it), to offer XMAP to ``dest``; None when this rank does not let peers
+        map its heap. ``max_object_bytes``: larger object messages are refused before
+        anything is allocated for them (no process on this machine can have sent one)."""
         self.rank = rank
         self.heap_of = heap_of
+        self.max_object_bytes = max_object_bytes
         self.allocate = allocate
         self.region_of = region_of
         self.eager_limit = eager_limit
@@ -769,6 +783,11 @@ class Engine:
             if aux != sum(rts.sizes):
                 raise ProtocolError(f"rank {source} broke the protocol: an RTS for {aux} bytes "
                                     f"lists buffers of {sum(rts.sizes)}", peer=source)
+            limit = self.max_object_bytes
+            if is_object and limit is not None and aux > limit:
+                raise ProtocolError(f"rank {source} broke the protocol: an object message of {aux} "
+                                    f"bytes, more than this machine's memory and swap ({limit}); "
+                                    "no process here can have sent it", peer=source)
             arrival = Arrival(source, tag, is_object, aux, None, rts)
             op = self.matcher.take_posted(source, tag)
             if op is None:

@@ -13,7 +13,7 @@ import numpy as np
 
 from .errors import CmaError
 from .protocol import Arrival, RecvOp, SendOp
-from .wire import ANY_SOURCE, ANY_TAG, PROC_NULL
+from .wire import ANY_SOURCE, ANY_TAG, PROC_NULL, UNDEFINED
 
 if TYPE_CHECKING:
     from .comm import Comm
@@ -60,7 +60,7 @@ class Status:
 class Request:
     """A non-blocking operation, as mpi4py's ``MPI.Request``."""
 
-    __slots__ = ("_comm", "_op", "_object", "_also")
+    __slots__ = ("_comm", "_op", "_object", "_also", "_spent")
 
     def __init__(self, comm: Comm, op: SendOp | RecvOp | None, is_object: bool = False,
                  also: SendOp | None = None) -> None:
@@ -68,12 +68,18 @@ class Request:
         self._op = op
         self._object = is_object
         self._also = also  # Isendrecv: the send this receive's request also waits for
+        # completed by a Wait/Test: inactive from then on, as mpi4py's request becomes
+        # REQUEST_NULL (a later Wait returns at once with an empty status)
+        self._spent = False
 
     def _done(self) -> bool:
         op, also = self._op, self._also
         return (op is None or op.done) and (also is None or also.done)
 
     def Test(self, status: Status | None = None) -> bool:
+        if self._spent:
+            _empty(status)
+            return True
         if not self._done():
             self._comm.progress()
             if not self._done():
@@ -82,6 +88,9 @@ class Request:
         return True
 
     def Wait(self, status: Status | None = None) -> Literal[True]:
+        if self._spent:
+            _empty(status)
+            return True
         for op in (self._op, self._also):
             if op is not None and not op.done:
                 progress = self._comm._progress or self._comm._attach()
@@ -94,15 +103,22 @@ class Request:
         return True
 
     def test(self, status: Status | None = None) -> tuple[bool, Any]:
+        if self._spent:
+            _empty(status)
+            return True, None
         if not self.Test(status):
             return False, None
         return True, self._result()
 
     def wait(self, status: Status | None = None) -> Any:
+        if self._spent:
+            _empty(status)
+            return None
         self.Wait(status)
         return self._result()
 
     def _finish(self, status: Status | None) -> None:
+        self._spent = True
         op = self._op
         if isinstance(op, RecvOp):
             if status is not None:
@@ -131,9 +147,17 @@ class Request:
         return [req.wait(statuses[i] if statuses is not None else None)
                 for i, req in enumerate(requests)]
 
+    def _ready(self) -> bool:
+        """Whether a Wait would return at once, after a step of progress if needed (Test
+        without finishing: a finished request reports an empty status from then on)."""
+        if self._spent or self._done():
+            return True
+        self._comm.progress()
+        return self._done()
+
     @classmethod
     def Testall(cls, requests: Sequence[Request], statuses: list[Status] | None = None) -> bool:
-        if not all(req._done() or req.Test() for req in requests):
+        if not all(req._ready() for req in requests):
             return False
         return cls.Waitall(requests, statuses)
 
@@ -146,14 +170,16 @@ class Request:
 
     @classmethod
     def Waitany(cls, requests: Sequence[Request], status: Status | None = None) -> int:
-        if not requests:
-            raise ValueError("Waitany of no requests")
-        comm = requests[0]._comm
+        active = [req for req in requests if not req._spent]
+        if not active:  # (mpi4py: none active, or none at all)
+            _empty(status)
+            return UNDEFINED
+        comm = active[0]._comm
         box: list[int] = []
 
         def any_done() -> bool:
             for i, req in enumerate(requests):
-                if req._done():
+                if not req._spent and req._done():
                     box.append(i)
                     return True
             return False
@@ -165,7 +191,13 @@ class Request:
     @classmethod
     def waitany(cls, requests: Sequence[Request], status: Status | None = None) -> tuple[int, Any]:
         index = cls.Waitany(requests, status)
-        return index, requests[index]._result()
+        return index, None if index == UNDEFINED else requests[index]._result()
+
+
+def _empty(status: Status | None) -> None:
+    """An inactive request's status, as MPI's: any source, any tag, no bytes."""
+    if status is not None:
+        status._fill(ANY_SOURCE, ANY_TAG, 0)
 
 
 class Message:

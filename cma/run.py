@@ -47,7 +47,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     if not args.command:
         parser.error("no program given (e.g. cma-run -n 4 python prog.py)")
     if args.n < 1:
-        parser.error("-n must be at least 1")
+        parser.error(f"-n must be at least 1 (got {args.n}): the number of ranks to start")
     return args
 
 
@@ -62,6 +62,17 @@ def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def _how(code: int) -> str:
+    """How a rank ended, as Popen's return code tells it (negative: the signal)."""
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"was killed by {name} (signal {-code})"
+    return f"exited with code {code}"
 
 
 def launch(args: argparse.Namespace) -> int:
@@ -102,8 +113,8 @@ def launch(args: argparse.Namespace) -> int:
             if failed:
                 rank, code = failed[0]
                 if not interrupted:
-                    print(f"cma-run: rank {rank} exited with code {code}; stopping the others",
-                          file=sys.stderr)
+                    print(f"cma-run: rank {rank} (pid {procs[rank].pid}) {_how(code)}; "
+                          "stopping the others", file=sys.stderr)
                 _stop(procs)
                 return code if code > 0 else 128 - code
             if all(c == 0 for c in codes):
@@ -115,7 +126,9 @@ def launch(args: argparse.Namespace) -> int:
                 return 124
             time.sleep(0.01)
     except OSError as exc:
-        print(f"cma-run: cannot start {args.command[0]!r}: {exc}", file=sys.stderr)
+        print(f"cma-run: cannot start {args.command[0]!r}: {exc.strerror or exc} (give the "
+              "program's path, or a name on PATH, e.g. cma-run -n 2 python prog.py)",
+              file=sys.stderr)
         _stop(procs)
         return 127
     finally:

@@ -10,6 +10,7 @@ from typing import NamedTuple
 ANY_SOURCE = -2
 ANY_TAG = -1
 PROC_NULL = -1
+UNDEFINED = -32766  # Waitany of no active request (mpi4py's MPI.UNDEFINED)
 
 # Tags below zero are cma's own (barrier, collectives): ANY_TAG never matches them.
 BARRIER_TAG = -10

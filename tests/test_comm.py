@@ -307,6 +307,16 @@ def issue_child(comm):
 
 @pytest.mark.parametrize("context", ["fork", "spawn"])
 def test_issue_example(transport, context):
+    issue_example(transport, context)
+
+
+def test_issue_example_under_forkserver():
+    """Python 3.14's default start method on Linux: the end travels pickled, as with spawn,
+    so one transport covers it."""
+    issue_example("auto", "forkserver")
+
+
+def issue_example(transport, context):
     a, b = cma.Pipe(transport=transport)
     p = mp.get_context(context).Process(target=issue_child, args=(b,))
     try:

@@ -191,6 +191,49 @@ def test_small_eager_limit_and_staging(tmp_path, eager_limit, transport):
     assert [r[2] for r in read_ranks(tmp_path, 2)] == [transport, transport]
 
 
+START_METHOD = """
+import multiprocessing as mp, os, sys
+import numpy as np
+import cma
+
+def child(end):
+    end.Send(np.full(1000, end.rank + 1, np.uint8), dest=0, tag=2)
+    end.close()
+
+if __name__ == "__main__":
+    mp.set_start_method(sys.argv[2])
+    comm = cma.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    got = comm.sendrecv(rank, dest=(rank + 1) % size, source=(rank - 1) % size)
+    assert got == (rank - 1) % size
+    a, b = cma.Pipe()
+    proc = mp.Process(target=child, args=(b,))
+    proc.start()
+    b.close()
+    buf = np.zeros(1000, np.uint8)
+    a.Recv(buf, source=1, tag=2)
+    proc.join(30)
+    assert proc.exitcode == 0 and (buf == 2).all()
+    a.close()
+    comm.Barrier()
+    with open(os.path.join(sys.argv[1], f"rank{rank}"), "w") as f:
+        f.write(mp.get_start_method())
+"""
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
+def test_ranks_under_each_start_method(tmp_path, method):
+    """A rank of cma-run that sets a start method (3.14 makes forkserver the default on
+    Linux) talks over COMM_WORLD and to a child of its own through cma.Pipe."""
+    path = tmp_path / "prog.py"
+    path.write_text(START_METHOD)
+    cmd = [sys.executable, "-m", "cma.run", "-n", "2", "--timeout", "60", sys.executable,
+           str(path), str(tmp_path), method]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert [(tmp_path / f"rank{r}").read_text() for r in range(2)] == [method, method]
+
+
 def test_failing_rank_stops_everyone(tmp_path):
     code, out, err, elapsed = cma_run(["-n", "4"], FAIL, tmp_path, timeout=60)
     assert code == 3, err
@@ -200,12 +243,42 @@ def test_failing_rank_stops_everyone(tmp_path):
     assert elapsed < 30, f"cma-run took {elapsed:.1f} s to give up"
 
 
+KILLED = FAIL.replace("sys.exit(3)", "import signal; os.kill(os.getpid(), signal.SIGKILL)")
+
+
+def test_a_killed_rank_of_three_is_named_with_its_signal(tmp_path):
+    code, out, err, elapsed = cma_run(["-n", "3"], KILLED, tmp_path, timeout=60)
+    pids = [int((tmp_path / f"pid{r}").read_text()) for r in range(3)]
+    assert code == 128 + signal.SIGKILL, err
+    assert f"rank 2 (pid {pids[2]}) was killed by SIGKILL" in err, err
+    assert_all_gone(pids)
+    print(f"cma-run gave up after {elapsed:.2f} s (the ranks' start included)")
+
+
 def test_timeout_stops_everyone(tmp_path):
     code, out, err, elapsed = cma_run(["-n", "2", "--timeout", "3"], HANG, tmp_path, timeout=60)
     assert code == 124, err
     pids = [int((tmp_path / f"pid{r}").read_text()) for r in range(2)]
     assert_all_gone(pids)
     assert elapsed < 30
+
+
+@pytest.mark.parametrize("n", ["0", "-3"])
+def test_no_ranks_is_an_error(tmp_path, n):
+    proc = subprocess.run([sys.executable, "-m", "cma.run", "-n", n, sys.executable, "-c", "pass"],
+                          capture_output=True, text=True, timeout=RUN_TIMEOUT, cwd=tmp_path)
+    assert proc.returncode == 2
+    assert f"-n must be at least 1 (got {n})" in proc.stderr, proc.stderr
+
+
+def test_a_program_that_does_not_exist_is_an_error(tmp_path):
+    missing = str(tmp_path / "no-such-program")
+    proc = subprocess.run([sys.executable, "-m", "cma.run", "-n", "2", missing], capture_output=True,
+                          text=True, timeout=RUN_TIMEOUT, cwd=tmp_path)
+    assert proc.returncode == 127
+    assert f"cannot start {missing!r}: No such file or directory (give the program's path" \
+        in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
 
 
 def test_missing_program_is_an_error(tmp_path):

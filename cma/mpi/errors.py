@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from mpi4py import MPI
 
-from ..errors import PeerGone, TruncationError
+from ..errors import PeerGone, RequestActive, TruncationError
 
 
 class TruncateError(MPI.Exception, TruncationError):
@@ -36,3 +36,15 @@ class PeerGoneError(MPI.Exception, PeerGone):
     def __str__(self) -> str:
         return self.message
 
+
+
+class RequestActiveError(MPI.Exception, RequestActive):
+    """``Start`` of a persistent request that is active: ``MPI.Exception`` with
+    ``ERR_REQUEST``, as MPI_Start raises (MPICH), and a ``cma.errors.RequestActive``."""
+
+    def __init__(self, message: str):
+        MPI.Exception.__init__(self, MPI.ERR_REQUEST)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message

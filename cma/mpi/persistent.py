@@ -22,6 +22,7 @@ from mpi4py import MPI
 
 from ..errors import CmaError
 from ..protocol import RecvOp, SendOp
+from .errors import RequestActiveError
 from .mpiapi import fill
 from .requests import PROGRESS
 
@@ -34,6 +35,8 @@ IDLE, STARTING, RUNNING, DONE = 0, 1, 2, 3
 _mpi_start = MPI.Prequest.Start
 _mpi_wait = MPI.Request.Wait
 _tags = itertools.count(1)
+_ACTIVE = ("this persistent request is active (started, not yet completed by Wait or Test): "
+           "complete it with Wait/Test before starting it again")
 
 
 class Prequest(MPI.Prequest):
@@ -75,8 +78,18 @@ class Prequest(MPI.Prequest):
             self._started()
 
     def Start(self) -> None:
-        self._state = STARTING  # (MPI_Start might run the hook, which must leave it to us)
-        _mpi_start(self)
+        if self._state in (STARTING, RUNNING):
+            raise RequestActiveError(_ACTIVE)
+        previous, self._state = self._state, STARTING  # (MPI_Start might run the hook,
+        try:                                           # which must leave it to us)
+            _mpi_start(self)
+        except MPI.Exception as exc:
+            # (its operation over, not yet waited for) the state stays: left at STARTING,
+            # the request never completed and Wait hung
+            self._state = previous
+            if exc.Get_error_class() == MPI.ERR_REQUEST:
+                raise RequestActiveError(_ACTIVE) from exc
+            raise
         self._started()
 
     def Wait(self, status: MPI.Status | None = None) -> Literal[True]:

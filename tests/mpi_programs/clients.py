@@ -178,6 +178,20 @@ persistent[1].Start()
 persistent[0].Start()
 assert sorted([MPI.Prequest.Waitany(persistent), MPI.Prequest.Waitany(persistent)]) == [0, 1]
 assert MPI.Prequest.Waitany(persistent) == MPI.UNDEFINED
+# started again while active: refused (MPI_Start's ERR_REQUEST), and the request still works
+out[:] = rank * 10 + 9
+persistent[1].Start()
+for request in persistent[1], persistent[1]:  # (the second: after the first was refused)
+    if isinstance(request, cma.mpi.Prequest) or MPICH:
+        try:
+            request.Start()
+            raise AssertionError("Start of an active persistent request was accepted")
+        except MPI.Exception as exc:
+            assert exc.Get_error_class() == MPI.ERR_REQUEST, exc
+            assert not isinstance(request, cma.mpi.Prequest) or "Wait" in str(exc), exc
+persistent[0].Start()
+MPI.Request.Waitall(persistent)
+assert got.tolist() == [left * 10.0 + 9] * 4, got
 for request in persistent:
     request.Free()
     assert request == MPI.REQUEST_NULL

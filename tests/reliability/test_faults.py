@@ -31,6 +31,7 @@ from conftest import (
 )
 
 import cma
+import cma._linux
 import cma.world
 from cma.channel import PHASE
 from cma.errors import CommBroken, PeerGone
@@ -260,6 +261,75 @@ def test_sigkill_of_the_peer_is_peer_gone(phase: str, transport: str) -> None:
     left = {fd: os.readlink(f"/proc/self/fd/{fd}") for fd in open_fds() - before
             if os.path.exists(f"/proc/self/fd/{fd}")}
     assert not left, f"fds left open: {left}"
+
+
+# ------------------------------------------------------------------ a receiver that exits at once
+
+def receive_then_exit(comm: cma.Comm, ready: int, go: int) -> None:
+    """Take the rendezvous once the sender sleeps in its Send, then exit without close():
+    the completion message (FIN) is in the ring when the sender's pidfd reports the exit."""
+    comm.Barrier()
+    assert select.select([go], [], [], HANG)[0], "the sender never went on"
+    wait_asleep_in_poll(os.getppid(), what="the sender", timeout=HANG)
+    comm.Recv(np.empty(RENDEZVOUS, np.uint8), source=0, tag=TAG)
+    os._exit(0)
+
+
+def sleep_until_an_exit(comm: cma.Comm, after_cts: bool) -> None:
+    """Make ``comm``'s waits sleep until a peer exits, deaf to the doorbell and to their
+    timeout: the exit is then always seen before the FIN, the order under test.
+    ``after_cts``: only once no send waits for a CTS (SPLIT's sender pushes its half first)."""
+    progress = comm._progress
+    world = progress.world
+    real = world.sleep
+
+    def sleep(timeout_ms: int) -> list[int]:
+        if after_cts and any(op.awaits_cts for op in progress.engine.sends.values()):
+            return real(timeout_ms)
+        ready = cma._linux.wait_readable([fd for fd in world.pidfds if fd >= 0], EXIT_SECONDS * 1000)
+        return [r for r, fd in enumerate(world.pidfds) if fd >= 0 and fd in ready]
+
+    world.sleep = sleep
+
+
+EXIT_SECONDS = 20  # only a sender that never completes waits this long
+# transport, Pipe options, the mechanism: RGET and SPLIT senders wait for the receiver's FIN;
+# a PIPELINE (shm) sender completes with its last fill, an RPUT sender with its push
+RECEIVERS = {
+    "shm": ("shm", {}),
+    "cma-rget": ("cma", {"split": False}),
+    "vmfd-rget": ("vmfd", {"split": False}),
+    "cma-split": ("cma", {}),
+    "cma-rput": ("cma", {"push": True}),
+}
+
+
+@pytest.mark.timeout(2 * EXIT_SECONDS)
+@pytest.mark.parametrize("case", list(RECEIVERS))
+def test_a_receiver_that_took_everything_and_exited_owes_nothing(case: str) -> None:
+    """The sender's Send completes: its peer's exit is seen before its FIN, and the FIN is
+    read from the dead peer's ring before anything is declared gone."""
+    transport, options = RECEIVERS[case]
+    go_r, go_w = os.pipe()
+    a, b = cma.Pipe(transport=transport, config=SMALL_RING, **options)
+    proc = mp.get_context("fork").Process(target=receive_then_exit, args=(b, -1, go_r),
+                                          daemon=True)
+    try:
+        proc.start()
+        b.close()
+        a.Barrier()
+        if case.endswith(("rget", "split")):
+            sleep_until_an_exit(a, after_cts=case.endswith("split"))
+        os.write(go_w, b"x")
+        a.Send(np.ones(RENDEZVOUS, np.uint8), dest=1, tag=TAG)
+        proc.join(HANG)
+        assert proc.exitcode == 0
+    finally:
+        a.close()
+        stop_process(proc)
+        os.close(go_r)
+        os.close(go_w)
+    proc.close()
 
 
 # ------------------------------------------------------------------ pid reuse

@@ -17,6 +17,7 @@ import functools
 import multiprocessing as mp
 import os
 import select
+import time
 
 import numpy as np
 import pytest
@@ -35,6 +36,7 @@ from cma.protocol import (
     PUSH,
     Deliver,
     Engine,
+    Joiner,
     Policy,
     Pull,
     Push,
@@ -323,3 +325,74 @@ def test_close_stops_the_fd_server_whatever_the_header_says():
     finally:
         a.close()
         stop_process(child)
+
+
+# ------------------------------------------------------------------ claims of huge sizes
+
+HUGE = 1 << 46  # 64 TiB: inside the address space, beyond any machine this runs on
+
+
+def test_an_object_claiming_more_than_the_machine_holds_is_refused_unallocated():
+    allocated = []
+    engine = make_engine()
+    engine.allocate = lambda n: allocated.append(n) or memoryview(bytearray(0))
+    engine.max_object_bytes = 1 << 30
+    rts = encode_rts(1, PULL, [HUGE], [Region(0x10000, HUGE)])
+    with pytest.raises(ProtocolError, match=f"an object message of {HUGE} bytes"):
+        engine.packet(PEER, RTS | OBJECT, 5, HUGE, rts)
+    engine.recv(PEER, 5, None)
+    assert not allocated
+
+
+def test_more_pieces_without_end_are_refused_past_the_limit():
+    joiner = Joiner(limit=1000)
+    for _ in range(9):
+        assert joiner.join(PEER, RTS | MORE, b"x" * 100) is None
+    with pytest.raises(ProtocolError, match="grew past 1000 bytes"):
+        joiner.join(PEER, RTS | MORE, b"x" * 101)
+    assert PEER not in joiner
+
+
+def claim_huge(comm: cma.Comm, what: str, go: int) -> None:
+    """Send what an honest peer never does: an object RTS for HUGE bytes, or 4 MiB of
+    pieces of a control packet that never ends."""
+    comm.attach()
+    progress = comm._progress
+    if what == "object":
+        progress.transmit(0, RTS | OBJECT, 5, HUGE, encode_rts(1, PULL, [HUGE],
+                                                              [Region(0x10000, HUGE)]))
+    else:
+        piece = b"\0" * progress.config.max_packet
+        for _ in range(-(-(4 << 20) // len(piece))):
+            progress.transmit(0, RTS | MORE, 5, 0, piece)
+        progress.wait_until(lambda: not progress.txq_pending, 0)
+    select.select([go], [], [], 30)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("what", ["object", "pieces"])
+def test_a_peer_claiming_huge_sizes_gets_protocol_error(what):
+    """Before: the object's claimed 64 TiB went to numpy (MemoryError, or ValueError), and
+    the pieces were joined without end. Now ProtocolError naming rank 1, then CommBroken."""
+    go_r, go_w = os.pipe()
+    a, b = cma.Pipe(transport="shm")
+    child = mp.get_context("fork").Process(target=claim_huge, args=(b, what, go_r), daemon=True)
+    try:
+        child.start()
+        b.close()
+        a.attach()
+        a._progress.joiner.limit = 1 << 20  # (the default, 256 MiB, is slow to reach in a test)
+        request = a.irecv(source=1, tag=5)
+        deadline = time.monotonic() + 20
+        with pytest.raises(ProtocolError, match="rank 1 broke the protocol") as caught:
+            while not request.Test():
+                assert time.monotonic() < deadline, "no error: the claim was accepted"
+        assert caught.value.peer == 1
+        with pytest.raises(CommBroken):
+            a.recv(source=1, tag=5)
+    finally:
+        os.write(go_w, b"x")
+        a.close()
+        stop_process(child)
+        os.close(go_r)
+        os.close(go_w)

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import TRANSPORTS, stop_process
+from conftest import TRANSPORTS, stop_process, wait_asleep_in_poll
 
 import cma
 from cma.errors import Cancelled, CommBroken
@@ -32,6 +32,7 @@ LARGE_SIZE = 64 << 20  # a rendezvous with every transport (the eager limit is 2
 SETTLE_SECONDS = 0.3  # time for the child to go from "ready" to sleeping in its wait
 INTERRUPT_BOUND = 2.0  # generous: the measured latency is ~1 ms (docs/reliability.md)
 REPLY_TIMEOUT = 20.0
+IDLE_PASSES_SECONDS = 0.5  # some 50 wake-ups of a waiting rank (every 10 ms)
 
 
 def pattern(nbytes: int, seed: int = 1) -> np.ndarray:
@@ -123,6 +124,36 @@ def recv_interrupted_mid_packet(comm: cma.Comm, conn: Connection, nbytes: int, c
     return "usable", False, None
 
 
+def recv_interrupted_in_an_idle_pass(comm: cma.Comm, conn: Connection, nbytes: int,
+                                     call: str) -> Any:
+    """As recv_abandoned, but once asleep any pass over the rings that finds nothing to take
+    is interrupted: SIGINT lands there about once in 100 runs (the wait wakes every 10 ms).
+    Such a pass holds nothing half done, so the communicator must stay usable."""
+    comm.attach()
+    progress = comm._progress
+    assert progress is not None
+    handle, sleep = progress.drain, progress.world.sleep
+    slept = []
+
+    def drain(peer: int, only_expected: bool) -> bool:
+        if slept and not progress.inboxes[peer].ready():
+            raise KeyboardInterrupt  # stands in for a signal arriving in an empty pass
+        return handle(peer, only_expected)
+
+    def sleep_(timeout_ms: int) -> list[int]:
+        slept.append(1)
+        return sleep(timeout_ms)
+
+    progress.drain = drain  # type: ignore[method-assign]
+    progress.world.sleep = sleep_  # type: ignore[method-assign]
+    abandoned = np.zeros(nbytes, np.uint8)
+    until_interrupted(conn, lambda: comm.Recv(abandoned, source=0, tag=TAG))
+    progress.drain, progress.world.sleep = handle, sleep  # type: ignore[method-assign]
+    fresh = np.zeros(nbytes, np.uint8)
+    comm.Recv(fresh, source=0, tag=TAG)
+    return digest(fresh), bool(abandoned.any()), None
+
+
 def _child(comm: cma.Comm, conn: Connection, scenario: Callable[..., Any], nbytes: int,
            call: str) -> None:
     try:
@@ -165,8 +196,10 @@ class Rank1:
     def interrupt(self) -> float:
         """SIGINT once rank 1 blocks; the seconds until its KeyboardInterrupt."""
         self.expect("ready")
-        time.sleep(SETTLE_SECONDS)
         assert self.proc.pid is not None
+        # Asleep in its wait, not still spinning through passes over the rings, where a
+        # signal breaks the communicator (by design; a fixed pause did not always suffice)
+        wait_asleep_in_poll(self.proc.pid, what="rank 1", timeout=REPLY_TIMEOUT)
         sent = time.monotonic()
         os.kill(self.proc.pid, signal.SIGINT)
         return float(self.expect("interrupted")) - sent
@@ -208,6 +241,25 @@ def test_interrupted_receive_is_withdrawn(rank1, transport, call, nbytes):
     assert not abandoned_written, "the message went into the abandoned buffer"
     if call == "Irecv":
         assert request_error == "Cancelled"
+    assert rank.proc.join(5) is None and rank.proc.exitcode == 0
+
+
+@pytest.mark.timeout(60)
+def test_an_interrupt_in_an_idle_wait_keeps_the_communicator(rank1):
+    rank = start(rank1, "shm", recv_interrupted_in_an_idle_pass, EAGER_SIZE)
+    rank.expect("ready")
+    # Before the fix the stand-in fires at the first wake-up after 10 ms asleep; after it,
+    # no empty pass runs and a real SIGINT ends the wait.
+    if not rank.conn.poll(IDLE_PASSES_SECONDS):
+        assert rank.proc.pid is not None
+        wait_asleep_in_poll(rank.proc.pid, what="rank 1", timeout=REPLY_TIMEOUT)
+        os.kill(rank.proc.pid, signal.SIGINT)
+    rank.expect("interrupted")
+    sent = pattern(EAGER_SIZE)
+    rank.comm.Send(sent, dest=1, tag=TAG)
+    got, abandoned_written, _ = rank.expect("ok")
+    assert got == digest(sent)
+    assert not abandoned_written
     assert rank.proc.join(5) is None and rank.proc.exitcode == 0
 
 

@@ -374,3 +374,51 @@ def test_bad_channel_config_refused():
 def test_unknown_transport_refused():
     with pytest.raises(TransportUnavailable, match="unknown transport 'nope'"):
         cma.Pipe(transport="nope")
+
+
+# ------------------------------------------------------------------ requests
+
+@ONE_TRANSPORT
+@pytest.mark.parametrize("nbytes", [100, RENDEZVOUS], ids=["eager", "rendezvous"])
+def test_a_second_wait_of_a_completed_request_returns_at_once(peer, nbytes):
+    """As mpi4py: a completed request is inactive (REQUEST_NULL there); Wait and Test of it
+    return at once with an empty status, and wait() gives None: nothing is received twice."""
+    peer.start(op_send, nbytes)
+    buf = np.zeros(nbytes, np.uint8)
+    request = peer.comm.Irecv(buf, source=1, tag=TAG)
+    status = cma.Status()
+    request.Wait(status)
+    assert (status.source, status.tag, status.count) == (1, TAG, nbytes)
+    peer.result()
+    for again in (request.Wait, request.Test):
+        status = cma.Status()
+        assert again(status) is True
+        assert (status.source, status.tag, status.count) == (cma.ANY_SOURCE, cma.ANY_TAG, 0)
+    assert digest(buf) == digest(pattern(nbytes))
+    objects = peer.comm.irecv(source=1, tag=TAG)
+    peer.start(op_send_object)
+    assert objects.wait() == {"x": 1}
+    assert objects.wait() is None and objects.test() == (True, None)
+    peer.result()
+    round_trip(peer)
+
+
+def op_send_object(comm: cma.Comm) -> None:
+    comm.send({"x": 1}, dest=0, tag=TAG)
+
+
+@ONE_TRANSPORT
+def test_waitany_of_no_active_request_is_undefined(peer):
+    """mpi4py's Request.Waitany([]) returns MPI.UNDEFINED (was a plain ValueError here);
+    so does a list of requests all completed already."""
+    status = cma.Status()
+    status._fill(1, TAG, 5)
+    assert cma.Request.Waitany([], status) == cma.UNDEFINED == -32766
+    assert (status.source, status.tag, status.count) == (cma.ANY_SOURCE, cma.ANY_TAG, 0)
+    assert cma.Request.waitany([]) == (cma.UNDEFINED, None)
+    peer.start(op_send, 100)
+    done = [peer.comm.Irecv(np.zeros(100, np.uint8), source=1, tag=TAG)]
+    assert cma.Request.Waitany(done) == 0
+    peer.result()
+    assert cma.Request.Waitany(done) == cma.UNDEFINED
+    round_trip(peer)

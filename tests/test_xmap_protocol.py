@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from array import array
 
+import numpy as np
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
@@ -46,13 +47,19 @@ def region_of(mv: memoryview) -> Region:
     return Region(0x10000 + id(mv) % 4096 * 4096, mv.nbytes)
 
 
+def _untouched(nbytes: int) -> memoryview:
+    """Memory as Progress allocates it: not written until a copy does (a forged size of
+    some GiB zero-filled by bytearray took the whole machine's memory: an OOM kill in CI)."""
+    return np.empty(nbytes, np.uint8).data
+
+
 def engine(rank: int, mappable: set[int], heap: dict[int, HeapRef] | None = None) -> Engine:
     """An engine whose heap holds the buffers of the sizes in ``heap`` (size -> ref)."""
     policy = Policy(order=["self", "cma", "shm"], pullable={1 - rank: {"cma"}},
                     pushable={1 - rank: set()}, mappable=mappable)
     heap_of = None if heap is None else (lambda dest, mv: heap.get(mv.nbytes))
     return Engine(rank, LIMIT, policy, PULL | PUSH | PIPELINE,
-                  allocate=lambda n: memoryview(bytearray(n)), region_of=region_of,
+                  allocate=_untouched, region_of=region_of,
                   heap_of=heap_of)
 
 

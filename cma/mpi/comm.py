@@ -56,7 +56,7 @@ from .mpiapi import (
     mpi_sendrecv_obj,
 )
 from .node import NodeComm
-from .requests import PROGRESS, Request, start_request
+from .requests import SERVED, Request, start_request
 from .specs import snapshot
 
 # Mixed ranks poll both engines: spin this long, then sleep pauses doubling up to the max.
@@ -123,7 +123,7 @@ class Comm(MPI.Intracomm):
             raise TypeError(f"cma.mpi.Comm wraps an mpi4py Intracomm, got {comm!r}")
         if MPI.Intracomm.allreduce(self, env_flag(ENV_DISABLE), op=MPI.LOR):
             return
-        if not PROGRESS.available:
+        if not SERVED.available:
             raise CmaError(
                 f"cma.mpi needs a progress hook into the MPI library, known for MPICH and "
                 f"Open MPI; this is {MPI.Get_library_version().splitlines()[0]!r} "
@@ -138,7 +138,7 @@ class Comm(MPI.Intracomm):
         self._local = {rank: i for i, rank in enumerate(self._ranks)}
         self._mixed = len(members) < self.Get_size()
         if self._mixed:
-            PROGRESS.serve(cma)  # MPI's waits keep this node's rings moving from now on
+            SERVED.serve(cma)  # MPI's waits keep this node's rings moving from now on
         else:
             self._fast = {**self._local, ANY_SOURCE: CMA_ANY_SOURCE}
             for name in HANDED_OUT if SAME_WILDCARDS else ():
@@ -643,7 +643,7 @@ class Comm(MPI.Intracomm):
         pause = PAUSE_MIN
         while not done():
             self._step()
-            PROGRESS.raise_pending()
+            SERVED.raise_pending()
             now = time.perf_counter()
             if not deadline:
                 deadline = now + SPIN_SECONDS

@@ -21,7 +21,7 @@ from . import specs
 from .datatypes import Typed
 from .mpiapi import fill
 from .persistent import Prequest, persistent_request
-from .requests import PROGRESS, Request, node_request
+from .requests import SERVED, Request, node_request
 from .specs import NO_BYTES
 
 if TYPE_CHECKING:
@@ -183,7 +183,7 @@ class NodeComm(CmaComm):
         completed into the queue, and the sender went on into MPI_Barrier)."""
         progress = self._progress
         if progress is not None and progress.in_flight():
-            PROGRESS.serve(self)
+            SERVED.serve(self)
 
     # -- the requests cma completes
 
@@ -203,7 +203,7 @@ class NodeComm(CmaComm):
     def await_op(self, op: SendOp | RecvOp, req: Request) -> None:
         """``req`` completes when ``op`` does, whoever waits for it (cma or MPI)."""
         self._pending[op] = req
-        PROGRESS.serve(self)
+        SERVED.serve(self)
 
     def bind(self, req: Request, peer: int, tag: int) -> None:
         """Post the receive of a request made before it (a mixed rank's wildcard)."""
@@ -249,7 +249,7 @@ class NodeComm(CmaComm):
         """MPI is about to wait for ``req``: it must be posted and the hook armed."""
         if req._op is None:
             self._mpi._settle(req, posted_only=True)
-        PROGRESS.serve(self)
+        SERVED.serve(self)
 
     def cancel(self, req: Request) -> bool:
         """Withdraw a receive nothing has matched yet; whether it was withdrawn."""
@@ -342,7 +342,7 @@ class NodeComm(CmaComm):
 
     def watch(self, preq: Prequest) -> None:
         self._persistent[preq._tag] = weakref.ref(preq)
-        PROGRESS.serve(self)  # MPI's Startall must be noticed inside MPI's waits
+        SERVED.serve(self)  # MPI's Startall must be noticed inside MPI's waits
 
     def forget(self, preq: Prequest) -> None:
         self._persistent.pop(preq._tag, None)
@@ -375,7 +375,7 @@ class NodeComm(CmaComm):
 
     def close(self) -> None:
         """Close the world; requests still pending fail (nothing will complete them)."""
-        PROGRESS.drop(self)
+        SERVED.drop(self)
         self._persistent.clear()
         if self._private is not None:
             self._private.Free()

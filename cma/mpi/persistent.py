@@ -24,7 +24,7 @@ from ..errors import CmaError
 from ..protocol import RecvOp, SendOp
 from .errors import RequestActiveError
 from .mpiapi import fill
-from .requests import PROGRESS
+from .requests import SERVED
 
 if TYPE_CHECKING:
     from .node import NodeComm
@@ -74,7 +74,7 @@ class Prequest(MPI.Prequest):
         state = self._state
         if state == RUNNING:
             self._settled()
-        elif state != STARTING and self and PROGRESS.active(self):
+        elif state != STARTING and self and SERVED.active(self):
             self._started()
 
     def Start(self) -> None:
@@ -94,7 +94,7 @@ class Prequest(MPI.Prequest):
 
     def Wait(self, status: MPI.Status | None = None) -> Literal[True]:
         node = self._node
-        if self._state not in (RUNNING, STARTING) and self and PROGRESS.active(self):
+        if self._state not in (RUNNING, STARTING) and self and SERVED.active(self):
             self._started()  # started by MPI (Startall), noticed here first
         op = self._op
         if self._state == RUNNING and op is not None and not op.done:

@@ -391,8 +391,9 @@ def node_request(node: NodeComm, op: SendOp | RecvOp | None, is_object: bool = F
 
 # ------------------------------------------------------------------ the hook
 
-class Progress:
-    """The one progress hook of this process and the node communicators it serves.
+class ServedNodes:
+    """The one progress hook of this process and the node communicators it serves (not
+    cma's ``Progress``: this is what MPI's own waits call into).
 
     A communicator waits in the set while it has requests that MPI may be waiting for;
     a rank with peers on its node and elsewhere stays for its lifetime (its peers may
@@ -445,4 +446,4 @@ class Progress:
             raise error
 
 
-PROGRESS = Progress()
+SERVED = ServedNodes()

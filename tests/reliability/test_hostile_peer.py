@@ -65,7 +65,7 @@ def make_engine() -> Engine:
     policy = Policy(order=["self", "cma", "shm"], pullable={PEER: {"cma"}},
                     pushable={PEER: {"cma"}}, staged={"shm"})
     return Engine(0, CONFIG.eager_limit, policy, PULL | PUSH | PIPELINE,
-                  allocate=lambda n: memoryview(bytearray(n)),
+                  allocate=lambda n: np.empty(n, np.uint8).data,  # (as Progress: untouched)
                   region_of=lambda mv: Region(0x10000, mv.nbytes))
 
 

@@ -841,6 +841,11 @@ class Engine:
             op.mechanism = "xmap"
             return [MapView(op, arrival.source, rts.heap, rts.sizes, rts.msgid)]
         if buffer is None:
+            limit = self.max_object_bytes
+            if limit is not None and arrival.nbytes > limit:  # (an RTS not flagged OBJECT too)
+                raise ProtocolError(f"rank {arrival.source} broke the protocol: a message of "
+                                    f"{arrival.nbytes} bytes for an object receive, more than "
+                                    f"this machine's memory and swap ({limit})", peer=arrival.source)
             op.segments = [self.allocate(n) for n in rts.sizes]
         elif isinstance(buffer, memoryview):
             op.segments = [buffer[: arrival.nbytes]]

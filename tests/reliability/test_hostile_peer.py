@@ -66,7 +66,8 @@ def make_engine() -> Engine:
                     pushable={PEER: {"cma"}}, staged={"shm"})
     return Engine(0, CONFIG.eager_limit, policy, PULL | PUSH | PIPELINE,
                   allocate=lambda n: np.empty(n, np.uint8).data,  # (as Progress: untouched)
-                  region_of=lambda mv: Region(0x10000, mv.nbytes))
+                  region_of=lambda mv: Region(0x10000, mv.nbytes),
+                  max_object_bytes=1 << 30)  # (Progress: the machine's memory; here what a test may take)
 
 
 def engine_with_state() -> tuple[Engine, memoryview]:

@@ -24,11 +24,8 @@ from cma.channel import ChannelConfig, channel_budget
 
 RUN_TIMEOUT = 120
 
-RANK = """
-import json, os, sys
-import numpy as np
-import cma
-
+# what a rank program reads of its own mappings: cma's memfd, mapped and resident
+MAPPINGS = """
 def cma_mappings():
     mapped = resident = 0
     mine = False
@@ -42,7 +39,13 @@ def cma_mappings():
             elif mine and first == "Rss:":
                 resident += int(line.split()[1]) << 10
     return mapped, resident
+"""
 
+RANK = """
+import json, os, sys
+import numpy as np
+import cma
+""" + MAPPINGS + """
 comm = cma.COMM_WORLD
 rank, size = comm.Get_rank(), comm.Get_size()
 send, recv = np.full((size, 4096), rank, np.uint8), np.empty((size, 4096), np.uint8)
@@ -98,7 +101,7 @@ import json, os, sys
 import numpy as np
 import cma
 from cma.channel import ChannelConfig
-
+""" + MAPPINGS + """
 comm = cma.COMM_WORLD
 rank, size = comm.Get_rank(), comm.Get_size()
 partner = rank ^ 1 if rank ^ 1 < size else rank  # the last rank of an odd world talks to itself
@@ -108,15 +111,7 @@ got, got_big = np.empty_like(data), np.empty_like(big)
 comm.Sendrecv(data, partner, 1, recvbuf=got, source=partner, recvtag=1)
 comm.Sendrecv(big, partner, 2, recvbuf=got_big, source=partner, recvtag=2)
 assert (got == partner).all() and (got_big == partner).all()
-mapped = 0
-mine = False
-with open("/proc/self/smaps") as smaps:
-    for line in smaps:
-        first = line.split(None, 1)[0]
-        if "-" in first and not first.endswith(":"):
-            mine = "memfd:cma-" in line
-        elif mine and first == "Size:":
-            mapped += int(line.split()[1]) << 10
+mapped, _ = cma_mappings()
 figures = {"mapped": mapped, "fds": len(os.listdir("/proc/self/fd")),
            "connected": sorted(comm._progress.outboxes)}
 with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as out:

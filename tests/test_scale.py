@@ -14,6 +14,7 @@ import resource
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -78,15 +79,20 @@ def test_default_sizes_keep_the_channels_within_the_budget(size):
     assert config.eager_limit >= 64 << 10
 
 
-@pytest.mark.parametrize("size", [3, 9])
-def test_each_rank_maps_its_own_channels_only(tmp_path, size):
+def run_world(tmp_path: Path, program: str, size: int) -> list[dict]:
+    """``program`` in a cma-run world of ``size`` ranks; what each rank wrote, by rank."""
     prog = tmp_path / "rank.py"
-    prog.write_text(textwrap.dedent(RANK))
+    prog.write_text(textwrap.dedent(program))
     done = subprocess.run([sys.executable, "-m", "cma.run", "-n", str(size), "--timeout",
                            str(RUN_TIMEOUT), sys.executable, str(prog), str(tmp_path)],
                           capture_output=True, text=True, timeout=RUN_TIMEOUT + 30)
     assert done.returncode == 0, done.stderr
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(size)]
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(size)]
+
+
+@pytest.mark.parametrize("size", [3, 9])
+def test_each_rank_maps_its_own_channels_only(tmp_path, size):
+    ranks = run_world(tmp_path, RANK, size)
     for figures in ranks:
         # the header plus 2(N-1) channels; mapping the whole segment was N(N-1) channels
         assert figures["mapped"] == expected_mapping(size)
@@ -124,15 +130,9 @@ def test_a_rank_that_talks_to_one_peer_maps_one_peer_and_holds_its_fds_only(tmp_
     """Peers are connected on first use (issue #24): in a 9-rank world of pairs, each rank
     maps the header and its partner's two channels, and holds fds for that peer alone."""
     size = 9
-    prog = tmp_path / "rank.py"
-    prog.write_text(textwrap.dedent(PAIRS))
-    done = subprocess.run([sys.executable, "-m", "cma.run", "-n", str(size), "--timeout",
-                           str(RUN_TIMEOUT), sys.executable, str(prog), str(tmp_path)],
-                          capture_output=True, text=True, timeout=RUN_TIMEOUT + 30)
-    assert done.returncode == 0, done.stderr
+    ranks = run_world(tmp_path, PAIRS, size)
     config = ChannelConfig.for_ranks(size)
-    for rank in range(size):
-        figures = json.loads((tmp_path / f"rank{rank}.json").read_text())
+    for rank, figures in enumerate(ranks):
         peers = 0 if rank == size - 1 else 1
         assert figures["connected"] == ([rank ^ 1] if peers else [])
         assert figures["mapped"] == config.header_bytes(size) + 2 * peers * config.pair_bytes

@@ -153,21 +153,22 @@ class NodeComm(CmaComm):
                     eager: bool = True, sync: bool = False) -> SendOp:
         if segments and segments[0].__class__ is Typed:  # a datatype's blocks, as one iovec
             segments = segments[0].views()
-        return super().start_send(segments, dest, tag, is_object, eager, sync)
+        op = super().start_send(segments, dest, tag, is_object, eager, sync)
+        self._keep_moving()  # (an eager send completes once its packet is queued)
+        return op
 
     def start_buffered_send(self, segments: list[memoryview], dest: int, tag: int, is_object: bool
                         ) -> None:
         if segments and segments[0].__class__ is Typed:
             segments = [segments[0].pack()]
         super().start_buffered_send(segments, dest, tag, is_object)
+        self._keep_moving()
 
     def general_isend(self, mv: memoryview, dest: Any, tag: Any) -> CmaRequest:
         try:
-            req = super().general_isend(mv, dest, tag)
+            return super().general_isend(mv, dest, tag)  # (start_send keeps MPI moving)
         except CmaError as exc:
             self._mpi._fail(exc)
-        self._keep_moving()
-        return req
 
     def general_irecv(self, mv: memoryview, source: Any, tag: Any) -> CmaRequest:
         try:

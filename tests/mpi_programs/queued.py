@@ -6,11 +6,15 @@ rank 0 goes into a plain MPI.COMM_WORLD.Barrier while rank 1, which started late
 receives them. Only rank 0 can move its queued packets into the ring: MPI's Barrier
 must keep doing it (the progress hook stays armed while anything is queued), or rank 1
 waits for ever (osu_bibw hung this way). The other ranks only take part in the Barrier.
-Prints "OK <rank>" at the end.
+
+``objects`` (argv): the same with pickled objects sent by ``comm.send``, which completes
+once its packet is queued too (cma-bench's statistics message hung so, 1 run in 12, while
+the sender waited in MPI's Barrier of the next step). Prints "OK <rank>" at the end.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 
 import numpy as np
@@ -21,15 +25,24 @@ import cma.mpi
 comm = cma.mpi.Comm(MPI.COMM_WORLD)
 rank = comm.Get_rank()
 COUNT, SIZE = 64, 256 << 10  # 16 MiB in all: twice the ring, each below the queued-copy limit
+objects = sys.argv[1:] == ["objects"]
 
 if rank == 0:
-    out = [np.full(SIZE, k, np.uint8) for k in range(COUNT)]
-    MPI.Request.Waitall([comm.Isend(buf, 1, 5) for buf in out])
+    if objects:
+        for k in range(COUNT):
+            comm.send(bytes([k]) * SIZE, 1, 5)
+    else:
+        out = [np.full(SIZE, k, np.uint8) for k in range(COUNT)]
+        MPI.Request.Waitall([comm.Isend(buf, 1, 5) for buf in out])
 elif rank == 1:
     time.sleep(0.5)  # (so that rank 0's sends fill the ring and queue behind it)
     got = np.empty(SIZE, np.uint8)
     for k in range(COUNT):
-        comm.Recv(got, 0, 5)
-        assert got[0] == k and got[-1] == k, (k, got[0])
+        if objects:
+            data = comm.recv(None, 0, 5)
+            assert len(data) == SIZE and data[0] == data[-1] == k, (k, data[0])
+        else:
+            comm.Recv(got, 0, 5)
+            assert got[0] == k and got[-1] == k, (k, got[0])
 MPI.COMM_WORLD.Barrier()
 print(f"OK {rank}", flush=True)

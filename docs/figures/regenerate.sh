@@ -51,6 +51,8 @@
 #                 alternating order: ready time, shared memory mapped and resident per
 #                 rank, fds, 8 B / 1 MiB all-to-all and a ring exchange, into scale.txt,
 #                 scale.json and scale.png (bench/scale.py). ~10 minutes.
+#   1k. collectives - cma.mpi's Bcast, Reduce, Allreduce, Allgather and Alltoall against
+#                 mpi4py + MPICH's, 8 B .. 16 MiB, --quick, into collectives-2.txt. ~1 minute.
 #   2. bw       - window of 64 Isends + ack, 4 KiB .. 4 MiB, --quick.
 #                 Writes bw.txt, bw.json, bw.png.
 #   3. latency --cold - a never-touched receive buffer each iteration,
@@ -106,6 +108,10 @@ if [ ${#launch[@]} -gt 0 ]; then
     "${launch[@]}" python bench/datatypes.py > docs/figures/datatypes.txt
     python bench/scale.py --ranks 2 4 8 16 32 64 --json docs/figures/scale.json \
         --plot docs/figures/scale.png > docs/figures/scale.txt
+    for collective in bcast reduce allreduce allgather alltoall; do
+        "${launch[@]}" python -m cma.bench "$collective" --quick --max-size 16M
+        echo
+    done > docs/figures/collectives-2.txt
 fi
 
 python -m cma.bench bw --transport all --min-size 4K --max-size 4M --quick "${guard[@]}" \

@@ -42,9 +42,9 @@ from ._linux import PAGE_SIZE
 from .errors import InvalidConfig, ProtocolError
 from .wire import ANY_TAG, EAGER, KIND_MASK
 
-HEADER_BYTES = 32
+HEADER_BYTES = 32  # four int64 words: kind, tag, nbytes, aux
 PAD = 0x7F  # packet kind: skip to the start of the ring
-ALIGN = 64
+ALIGN = 64  # a packet starts on a cache line, so a header never straddles two
 # A packet of n payload bytes takes (PACKET_ROUND + n) & PACKET_MASK bytes of ring. The hot
 # paths use these two constants, and one struct call for the three words an EAGER header
 # needs, because on CPython every extra operation there is measurable in 8-byte latency.

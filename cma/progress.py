@@ -67,12 +67,21 @@ from .world import PeerLink, World
 
 # How long a blocked call spins before it sleeps. Waking a sleeping process costs from
 # ~10 us to several hundred on the project's VM (an idle vCPU must be woken), so a
-# wait that a peer will end soon should spin rather than sleep.
+# wait that a peer will end soon should spin rather than sleep. 1 ms is chosen as a few
+# times the slow wake-ups, not measured against other spins (docs/architecture.md,
+# "Waiting"; the wake-up costs: KERNEL-FACTS.md).
 SPIN_SECONDS = float(os.environ.get("CMA_SPIN_US", "1000")) * 1e-6
 # A sender of a large rendezvous message spins for about as long as the peer's copy
 # takes at this rate, yielding the CPU as it spins: the peer's copy threads need it.
+# 1 GB/s is a floor well under the ~12 GB/s of one copy stream here (docs/architecture.md,
+# "Protocols"), so the spin rarely ends before the copy; chosen, not measured.
 SLOWEST_COPY_BYTES_PER_S = 1e9
+# From here on such a sender's copy time (>= 1 ms at that rate) exceeds SPIN_SECONDS
+# anyway, so the longer, yielding spin applies; below it the usual spin does.
 YIELD_FROM_BYTES = 1 << 20
+# The sleep's timeout only catches a doorbell lost to a reordered store and load
+# (docs/architecture.md, "Waiting"): an idle waiter that wakes this often costs
+# 1.2-1.6 % of a CPU (measured, same section). The value is chosen, not tuned.
 SLEEP_MS = 10
 
 Packet = tuple[int, int, int, bytes]  # kind, tag, aux, payload

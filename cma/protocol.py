@@ -456,6 +456,8 @@ class Pipeline:
     it once the sender has filled it.
     """
 
+    # below this a fragment's fixed cost (two counter updates, a possible doorbell) weighs
+    # on its copy; 64 KiB is the eager limit's size, chosen, not measured against others
     MIN_FRAGMENT = 64 << 10
 
     def __init__(self, nbytes: int, frag: int, slots: int, first: int) -> None:

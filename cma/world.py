@@ -48,6 +48,9 @@ from .errors import CmaError, PeerGone, ProtocolError
 
 ENV_WORLD = "CMA_WORLD"
 ENV_TRANSPORT = "CMA_TRANSPORT"
+# How long a rank waits for a peer to attach: far above the 0.25-1.75 s 16 ranks' attach
+# took here (docs/architecture.md,
+# "Peers connected on first use"), for slow starts on loaded machines; chosen.
 CONNECT_TIMEOUT = float(os.environ.get("CMA_CONNECT_TIMEOUT", "60"))
 # A rank's PHASE word moves up through these; peers wait until every rank reaches one.
 PHASE_PUBLISHED = 1  # pid and server are up
@@ -58,6 +61,7 @@ PHASE_CLOSED = 3  # reads its rings no more
 REQUEST_SECONDS = 2.0
 # fds a rank of an N-rank world may hold: per connected peer a doorbell, a pidfd and a
 # transport fd or two (docs/architecture.md, "Memory per rank"), plus the process's own
+# (the interpreter, its libraries and the caller's files: a round 64, chosen)
 FDS_PER_RANK = 4
 FDS_SPARE = 64
 # The kernel's PID_MAX_LIMIT: a pid word above it (or below 1) was not written by a rank.

@@ -60,7 +60,12 @@ from .requests import SERVED, Request, start_request
 from .specs import snapshot
 
 # Mixed ranks poll both engines: spin this long, then sleep pauses doubling up to the max.
+# 100 us is cma.Comm's first spin, kept here when cma.Comm's grew to 1 ms; not measured
+# for mixed ranks, whose every turn polls MPI too (docs/mpi.md, "Mixed ranks").
 SPIN_SECONDS = float(os.environ.get("CMA_SPIN_US", "100")) * 1e-6
+# The first pause is about two wake-ups (~10 us each here, KERNEL-FACTS.md); the last, 1 ms,
+# bounds the extra latency after an idle phase (docs/mpi.md) and is the first pause long
+# enough for Progress.doze (whole milliseconds; its doorbell ends it early). Chosen, not measured.
 PAUSE_MIN = 20e-6
 PAUSE_MAX = 1e-3
 # methods an all-on-node Comm takes from its cma communicator

@@ -28,9 +28,11 @@ if TYPE_CHECKING:
     from .comm import Comm
 
 # How often a request that MPI waits for (inside MPI's progress loop, where cma never
-# sleeps on its doorbell) checks whether its peer is still alive.
+# sleeps on its doorbell) checks whether its peer is still alive: as often as a sleeping
+# cma wait wakes (progress.SLEEP_MS), so a death is noticed as soon (docs/mpi.md).
 PEER_CHECK_SECONDS = 0.01
-# How long a mixed rank's wildcard receive waits inside MPI before the hook warns.
+# How long a mixed rank's wildcard receive waits inside MPI before the hook warns: long
+# beside any message's latency, short beside a hang someone is watching; chosen.
 DEFERRED_WARNING_SECONDS = 2.0
 
 

@@ -48,7 +48,7 @@ MAX_ENTRIES = 1024
 # the mmap over it, close (counted as such: where ptrace rules refuse pidfd_getfd, the fd
 # server's socket, connect, send, recvmsg and close come on top, uncounted).
 MAP_SYSCALLS = 7
-ADDRESS_LIMIT = 1 << 56
+ADDRESS_LIMIT = 1 << 56  # above any user address (as protocol.ADDRESS_LIMIT): a whole space
 
 Space = tuple[int, int, int, int]  # (peer rank, peer pid, segment index, generation)
 

@@ -137,14 +137,17 @@ class ChannelConfig:
 
     @property
     def pair_bytes(self) -> int:
+        """Bytes of one channel (one direction of a pair): control page, ring, staging."""
         staging = _round_up(self.stage_slots * self.frag_size, PAGE_SIZE)
         return PAGE_SIZE + self.ring_bytes + staging
 
     def header_bytes(self, size: int) -> int:
+        """Bytes of a world's header (preamble, rank blocks, reach matrix), whole pages."""
         words = PREAMBLE_WORDS + size * RANK_BLOCK_WORDS + size * size
         return _round_up(words * 8, PAGE_SIZE)
 
     def segment_bytes(self, size: int) -> int:
+        """Bytes of the whole shared segment of a world of ``size`` ranks."""
         return self.header_bytes(size) + size * (size - 1) * self.pair_bytes
 
     def pair_offset(self, size: int, src: int, dst: int) -> int:
@@ -153,14 +156,17 @@ class ChannelConfig:
         return self.header_bytes(size) + index * self.pair_bytes
 
     def encode(self) -> str:
+        """The sizes as text, for ``CMA_WORLD`` (``decode`` reads it back)."""
         return f"{self.eager_limit},{self.ring_bytes},{self.frag_size},{self.stage_slots}"
 
     @classmethod
     def decode(cls, text: str) -> ChannelConfig:
+        """The config ``encode`` wrote."""
         eager, ring, frag, stage = (int(x) for x in text.split(","))
         return cls(eager, ring, frag, stage)
 
     def validate(self) -> None:
+        """Raise ``InvalidConfig`` unless the sizes can work (ring a power of two, eager limit <= ring/4)."""
         ring = self.ring_bytes
         if ring < PAGE_SIZE or ring & (ring - 1):
             raise InvalidConfig(f"ring_bytes must be a power of two >= {PAGE_SIZE}")
@@ -282,10 +288,12 @@ class Outbox:
         return True
 
     def publish_filled(self, count: int) -> None:
+        """Tell the reader that ``count`` pipeline fragments in all have been filled."""
         self.filled = count
         self.ctl[FILLED] = count
 
     def drained(self) -> int:
+        """How many pipeline fragments in all the reader has drained."""
         return self.ctl[DRAINED]
 
 
@@ -329,6 +337,7 @@ class Inbox:
         return pos
 
     def ready(self) -> bool:
+        """Whether a packet waits at the head of the ring."""
         return self._position() >= 0
 
     def _consume(self, need: int) -> None:
@@ -415,6 +424,7 @@ class Inbox:
                 f"to this rank has {what}")
 
     def release(self) -> None:
+        """Consume the packet ``take`` returned (its payload view is invalid from now on)."""
         self._consume(self.pending)
 
     def publish_tail(self) -> bool:
@@ -426,9 +436,11 @@ class Inbox:
         return True
 
     def filled(self) -> int:
+        """How many pipeline fragments in all the writer has filled."""
         return self.ctl[FILLED]
 
     def publish_drained(self, count: int) -> None:
+        """Tell the writer that ``count`` pipeline fragments in all have been drained."""
         self.drained_count = count
         self.ctl[DRAINED] = count
 

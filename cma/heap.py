@@ -71,6 +71,7 @@ class Location:
 
     @property
     def generation(self) -> int:
+        """The segment's generation (never reused), which a peer's cached mapping is checked against."""
         return self.segment.generation
 
 
@@ -176,6 +177,7 @@ class Heap:
             self._listeners.append(listener)
 
     def unlisten(self, listener: Callable[[Segment], None]) -> None:
+        """Stop calling ``listener`` (one ``listen`` registered); nothing if it is not listening."""
         with self._locked():
             if listener in self._listeners:
                 self._listeners.remove(listener)

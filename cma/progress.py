@@ -206,6 +206,7 @@ class Progress:
 
     def send(self, segments: list[memoryview], dest: int, tag: int, is_object: bool,
              eager: bool = True, sync: bool = False) -> SendOp:
+        """Start a send in the engine (connecting ``dest`` first if need be) and run its actions."""
         if dest not in self.outboxes:
             self.connect(dest)
         op, actions = self.engine.send(dest, tag, segments, is_object, eager=eager, sync=sync)
@@ -214,6 +215,7 @@ class Progress:
 
     def post_recv(self, source: int, tag: int, buffer: memoryview | None, view: bool = False
                   ) -> RecvOp:
+        """Post a receive in the engine (connecting ``source`` first if need be) and run its actions."""
         if source not in self.outboxes:
             self.connect(source)  # (its exit must end the wait; ANY_SOURCE: none)
         op, actions = self.engine.recv(source, tag, buffer, view)
@@ -228,6 +230,7 @@ class Progress:
     # -- the engine's actions
 
     def run(self, actions: list[Action]) -> None:
+        """Carry out the engine's actions: packets, deliveries, pulls, pushes, streams, completions."""
         for action in actions:
             if isinstance(action, Transmit):
                 self.transmit(action.dest, action.kind, action.tag, action.aux, action.payload)
@@ -252,6 +255,8 @@ class Progress:
                     self.xmap.forget(action.peer, action.segments)
 
     def transmit(self, dest: int, kind: int, tag: int, aux: int, payload: bytes) -> None:
+        """Send one control packet: to this rank through the loopback, else into ``dest``'s ring, or its
+        queue when the ring is full or others wait (split when larger than a ring packet)."""
         if dest == self.rank:
             if kind & KIND_MASK == EAGER:
                 self.counts.looped(len(payload))
@@ -274,6 +279,7 @@ class Progress:
             self.ring(dest)
 
     def peer_sleeping(self, peer: int) -> int:
+        """Whether ``peer`` has said it is about to sleep (then a packet for it rings its doorbell)."""
         return self.outboxes[peer].peer_sleeping[0]
 
     def _put(self, dest: int, packet: Packet) -> bool:
@@ -566,6 +572,8 @@ class Progress:
     # -- waiting
 
     def wait(self, op: SendOp | RecvOp) -> None:
+        """Progress until ``op`` is done; a large send spins about as long as its copy should take,
+        yielding the CPU (``wait_until`` for the rest)."""
         if op.done:
             return
         peer = op.dest if isinstance(op, SendOp) else op.source

@@ -58,6 +58,7 @@ class CollectiveResult:
 
     @property
     def mean_us(self) -> float:
+        """The mean time per collective, averaged over ranks (OSU's figure)."""
         return float(np.mean(self.rank_means_us))
 
 

@@ -199,6 +199,10 @@ class Comm(MPI.Intracomm):
     # -- blocking buffer point-to-point
 
     def Send(self, buf: Any, dest: int, tag: int = 0) -> None:
+        """mpi4py's ``Send``: through cma to a rank on this node, through MPI to the others.
+
+        Raises mpi4py's errors (``TruncateError``, ``PeerGoneError`` are
+        ``MPI.Exception``s)."""
         peer = self._fast.get(dest)
         if peer is None:
             if dest in self._local:  # a mixed rank: wait in both engines
@@ -210,6 +214,10 @@ class Comm(MPI.Intracomm):
 
     def Recv(self, buf: Any, source: int = ANY_SOURCE, tag: int = ANY_TAG,
              status: MPI.Status | None = None) -> None:
+        """mpi4py's ``Recv``: through cma from a rank on this node, through MPI from the others.
+
+        ``ANY_SOURCE`` on a mixed rank probes both and receives the message found
+        (docs/mpi.md)."""
         peer = self._fast.get(source)
         if peer is None:
             if self._waits_in_cma(source, tag):
@@ -222,6 +230,7 @@ class Comm(MPI.Intracomm):
     def Sendrecv(self, sendbuf: Any, dest: int, sendtag: int = 0, recvbuf: Any = None,
                  source: int = ANY_SOURCE, recvtag: int = ANY_TAG,
                  status: MPI.Status | None = None) -> None:
+        """mpi4py's ``Sendrecv``: ``Isend``, ``Recv``, then wait for the send, each routed per peer."""
         if self._cma is None:
             mpi_sendrecv(self, sendbuf, dest, sendtag, recvbuf, source, recvtag, status)
             return
@@ -231,6 +240,7 @@ class Comm(MPI.Intracomm):
 
     def Sendrecv_replace(self, buf: Any, dest: int, sendtag: int = 0, source: int = ANY_SOURCE,
                          recvtag: int = ANY_TAG, status: MPI.Status | None = None) -> None:
+        """mpi4py's ``Sendrecv_replace``: a copy of ``buf`` is sent, the reply received into it."""
         if self._cma is None:
             MPI.Intracomm.Sendrecv_replace(self, buf, dest, sendtag, source, recvtag, status)
             return
@@ -239,24 +249,34 @@ class Comm(MPI.Intracomm):
 
     # Ready mode may be implemented as standard mode (MPI-4.1, section 3.4).
     def Rsend(self, buf: Any, dest: int, tag: int = 0) -> None:
+        """mpi4py's ``Rsend``: ready mode as standard mode (``Send``), as MPI-4.1 section 3.4 allows."""
         self.Send(buf, dest, tag)
 
     # -- non-blocking buffer point-to-point
 
     def Isend(self, buf: Any, dest: int, tag: int = 0) -> MPI.Request:
+        """mpi4py's ``Isend``: through cma to a rank on this node, through MPI to the others.
+
+        An on-node request is MPI's (a generalized request, or MPI's own when complete at
+        once)."""
         peer = self._local.get(dest)
         if peer is None:
             return mpi_isend(self, buf, dest, tag)
         return self._cma.Isend(buf, peer, tag)  # type: ignore[union-attr,return-value]
 
     def Irsend(self, buf: Any, dest: int, tag: int = 0) -> MPI.Request:
+        """mpi4py's ``Irsend``: ready mode as standard mode (``Isend``)."""
         return self.Isend(buf, dest, tag)
 
     def Irecv(self, buf: Any, source: int = ANY_SOURCE, tag: int = ANY_TAG) -> MPI.Request:
+        """mpi4py's ``Irecv``: through cma from a rank on this node, through MPI from the others.
+
+        An on-node request is an MPI generalized request (``cma.mpi.Request``)."""
         return self._irecv(buf, source, tag, False)
 
     def Isendrecv(self, sendbuf: Any, dest: int, sendtag: int = 0, recvbuf: Any = None,
                   source: int = ANY_SOURCE, recvtag: int = ANY_TAG) -> MPI.Request:
+        """mpi4py's ``Isendrecv``: through cma when both peers are on this node, else through MPI."""
         peer, origin = self._local.get(dest), self._fast.get(source)
         if self._cma is None or (peer is None and dest != MPI.PROC_NULL) or (
                 origin is None and source != MPI.PROC_NULL):
@@ -270,12 +290,16 @@ class Comm(MPI.Intracomm):
 
     def Isendrecv_replace(self, buf: Any, dest: int, sendtag: int = 0, source: int = ANY_SOURCE,
                           recvtag: int = ANY_TAG) -> MPI.Request:
+        """mpi4py's ``Isendrecv_replace``: ``Isendrecv`` of a copy of ``buf`` into ``buf``."""
         if self._cma is None:
             return mpi_isendrecv_replace(self, buf, dest, sendtag, source, recvtag)
         outgoing = snapshot(buf)
         return self.Isendrecv(outgoing, dest, sendtag, buf, source, recvtag)
 
     def Recv_init(self, buf: Any, source: int = ANY_SOURCE, tag: int = ANY_TAG) -> MPI.Prequest:
+        """mpi4py's ``Recv_init``: a ``cma.mpi.Prequest`` from a rank on this node, MPI's from others.
+
+        ``ANY_SOURCE`` on a mixed rank raises ``NotImplementedError``."""
         peer = self._fast.get(source)
         if peer is None and (self._mixed and source == ANY_SOURCE or source not in self._local):
             if self._mixed and source == ANY_SOURCE:
@@ -293,18 +317,22 @@ class Comm(MPI.Intracomm):
 
     def Improbe(self, source: int = ANY_SOURCE, tag: int = ANY_TAG,
                 status: MPI.Status | None = None) -> MPI.Message | None:
+        """mpi4py's ``Improbe``: the matched message (a ``cma.mpi.Message`` on-node), or ``None``."""
         return self._improbe(source, tag, status, False)
 
     def Mprobe(self, source: int = ANY_SOURCE, tag: int = ANY_TAG,
                status: MPI.Status | None = None) -> MPI.Message:
+        """mpi4py's ``Mprobe``: ``Improbe`` that waits for a message."""
         return self._mprobe(source, tag, status, False)
 
     def improbe(self, source: int = ANY_SOURCE, tag: int = ANY_TAG,
                 status: MPI.Status | None = None) -> MPI.Message | None:
+        """mpi4py's ``improbe``: ``Improbe`` of an object message (receive it with ``recv``)."""
         return self._improbe(source, tag, status, True)
 
     def mprobe(self, source: int = ANY_SOURCE, tag: int = ANY_TAG,
                status: MPI.Status | None = None) -> MPI.Message:
+        """mpi4py's ``mprobe``: ``Mprobe`` of an object message (receive it with ``recv``)."""
         return self._mprobe(source, tag, status, True)
 
     def _mprobe(self, source: int, tag: int, status: MPI.Status | None, is_object: bool
@@ -356,6 +384,7 @@ class Comm(MPI.Intracomm):
     # -- objects (on-node: pickle protocol 5, large buffers out of band through cma)
 
     def send(self, obj: Any, dest: int, tag: int = 0) -> None:
+        """mpi4py's ``send`` of an object: through cma to a rank on this node, through MPI to the others."""
         peer = self._fast.get(dest)
         if peer is None:
             if dest in self._local:
@@ -370,11 +399,15 @@ class Comm(MPI.Intracomm):
 
     def recv(self, buf: Any = None, source: int = ANY_SOURCE, tag: int = ANY_TAG,
              status: MPI.Status | None = None) -> Any:
+        """mpi4py's ``recv`` of an object: through cma from a rank on this node, MPI from the others.
+
+        On-node any size; off-node mpi4py's own, whose default buffer is bounded."""
         if source in self._fast or self._waits_in_cma(source, tag):
             return self._irecv(buf, source, tag, True).wait(status)
         return mpi_recv_obj(self, buf, source, tag, status)
 
     def isend(self, obj: Any, dest: int, tag: int = 0) -> MPI.Request:
+        """mpi4py's ``isend`` of an object: through cma to a rank on this node, MPI to the others."""
         peer = self._local.get(dest)
         if peer is None:
             return mpi_isend_obj(self, obj, dest, tag)
@@ -391,6 +424,7 @@ class Comm(MPI.Intracomm):
     def sendrecv(self, sendobj: Any, dest: int, sendtag: int = 0, recvbuf: Any = None,
                  source: int = ANY_SOURCE, recvtag: int = ANY_TAG,
                  status: MPI.Status | None = None) -> Any:
+        """mpi4py's ``sendrecv``: ``isend``, ``recv``, then wait for the send; the received object."""
         if self._cma is None:
             return mpi_sendrecv_obj(self, sendobj, dest, sendtag, recvbuf, source, recvtag,
                                     status)
@@ -423,6 +457,10 @@ class Comm(MPI.Intracomm):
 
     def Iprobe(self, source: int = ANY_SOURCE, tag: int = ANY_TAG,
                status: MPI.Status | None = None) -> bool:
+        """mpi4py's ``Iprobe``: cma's rings for a rank on this node, MPI for the others.
+
+        A mixed rank's ``ANY_SOURCE`` probes cma, then MPI; a message that a receive posted
+        earlier will take is not reported."""
         if self._mixed:
             return self._iprobe_mixed(source, tag, status)
         peer = self._fast.get(source)
@@ -432,6 +470,7 @@ class Comm(MPI.Intracomm):
 
     def Probe(self, source: int = ANY_SOURCE, tag: int = ANY_TAG,
               status: MPI.Status | None = None) -> Literal[True]:
+        """mpi4py's ``Probe``: waits until ``Iprobe`` would return True (a mixed rank polls both)."""
         if self._mixed:
             self._progress_until(lambda: self._iprobe_mixed(source, tag, status),
                                  self._local.get(source))
@@ -488,6 +527,7 @@ class Comm(MPI.Intracomm):
         return type(self)(dup, self._transport, **self._options)
 
     def Clone(self) -> Comm:
+        """mpi4py's ``Clone``: ``Dup()``, a new ``cma.mpi.Comm`` with cma worlds of its own."""
         return self.Dup()
 
     def Free(self) -> None:
@@ -682,6 +722,7 @@ class Message(MPI.Message):
 
     @classmethod
     def of(cls, message: CmaMessage) -> Message:
+        """Wrap a cma ``Message`` (what a node communicator's matched probe returned)."""
         wrapped = cls()
         wrapped._message = message
         return wrapped
@@ -690,15 +731,19 @@ class Message(MPI.Message):
         return bool(self._message)
 
     def Irecv(self, buf: Any) -> MPI.Request:
+        """mpi4py's ``Message.Irecv``: receive the message into ``buf`` through cma; only once."""
         return self._message.Irecv(buf)  # type: ignore[return-value]  # a node request
 
     def Recv(self, buf: Any, status: MPI.Status | None = None) -> None:
+        """mpi4py's ``Message.Recv``: receive the message into ``buf`` through cma; only once."""
         self.Irecv(buf).Wait(status)
 
     def irecv(self) -> MPI.Request:
+        """mpi4py's ``Message.irecv``: receive the object message through cma; only once."""
         return self._message.irecv()  # type: ignore[return-value]
 
     def recv(self, status: MPI.Status | None = None) -> Any:
+        """mpi4py's ``Message.recv``: receive the object message through cma; only once."""
         return self.irecv().wait(status)
 
 

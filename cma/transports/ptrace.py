@@ -117,6 +117,8 @@ class PtraceTransport(Transport):
         return None
 
     def read(self, peer: Peer, remote: Sequence[Region], local: Sequence[memoryview]) -> None:
+        """Pull word by word with ``PTRACE_PEEKDATA``, the peer stopped meanwhile, under the machine-wide
+        lock."""
         what = f"ptrace read from rank {peer.rank}"
         transfer = Transfer(local, remote, writable=True, what=what)
         if not transfer.total:

@@ -181,6 +181,17 @@ class ChannelConfig:
         return self.ring_bytes // 2 - HEADER_BYTES
 
 
+def _channel_parts(pair: memoryview, config: ChannelConfig
+                  ) -> tuple[memoryview, memoryview, memoryview, memoryview]:
+    """The parts of one channel both its ends view: the control page as int64 words, the
+    ring's bytes, the same bytes as int64 words, and the staging slots."""
+    ring = config.ring_bytes
+    data = pair[PAGE_SIZE : PAGE_SIZE + ring]
+    staging_at = PAGE_SIZE + ring
+    return (pair[:PAGE_SIZE].cast("q"), data, data.cast("q"),
+            pair[staging_at : staging_at + config.stage_slots * config.frag_size])
+
+
 class Outbox:
     """Producer end of the ring from this rank to one peer."""
 
@@ -191,14 +202,10 @@ class Outbox:
         self.peer_sleeping = peer_sleeping  # the receiver's "about to sleep" word
         self.eager_bytes = 0
         self.eager_count = 0
-        self.ctl = pair[:PAGE_SIZE].cast("q")
+        self.ctl, self.data, self.words, self.staging = _channel_parts(pair, config)
         self.size = config.ring_bytes
         self.window = config.ring_bytes // 2
         self.mask = config.ring_bytes - 1
-        self.data = pair[PAGE_SIZE : PAGE_SIZE + self.size]
-        self.words = self.data.cast("q")
-        staging_at = PAGE_SIZE + self.size
-        self.staging = pair[staging_at : staging_at + config.stage_slots * config.frag_size]
         self.head = self.ctl[HEAD]
         self.tail_seen = self.ctl[TAIL]
         self.filled = self.ctl[FILLED]
@@ -311,14 +318,10 @@ class Inbox:
         self.eager_bytes = 0
         self.eager_count = 0
         self.pending = 0  # size of the packet returned by take(), consumed by release()
-        self.ctl = pair[:PAGE_SIZE].cast("q")
+        self.ctl, self.data, self.words, self.staging = _channel_parts(pair, config)
         self.size = config.ring_bytes
         self.publish_every = config.ring_bytes // 16
         self.mask = config.ring_bytes - 1
-        self.data = pair[PAGE_SIZE : PAGE_SIZE + self.size]
-        self.words = self.data.cast("q")
-        staging_at = PAGE_SIZE + self.size
-        self.staging = pair[staging_at : staging_at + config.stage_slots * config.frag_size]
         self.tail = self.ctl[TAIL]
         self.tail_published = self.tail
         self.drained_count = self.ctl[DRAINED]

@@ -69,11 +69,6 @@ class Location:
     segment: Segment
     offset: int
 
-    @property
-    def generation(self) -> int:
-        """The segment's generation (never reused), which a peer's cached mapping is checked against."""
-        return self.segment.generation
-
 
 class _Slab:
     __slots__ = ("segment", "mm", "block", "untouched", "free", "used", "exported", "retired")

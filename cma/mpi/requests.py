@@ -259,6 +259,8 @@ class Request(MPI.Grequest):
         if ours:
             ours[0]._node.settle_any(ours)
 
+    # mpi4py's many-request calls below share their two lines (prepare in cma, then MPI's
+    # own call): written out, not generated, so each keeps mpi4py's signature for mypy and help().
     @classmethod
     def Waitall(cls, requests: Sequence[MPI.Request],
                 statuses: list[MPI.Status] | None = None) -> Literal[True]:
@@ -309,6 +311,7 @@ class Request(MPI.Grequest):
         for req in cls._ours(requests):
             req._test_in_cma()
 
+    # (the test family: two lines each as above, written out for the same reason)
     @classmethod
     def Testall(cls, requests: Sequence[MPI.Request],
                 statuses: list[MPI.Status] | None = None) -> bool:

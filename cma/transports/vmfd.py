@@ -47,12 +47,12 @@ LIMITS = BatchLimits(local_spans=_linux.IOV_MAX, remote_spans=1, nbytes=_linux.M
 
 def _copy(transfer: Transfer, fd: int, pid: int, *, write: bool, stats: TransportStats | None) -> None:
     """Run ``transfer`` through the memory fd ``fd`` of process ``pid``, counting into ``stats``."""
-    syscall = _linux.mem_pwritev if write else _linux.mem_preadv
+    mem_copy = _linux.mem_copy
     what = transfer.what
 
     def batch(views: list[memoryview], lens: list[int], addrs: list[int],
               remote_lens: list[int]) -> int:
-        return syscall(fd, views, addrs[0], pid=pid, what=what)
+        return mem_copy(fd, views, addrs[0], write=write, pid=pid, what=what)
 
     outcome = transfer.run(batch, LIMITS)
     if stats is not None:

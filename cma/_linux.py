@@ -599,32 +599,23 @@ def _mem_error(exc: OSError, access: str, addr: int, nbytes: int, pid: int) -> T
     return TransportFault(exc.errno, f"{access} {span} of process {pid}: {exc.strerror}")
 
 
-def mem_preadv(fd: int, buffers: Sequence[memoryview], addr: int, *, pid: int, what: str) -> int:
-    """preadv on a /proc/PID/mem fd at offset ``addr``; bytes read, possibly short (> 0).
+def mem_copy(fd: int, buffers: Sequence[memoryview], addr: int, *, write: bool, pid: int,
+             what: str) -> int:
+    """preadv (pwritev if ``write``) on a /proc/PID/mem fd at offset ``addr``; bytes moved,
+    possibly short (> 0).
 
     0 bytes for a non-empty request means the owner's address space is gone (it exited
     or exec'd): ``PeerGone``. An unmapped address (EIO): ``TransportFault`` naming it.
     """
     try:
-        got = os.preadv(fd, buffers, addr)
+        moved = os.pwritev(fd, buffers, addr) if write else os.preadv(fd, buffers, addr)
     except OSError as exc:
         nbytes = sum(b.nbytes for b in buffers)
-        raise _mem_error(exc, f"{what}: reading", addr, nbytes, pid) from exc
-    if got == 0:
+        raise _mem_error(exc, f"{what}: {'writing' if write else 'reading'}", addr, nbytes,
+                         pid) from exc
+    if moved == 0:
         raise PeerGone(f"{what}: process {pid} has exited or exec'd; its memory is gone")
-    return got
-
-
-def mem_pwritev(fd: int, buffers: Sequence[memoryview], addr: int, *, pid: int, what: str) -> int:
-    """pwritev on a /proc/PID/mem fd at offset ``addr``; same contract as ``mem_preadv``."""
-    try:
-        put = os.pwritev(fd, buffers, addr)
-    except OSError as exc:
-        nbytes = sum(b.nbytes for b in buffers)
-        raise _mem_error(exc, f"{what}: writing", addr, nbytes, pid) from exc
-    if put == 0:
-        raise PeerGone(f"{what}: process {pid} has exited or exec'd; its memory is gone")
-    return put
+    return moved
 
 
 # ---------------------------------------------------------------- same-process copies

@@ -42,9 +42,9 @@ from ._linux import PAGE_SIZE
 from .errors import InvalidConfig, ProtocolError
 from .wire import ANY_TAG, EAGER, KIND_MASK
 
-HEADER_BYTES = 32
+HEADER_BYTES = 32  # four int64 words: kind, tag, nbytes, aux
 PAD = 0x7F  # packet kind: skip to the start of the ring
-ALIGN = 64
+ALIGN = 64  # a packet starts on a cache line, so a header never straddles two
 # A packet of n payload bytes takes (PACKET_ROUND + n) & PACKET_MASK bytes of ring. The hot
 # paths use these two constants, and one struct call for the three words an EAGER header
 # needs, because on CPython every extra operation there is measurable in 8-byte latency.
@@ -137,14 +137,17 @@ class ChannelConfig:
 
     @property
     def pair_bytes(self) -> int:
+        """Bytes of one channel (one direction of a pair): control page, ring, staging."""
         staging = _round_up(self.stage_slots * self.frag_size, PAGE_SIZE)
         return PAGE_SIZE + self.ring_bytes + staging
 
     def header_bytes(self, size: int) -> int:
+        """Bytes of a world's header (preamble, rank blocks, reach matrix), whole pages."""
         words = PREAMBLE_WORDS + size * RANK_BLOCK_WORDS + size * size
         return _round_up(words * 8, PAGE_SIZE)
 
     def segment_bytes(self, size: int) -> int:
+        """Bytes of the whole shared segment of a world of ``size`` ranks."""
         return self.header_bytes(size) + size * (size - 1) * self.pair_bytes
 
     def pair_offset(self, size: int, src: int, dst: int) -> int:
@@ -153,14 +156,17 @@ class ChannelConfig:
         return self.header_bytes(size) + index * self.pair_bytes
 
     def encode(self) -> str:
+        """The sizes as text, for ``CMA_WORLD`` (``decode`` reads it back)."""
         return f"{self.eager_limit},{self.ring_bytes},{self.frag_size},{self.stage_slots}"
 
     @classmethod
     def decode(cls, text: str) -> ChannelConfig:
+        """The config ``encode`` wrote."""
         eager, ring, frag, stage = (int(x) for x in text.split(","))
         return cls(eager, ring, frag, stage)
 
     def validate(self) -> None:
+        """Raise ``InvalidConfig`` unless the sizes can work (ring a power of two, eager limit <= ring/4)."""
         ring = self.ring_bytes
         if ring < PAGE_SIZE or ring & (ring - 1):
             raise InvalidConfig(f"ring_bytes must be a power of two >= {PAGE_SIZE}")
@@ -175,6 +181,17 @@ class ChannelConfig:
         return self.ring_bytes // 2 - HEADER_BYTES
 
 
+def _channel_parts(pair: memoryview, config: ChannelConfig
+                  ) -> tuple[memoryview, memoryview, memoryview, memoryview]:
+    """The parts of one channel both its ends view: the control page as int64 words, the
+    ring's bytes, the same bytes as int64 words, and the staging slots."""
+    ring = config.ring_bytes
+    data = pair[PAGE_SIZE : PAGE_SIZE + ring]
+    staging_at = PAGE_SIZE + ring
+    return (pair[:PAGE_SIZE].cast("q"), data, data.cast("q"),
+            pair[staging_at : staging_at + config.stage_slots * config.frag_size])
+
+
 class Outbox:
     """Producer end of the ring from this rank to one peer."""
 
@@ -185,14 +202,10 @@ class Outbox:
         self.peer_sleeping = peer_sleeping  # the receiver's "about to sleep" word
         self.eager_bytes = 0
         self.eager_count = 0
-        self.ctl = pair[:PAGE_SIZE].cast("q")
+        self.ctl, self.data, self.words, self.staging = _channel_parts(pair, config)
         self.size = config.ring_bytes
         self.window = config.ring_bytes // 2
         self.mask = config.ring_bytes - 1
-        self.data = pair[PAGE_SIZE : PAGE_SIZE + self.size]
-        self.words = self.data.cast("q")
-        staging_at = PAGE_SIZE + self.size
-        self.staging = pair[staging_at : staging_at + config.stage_slots * config.frag_size]
         self.head = self.ctl[HEAD]
         self.tail_seen = self.ctl[TAIL]
         self.filled = self.ctl[FILLED]
@@ -282,10 +295,12 @@ class Outbox:
         return True
 
     def publish_filled(self, count: int) -> None:
+        """Tell the reader that ``count`` pipeline fragments in all have been filled."""
         self.filled = count
         self.ctl[FILLED] = count
 
     def drained(self) -> int:
+        """How many pipeline fragments in all the reader has drained."""
         return self.ctl[DRAINED]
 
 
@@ -303,14 +318,10 @@ class Inbox:
         self.eager_bytes = 0
         self.eager_count = 0
         self.pending = 0  # size of the packet returned by take(), consumed by release()
-        self.ctl = pair[:PAGE_SIZE].cast("q")
+        self.ctl, self.data, self.words, self.staging = _channel_parts(pair, config)
         self.size = config.ring_bytes
         self.publish_every = config.ring_bytes // 16
         self.mask = config.ring_bytes - 1
-        self.data = pair[PAGE_SIZE : PAGE_SIZE + self.size]
-        self.words = self.data.cast("q")
-        staging_at = PAGE_SIZE + self.size
-        self.staging = pair[staging_at : staging_at + config.stage_slots * config.frag_size]
         self.tail = self.ctl[TAIL]
         self.tail_published = self.tail
         self.drained_count = self.ctl[DRAINED]
@@ -329,6 +340,7 @@ class Inbox:
         return pos
 
     def ready(self) -> bool:
+        """Whether a packet waits at the head of the ring."""
         return self._position() >= 0
 
     def _consume(self, need: int) -> None:
@@ -415,6 +427,7 @@ class Inbox:
                 f"to this rank has {what}")
 
     def release(self) -> None:
+        """Consume the packet ``take`` returned (its payload view is invalid from now on)."""
         self._consume(self.pending)
 
     def publish_tail(self) -> bool:
@@ -426,9 +439,11 @@ class Inbox:
         return True
 
     def filled(self) -> int:
+        """How many pipeline fragments in all the writer has filled."""
         return self.ctl[FILLED]
 
     def publish_drained(self, count: int) -> None:
+        """Tell the writer that ``count`` pipeline fragments in all have been drained."""
         self.drained_count = count
         self.ctl[DRAINED] = count
 

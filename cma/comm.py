@@ -206,13 +206,16 @@ class Comm(Collectives):
     # -- mpi4py-style accessors
 
     def Get_rank(self) -> int:
+        """This process's rank (``MPI.Comm.Get_rank``); also the attribute ``rank``."""
         return self.rank
 
     def Get_size(self) -> int:
+        """The number of ranks (``MPI.Comm.Get_size``); also the attribute ``size``."""
         return self.size
 
     @property
     def transport(self) -> str:
+        """The transport name given at creation (``"auto"`` or a transport's name)."""
         return self._transport_name
 
     def __repr__(self) -> str:
@@ -298,6 +301,11 @@ class Comm(Collectives):
     # -- blocking buffer point-to-point (eager fast paths inline)
 
     def Send(self, buf: Any, dest: int, tag: int = 0) -> None:
+        """Blocking send of a buffer (``MPI.Comm.Send``).
+
+        Returns at once for a message within the eager limit (copied into the ring, or
+        queued when the ring is full); a larger one returns once the transfer no longer
+        needs ``buf``, which needs the receiver to have matched it."""
         if buf is self._send_obj:
             mv = self._send_view
         elif buf.__class__ is list and buf and buf[0] is self._send_base and buf == self._send_spec:
@@ -319,6 +327,9 @@ class Comm(Collectives):
 
     def Recv(self, buf: Any, source: int = ANY_SOURCE, tag: int = ANY_TAG,
              status: Status | None = None) -> None:
+        """Blocking receive into a writable buffer (``MPI.Comm.Recv``); fills ``status``.
+
+        A message larger than ``buf`` raises ``TruncationError`` (and is consumed)."""
         if buf is self._recv_obj and buf.flags.writeable:
             mv = self._recv_view
         elif buf.__class__ is list and buf and buf[0] is self._recv_base and buf == self._recv_spec \
@@ -348,7 +359,9 @@ class Comm(Collectives):
     def Sendrecv(self, sendbuf: Any, dest: int, sendtag: int = 0, recvbuf: Any = None,
                  source: int = ANY_SOURCE, recvtag: int = ANY_TAG,
                  status: Status | None = None) -> None:
-        # the receive's arguments are checked before anything is sent
+        """Send and receive at once (``MPI.Comm.Sendrecv``): ``Isend``, ``Recv``, then wait for the send.
+
+        The receive's arguments are checked before anything is sent."""
         self.buffer_view(recvbuf, recv_view)
         self._check_source(source)
         self._check_tag(recvtag, wildcard=True)
@@ -363,6 +376,7 @@ class Comm(Collectives):
         self.Issend(buf, dest, tag).Wait()
 
     def Issend(self, buf: Any, dest: int, tag: int = 0) -> Request:
+        """Non-blocking synchronous send (``MPI.Comm.Issend``): completes once a receive has matched it."""
         mv = self.buffer_view(buf, send_view)
         dest = self._check_dest(dest)
         tag = self._check_tag(tag)
@@ -380,6 +394,10 @@ class Comm(Collectives):
         self.Ibsend(buf, dest, tag)
 
     def Ibsend(self, buf: Any, dest: int, tag: int = 0) -> Request:
+        """Non-blocking buffered send (``MPI.Comm.Ibsend``): the message is copied, the request is
+        complete.
+
+        No attached buffer is needed (see ``Bsend``)."""
         mv = self.buffer_view(buf, send_view)
         dest = self._check_dest(dest)
         tag = self._check_tag(tag)
@@ -389,6 +407,11 @@ class Comm(Collectives):
 
     def start_buffered_send(self, segments: list[memoryview], dest: int, tag: int, is_object: bool
                         ) -> None:
+        """Hook: start a buffered send of ``segments`` (a copy the caller need not keep).
+
+        Within the eager limit the packet itself is the copy; a larger message is copied to
+        memory of its own, which ``close()`` waits for (docs/architecture.md, subclass
+        hooks)."""
         if sum(s.nbytes for s in segments) <= self._eager_limit and len(segments) == 1:
             self.start_send(segments, dest, tag, is_object)  # complete once in a packet
             return
@@ -423,6 +446,9 @@ class Comm(Collectives):
     # raise and fill (cma.mpi's node communicator) without a frame on the hot paths.
 
     def general_send(self, mv: memoryview, dest: Any, tag: Any) -> None:
+        """Hook: ``Send``'s general path (arguments checked here, rendezvous, full ring).
+
+        A subclass may translate errors; it must do the send exactly once."""
         # (a bytearray's fast path comes here before attaching)
         progress = self._progress or self._attach()
         dest = self._check_dest(dest)
@@ -435,6 +461,9 @@ class Comm(Collectives):
         progress.wait(self.start_send([mv], dest, tag, False))
 
     def general_recv(self, mv: memoryview, source: Any, tag: Any, status: Status | None) -> None:
+        """Hook: ``Recv``'s general path (arguments checked here, posted receives, rendezvous).
+
+        A subclass may translate errors and statuses; it must do the receive exactly once."""
         # (a bytearray's fast path comes here before attaching)
         progress = self._progress or self._attach()
         source = self._check_source(source)
@@ -448,6 +477,11 @@ class Comm(Collectives):
     # -- non-blocking buffer point-to-point
 
     def Isend(self, buf: Any, dest: int, tag: int = 0) -> Request:
+        """Non-blocking send of a buffer (``MPI.Comm.Isend``); do not change ``buf`` until it completes.
+
+        A message within the eager limit is complete on return (copied into the ring, or
+        queued behind a full ring); from 512 KiB (QUEUED_COPY_LIMIT) one that finds the ring
+        full goes as a rendezvous instead."""
         if buf is self._send_obj:
             mv = self._send_view
         elif buf.__class__ is list and buf and buf[0] is self._send_base and buf == self._send_spec:
@@ -474,6 +508,10 @@ class Comm(Collectives):
         return self.general_isend(mv, dest, tag)
 
     def Irecv(self, buf: Any, source: int = ANY_SOURCE, tag: int = ANY_TAG) -> Request:
+        """Non-blocking receive into a buffer (``MPI.Comm.Irecv``); do not read ``buf`` until it completes.
+
+        A message already at the head of the ring, with no earlier receive posted, completes
+        it on return."""
         # (Recv's view lookup, written out again as Isend writes out Send's)
         if buf is self._recv_obj and buf.flags.writeable:
             mv = self._recv_view
@@ -504,6 +542,8 @@ class Comm(Collectives):
     # Their general paths, apart for the same reason as general_send and general_recv.
 
     def general_isend(self, mv: memoryview, dest: Any, tag: Any) -> Request:
+        """Hook: ``Isend``'s general path (arguments checked here; a rendezvous, also for an eager-sized
+        message whose ring is full). A subclass must do the send exactly once."""
         if self._progress is None:  # (a bytearray's fast path comes here before attaching)
             self._attach()
         dest = self._check_dest(dest)
@@ -516,6 +556,9 @@ class Comm(Collectives):
         return self.make_request(self, self.start_send([mv], dest, tag, False, eager=False))
 
     def general_irecv(self, mv: memoryview, source: Any, tag: Any) -> Request:
+        """Hook: ``Irecv``'s general path (arguments checked here; posts the receive to the engine).
+
+        A subclass must do the receive exactly once."""
         # (a bytearray's fast path comes here before attaching)
         progress = self._progress or self._attach()
         source = self._check_source(source)
@@ -589,6 +632,8 @@ class Comm(Collectives):
         return [memoryview(stream), *oob]
 
     def load_object(self, op: RecvOp) -> Any:
+        """Hook: what an object receive returns: the unpickled object (a buffer message as a
+        ``bytearray``); cma.mpi's decodes as mpi4py does."""
         if not op.is_object:
             return bytearray(op.segments[0]) if op.segments else bytearray()
         stream, *buffers = op.segments
@@ -598,9 +643,14 @@ class Comm(Collectives):
         return obj
 
     def send(self, obj: Any, dest: int, tag: int = 0) -> None:
+        """Blocking send of a picklable object (``MPI.Comm.send``): ``isend(...).Wait()``."""
         self.isend(obj, dest, tag).Wait()
 
     def isend(self, obj: Any, dest: int, tag: int = 0) -> Request:
+        """Non-blocking send of a picklable object (``MPI.Comm.isend``); ``wait()`` returns ``None``.
+
+        Pickled with protocol 5; buffers above the eager limit go out of band, as buffer
+        messages do (do not change them until the request completes)."""
         return self._isend_object(obj, dest, tag, sync=False)
 
     def ssend(self, obj: Any, dest: int, tag: int = 0) -> None:
@@ -608,6 +658,7 @@ class Comm(Collectives):
         self.issend(obj, dest, tag).Wait()
 
     def issend(self, obj: Any, dest: int, tag: int = 0) -> Request:
+        """Non-blocking synchronous send of an object (``MPI.Comm.issend``): completes once matched."""
         return self._isend_object(obj, dest, tag, sync=True)
 
     def bsend(self, obj: Any, dest: int, tag: int = 0) -> None:
@@ -615,6 +666,8 @@ class Comm(Collectives):
         self.ibsend(obj, dest, tag)
 
     def ibsend(self, obj: Any, dest: int, tag: int = 0) -> Request:
+        """Non-blocking buffered send of an object (``MPI.Comm.ibsend``): complete on return (see
+        ``Bsend``)."""
         return self._isend_object(obj, dest, tag, sync=False, buffered=True)
 
     def _isend_object(self, obj: Any, dest: Any, tag: Any, sync: bool, buffered: bool = False
@@ -633,6 +686,9 @@ class Comm(Collectives):
 
     def recv(self, buf: Any = None, source: int = ANY_SOURCE, tag: int = ANY_TAG,
              status: Status | None = None, views: bool = False) -> Any:
+        """Blocking receive of an object of any size (``MPI.Comm.recv``); ``buf`` is accepted, unused.
+
+        ``views=True``: see ``irecv``. A ``PROC_NULL`` source returns ``None``."""
         if views:
             return self.irecv(buf, source, tag, views=True).wait(status)
         return self.irecv(buf, source, tag).wait(status)
@@ -656,6 +712,7 @@ class Comm(Collectives):
     def sendrecv(self, sendobj: Any, dest: int, sendtag: int = 0, recvbuf: Any = None,
                  source: int = ANY_SOURCE, recvtag: int = ANY_TAG,
                  status: Status | None = None) -> Any:
+        """Send an object and receive one (``MPI.Comm.sendrecv``); returns the received object."""
         send = self.isend(sendobj, dest, sendtag)
         obj = self.recv(recvbuf, source, recvtag, status)
         send.Wait()
@@ -665,6 +722,9 @@ class Comm(Collectives):
 
     def Iprobe(self, source: int = ANY_SOURCE, tag: int = ANY_TAG,
                status: Status | None = None) -> bool:
+        """Whether a matching message has arrived (``MPI.Comm.Iprobe``); fills ``status``.
+
+        The message stays to be received; a pass of progress runs first."""
         progress = self._progress or self._attach()
         source = self._check_source(source)
         tag = self._check_tag(tag, wildcard=True)
@@ -722,6 +782,7 @@ class Comm(Collectives):
 
     def Probe(self, source: int = ANY_SOURCE, tag: int = ANY_TAG,
               status: Status | None = None) -> Literal[True]:
+        """Wait until ``Iprobe`` would return True (``MPI.Comm.Probe``); fills ``status``."""
         progress = self._progress or self._attach()
         source = self._check_source(source)
         tag = self._check_tag(tag, wildcard=True)
@@ -775,6 +836,7 @@ class Comm(Collectives):
         return out
 
     def reset_stats(self) -> None:
+        """Zero the counters ``stats()`` reports (cma's own; mpi4py has none)."""
         progress = self._progress
         if progress is None:
             self._eager_counts.reset(())
@@ -787,6 +849,12 @@ class Comm(Collectives):
     # -- teardown
 
     def close(self) -> None:
+        """Release the communicator (cma's own; ``Free`` is mpi4py's name); idempotent.
+
+        First waits until every message a ``Send`` left queued behind a full ring is in the
+        peer's ring (unless that peer exited), like ``MPI_Finalize``; then closes
+        transports, drops the peers' fds and unmaps the segment, even when interrupted while
+        waiting."""
         if self._closed:
             return
         self._closed = True
@@ -803,6 +871,7 @@ class Comm(Collectives):
             self._fds.close()
 
     def Free(self) -> None:
+        """``close()`` under mpi4py's name (``MPI.Comm.Free``)."""
         self.close()
 
     def __enter__(self) -> Comm:
@@ -888,6 +957,8 @@ class Comm(Collectives):
 
     def start_send(self, segments: list[memoryview], dest: int, tag: int, is_object: bool,
                     eager: bool = True, sync: bool = False) -> SendOp:
+        """Hook: start a send of ``segments`` in the engine and return its operation (every send that
+        reaches the engine comes here). Overrides must pass plain memoryviews on."""
         return (self._progress or self._attach()).send(segments, dest, tag, is_object, eager, sync)
 
     def operation_completed(self, op: SendOp | RecvOp) -> None:

@@ -188,6 +188,7 @@ class Connection:
         return report
 
     def close(self) -> None:
+        """Disconnect every peer from every transport, then close the transports."""
         for transport in self.transports.values():
             for link in self.links:
                 if link is not None:

@@ -38,6 +38,9 @@ from numpy.typing import DTypeLike
 from . import _linux
 from .errors import CmaError
 
+# A slab is one huge page's worth (x86-64's 2 MiB), so it holds eight of the largest
+# blocks; the smallest block is a cache line, so two arrays never share one. The sizes
+# are chosen, not measured against others (the heap's costs: docs/guide.md section 5).
 SLAB_BYTES = 2 << 20
 SMALLEST_BLOCK = 64
 LARGEST_BLOCK = 256 << 10  # above this an array gets a segment of its own
@@ -65,10 +68,6 @@ class Location:
 
     segment: Segment
     offset: int
-
-    @property
-    def generation(self) -> int:
-        return self.segment.generation
 
 
 class _Slab:
@@ -173,6 +172,7 @@ class Heap:
             self._listeners.append(listener)
 
     def unlisten(self, listener: Callable[[Segment], None]) -> None:
+        """Stop calling ``listener`` (one ``listen`` registered); nothing if it is not listening."""
         with self._locked():
             if listener in self._listeners:
                 self._listeners.remove(listener)

@@ -67,12 +67,21 @@ from .world import PeerLink, World
 
 # How long a blocked call spins before it sleeps. Waking a sleeping process costs from
 # ~10 us to several hundred on the project's VM (an idle vCPU must be woken), so a
-# wait that a peer will end soon should spin rather than sleep.
+# wait that a peer will end soon should spin rather than sleep. 1 ms is chosen as a few
+# times the slow wake-ups, not measured against other spins (docs/architecture.md,
+# "Waiting"; the wake-up costs: KERNEL-FACTS.md).
 SPIN_SECONDS = float(os.environ.get("CMA_SPIN_US", "1000")) * 1e-6
 # A sender of a large rendezvous message spins for about as long as the peer's copy
 # takes at this rate, yielding the CPU as it spins: the peer's copy threads need it.
+# 1 GB/s is a floor well under the ~12 GB/s of one copy stream here (docs/architecture.md,
+# "Protocols"), so the spin rarely ends before the copy; chosen, not measured.
 SLOWEST_COPY_BYTES_PER_S = 1e9
+# From here on such a sender's copy time (>= 1 ms at that rate) exceeds SPIN_SECONDS
+# anyway, so the longer, yielding spin applies; below it the usual spin does.
 YIELD_FROM_BYTES = 1 << 20
+# The sleep's timeout only catches a doorbell lost to a reordered store and load
+# (docs/architecture.md, "Waiting"): an idle waiter that wakes this often costs
+# 1.2-1.6 % of a CPU (measured, same section). The value is chosen, not tuned.
 SLEEP_MS = 10
 
 Packet = tuple[int, int, int, bytes]  # kind, tag, aux, payload
@@ -197,6 +206,7 @@ class Progress:
 
     def send(self, segments: list[memoryview], dest: int, tag: int, is_object: bool,
              eager: bool = True, sync: bool = False) -> SendOp:
+        """Start a send in the engine (connecting ``dest`` first if need be) and run its actions."""
         if dest not in self.outboxes:
             self.connect(dest)
         op, actions = self.engine.send(dest, tag, segments, is_object, eager=eager, sync=sync)
@@ -205,6 +215,7 @@ class Progress:
 
     def post_recv(self, source: int, tag: int, buffer: memoryview | None, view: bool = False
                   ) -> RecvOp:
+        """Post a receive in the engine (connecting ``source`` first if need be) and run its actions."""
         if source not in self.outboxes:
             self.connect(source)  # (its exit must end the wait; ANY_SOURCE: none)
         op, actions = self.engine.recv(source, tag, buffer, view)
@@ -219,6 +230,7 @@ class Progress:
     # -- the engine's actions
 
     def run(self, actions: list[Action]) -> None:
+        """Carry out the engine's actions: packets, deliveries, pulls, pushes, streams, completions."""
         for action in actions:
             if isinstance(action, Transmit):
                 self.transmit(action.dest, action.kind, action.tag, action.aux, action.payload)
@@ -243,6 +255,8 @@ class Progress:
                     self.xmap.forget(action.peer, action.segments)
 
     def transmit(self, dest: int, kind: int, tag: int, aux: int, payload: bytes) -> None:
+        """Send one control packet: to this rank through the loopback, else into ``dest``'s ring, or its
+        queue when the ring is full or others wait (split when larger than a ring packet)."""
         if dest == self.rank:
             if kind & KIND_MASK == EAGER:
                 self.counts.looped(len(payload))
@@ -265,6 +279,7 @@ class Progress:
             self.ring(dest)
 
     def peer_sleeping(self, peer: int) -> int:
+        """Whether ``peer`` has said it is about to sleep (then a packet for it rings its doorbell)."""
         return self.outboxes[peer].peer_sleeping[0]
 
     def _put(self, dest: int, packet: Packet) -> bool:
@@ -557,6 +572,8 @@ class Progress:
     # -- waiting
 
     def wait(self, op: SendOp | RecvOp) -> None:
+        """Progress until ``op`` is done; a large send spins about as long as its copy should take,
+        yielding the CPU (``wait_until`` for the rest)."""
         if op.done:
             return
         peer = op.dest if isinstance(op, SendOp) else op.source

@@ -256,7 +256,8 @@ class Scattered(Protocol):
 
     def __setitem__(self, cut: slice, payload: Any) -> None: ...
 
-    def segments(self, nbytes: int) -> list[memoryview]: ...
+    def segments(self, nbytes: int) -> list[memoryview]:
+        """Where a rendezvous of ``nbytes`` lands: views of the buffer's blocks, or of a staging area."""
 
 
 @dataclass(eq=False)
@@ -283,6 +284,7 @@ class RecvOp:
 
     @property
     def capacity(self) -> int:
+        """Bytes the receive buffer holds (-1: an object receive, buffers allocated on match)."""
         return -1 if self.buffer is None else self.buffer.nbytes
 
 
@@ -418,12 +420,14 @@ class Matcher:
         self.unexpected: deque[Arrival] = deque()
 
     def find_unexpected(self, source: int, tag: int) -> Arrival | None:
+        """The earliest arrived message matching (source, tag), left in the queue; None if none."""
         for arrival in self.unexpected:
             if source_matches(source, arrival.source) and tag_matches(tag, arrival.tag):
                 return arrival
         return None
 
     def take_unexpected(self, source: int, tag: int) -> Arrival | None:
+        """``find_unexpected``, and the message taken out of the queue."""
         arrival = self.find_unexpected(source, tag)
         if arrival is not None:
             self.unexpected.remove(arrival)
@@ -440,6 +444,7 @@ class Matcher:
         return self._posted_index(source, tag) >= 0
 
     def take_posted(self, source: int, tag: int) -> RecvOp | None:
+        """The earliest posted receive that matches an arrival from (source, tag), taken out; None if none."""
         i = self._posted_index(source, tag)
         return None if i < 0 else self.posted.pop(i)
 
@@ -456,6 +461,8 @@ class Pipeline:
     it once the sender has filled it.
     """
 
+    # below this a fragment's fixed cost (two counter updates, a possible doorbell) weighs
+    # on its copy; 64 KiB is the eager limit's size, chosen, not measured against others
     MIN_FRAGMENT = 64 << 10
 
     def __init__(self, nbytes: int, frag: int, slots: int, first: int) -> None:
@@ -476,6 +483,7 @@ class Pipeline:
 
     @property
     def finished(self) -> bool:
+        """Whether every fragment of the message has been filled (sender) or drained (receiver)."""
         return self.next >= self.count
 
     @property
@@ -526,6 +534,7 @@ class Stream:
         return bool(self.ops)
 
     def add(self, op: SendOp | RecvOp) -> None:
+        """Queue a message behind those this stream moves already (one at a time, in order)."""
         self.ops.append(op)
 
     def next(self, peer_count: int, own_count: int) -> tuple[SendOp | RecvOp, int, int, int] | None:
@@ -743,6 +752,7 @@ class Engine:
         return op, self._receive_matched(op, arrival)
 
     def probe(self, source: int, tag: int) -> Arrival | None:
+        """The earliest arrived message matching (source, tag), left for a receive (``MPI_Iprobe``)."""
         return self.matcher.find_unexpected(source, tag)
 
     def mprobe(self, source: int, tag: int) -> Arrival | None:
@@ -759,6 +769,8 @@ class Engine:
 
     def packet(self, source: int, kind: int, tag: int, aux: int, payload: bytes | memoryview
                ) -> list[Action]:
+        """Handle one control packet from ``source`` (one the ring or the loopback delivered): the actions
+        it causes."""
         base = kind & KIND_MASK
         is_object = bool(kind & OBJECT)
         if kind & ~(KIND_MASK | KIND_FLAGS.get(base, 0)) or base not in KIND_FLAGS:
@@ -940,6 +952,8 @@ class Engine:
     # -- copies finished (reported by the I/O layer)
 
     def pulled(self, op: RecvOp, msgid: int) -> list[Action]:
+        """The receiver's copy of ``op`` is done: FIN to the sender; complete unless its SPLIT half is
+        still out."""
         fin = Transmit(op.matched_source, FIN, 0, msgid, b"")
         if op.recvid in self.recvs:  # SPLIT: done when the sender's half is in too
             return [fin, *self._copy_done(self.recvs, op.recvid)]
@@ -956,13 +970,17 @@ class Engine:
         return [Transmit(peer, FIN, 0, msgid, b"")]
 
     def pushed(self, op: SendOp, recvid: int) -> list[Action]:
+        """The sender's copy of ``op`` is done: FIN to the receiver; complete unless its SPLIT half is
+        still out."""
         return [Transmit(op.dest, FIN, 0, recvid, b""), *self._copy_done(self.sends, op.msgid)]
 
     def streamed_out(self, op: SendOp) -> list[Action]:
+        """The last PIPELINE fragment of ``op`` is filled: the send is complete."""
         op.done = True
         return [Complete(op)]
 
     def streamed_in(self, op: RecvOp) -> list[Action]:
+        """The last PIPELINE fragment of ``op`` is drained: the receive is complete."""
         op.done = True
         return [Complete(op)]
 

@@ -52,9 +52,11 @@ class Registration(Generic[H]):
 
     @property
     def end(self) -> int:
+        """The address just past the registered range."""
         return self.base + self.size
 
     def covers(self, base: int, size: int) -> bool:
+        """Whether [base, base + size) lies within the registered range."""
         return self.base <= base and base + size <= self.end
 
     def __repr__(self) -> str:
@@ -88,6 +90,7 @@ class Lease(Generic[H]):
         return address - self.registration.base
 
     def release(self) -> None:
+        """Give the hold back (once; a second release raises ``StaleRegistration``)."""
         if self._released:
             raise StaleRegistration("this lease was already released")
         self._released = True

@@ -31,12 +31,15 @@ class Status:
         self.error = 0
 
     def Get_source(self) -> int:
+        """The message's source rank (``MPI.Status.Get_source``); also the attribute ``source``."""
         return self.source
 
     def Get_tag(self) -> int:
+        """The message's tag (``MPI.Status.Get_tag``); also the attribute ``tag``."""
         return self.tag
 
     def Get_error(self) -> int:
+        """The error code (``MPI.Status.Get_error``): always 0, cma raises its errors instead."""
         return self.error
 
     def Get_count(self, datatype: Any = None) -> int:
@@ -46,6 +49,7 @@ class Status:
         return self.count // np.dtype(datatype).itemsize
 
     def Get_elements(self, datatype: Any) -> int:
+        """``Get_count`` (``MPI.Status.Get_elements``): cma's datatypes have no partial elements."""
         return self.Get_count(datatype)
 
     def _fill(self, source: int, tag: int, count: int) -> None:
@@ -77,6 +81,9 @@ class Request:
         return (op is None or op.done) and (also is None or also.done)
 
     def Test(self, status: Status | None = None) -> bool:
+        """Complete the request if it can (``MPI.Request.Test``): a pass of progress, then True if done.
+
+        Finished as ``Wait`` would be (``status`` filled, an operation's error raised)."""
         if self._spent:
             _empty(status)
             return True
@@ -88,6 +95,11 @@ class Request:
         return True
 
     def Wait(self, status: Status | None = None) -> Literal[True]:
+        """Block until the request completes (``MPI.Request.Wait``); fill ``status`` for a receive.
+
+        Re-raises the operation's error (e.g. ``TruncationError``). Interrupted (Ctrl-C), a
+        receive nothing matched yet is withdrawn; a matched receive or a send still completes
+        during later calls."""
         if self._spent:
             _empty(status)
             return True
@@ -103,6 +115,8 @@ class Request:
         return True
 
     def test(self, status: Status | None = None) -> tuple[bool, Any]:
+        """``Test``, returning ``(done, result)``: the received object (``irecv``), or ``None``
+        (``MPI.Request.test``)."""
         if self._spent:
             _empty(status)
             return True, None
@@ -111,6 +125,8 @@ class Request:
         return True, self._result()
 
     def wait(self, status: Status | None = None) -> Any:
+        """``Wait``, then return the received object (``irecv``) or view (``Irecv_view``), else ``None``
+        (``MPI.Request.wait``)."""
         if self._spent:
             _empty(status)
             return None
@@ -138,12 +154,15 @@ class Request:
     @classmethod
     def Waitall(cls, requests: Sequence[Request], statuses: list[Status] | None = None
                 ) -> Literal[True]:
+        """Wait for every request, in order (``MPI.Request.Waitall``); ``statuses`` as long as
+        ``requests``."""
         for i, req in enumerate(requests):
             req.Wait(statuses[i] if statuses is not None else None)
         return True
 
     @classmethod
     def waitall(cls, requests: Sequence[Request], statuses: list[Status] | None = None) -> list[Any]:
+        """``wait`` for every request (``MPI.Request.waitall``): the list of results."""
         return [req.wait(statuses[i] if statuses is not None else None)
                 for i, req in enumerate(requests)]
 
@@ -157,6 +176,8 @@ class Request:
 
     @classmethod
     def Testall(cls, requests: Sequence[Request], statuses: list[Status] | None = None) -> bool:
+        """True, and every request finished, only if all are complete (``MPI.Request.Testall``); else none
+        is finished."""
         if not all(req._ready() for req in requests):
             return False
         return cls.Waitall(requests, statuses)
@@ -164,12 +185,17 @@ class Request:
     @classmethod
     def testall(cls, requests: Sequence[Request], statuses: list[Status] | None = None
                 ) -> tuple[bool, list[Any] | None]:
+        """``Testall``, returning ``(True, results)`` or ``(False, None)`` (``MPI.Request.testall``)."""
         if not cls.Testall(requests, statuses):
             return False, None
         return True, [req._result() for req in requests]
 
     @classmethod
     def Waitany(cls, requests: Sequence[Request], status: Status | None = None) -> int:
+        """Wait until one active request completes and finish it (``MPI.Request.Waitany``): its index.
+
+        Finished (inactive) requests are skipped; ``UNDEFINED`` if none is active, as
+        mpi4py."""
         active = [req for req in requests if not req._spent]
         if not active:  # (mpi4py: none active, or none at all)
             _empty(status)
@@ -190,6 +216,7 @@ class Request:
 
     @classmethod
     def waitany(cls, requests: Sequence[Request], status: Status | None = None) -> tuple[int, Any]:
+        """``Waitany``, returning ``(index, result)`` (``MPI.Request.waitany``)."""
         index = cls.Waitany(requests, status)
         return index, None if index == UNDEFINED else requests[index]._result()
 
@@ -224,15 +251,19 @@ class Message:
         return self._arrival
 
     def Irecv(self, buf: Any) -> Request:
+        """Receive this message into ``buf``, non-blocking (``MPI.Message.Irecv``); only once."""
         return self._comm._mrecv(self._take(), buf, False)
 
     def Recv(self, buf: Any, status: Status | None = None) -> None:
+        """Receive this message into ``buf`` (``MPI.Message.Recv``); fills ``status``; only once."""
         self.Irecv(buf).Wait(status)
 
     def irecv(self) -> Request:
+        """Receive this message as an object, non-blocking (``MPI.Message.irecv``); only once."""
         return self._comm._mrecv(self._take(), None, True)
 
     def recv(self, status: Status | None = None) -> Any:
+        """Receive this message as an object (``MPI.Message.recv``); only once."""
         return self.irecv().wait(status)
 
 

@@ -22,6 +22,8 @@ from .channel import ChannelConfig
 from .errors import CmaError
 from .world import ENV_TRANSPORT, ENV_WORLD, FDS_PER_RANK, FDS_SPARE, WorldFds, announce
 
+# How long a rank told to stop (SIGTERM) may take before it is killed: time to run its
+# handlers and close its communicator (docs/api.md, cma-run); chosen, not measured.
 GRACE_SECONDS = 3.0
 
 

@@ -29,6 +29,7 @@ class EagerCounts:
         self.ring_bytes_at_reset = 0
 
     def looped(self, nbytes: int) -> None:
+        """Count an eager message this rank sent to itself (through the loopback)."""
         self.looped_messages += 1
         self.looped_bytes += nbytes
 

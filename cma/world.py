@@ -48,6 +48,9 @@ from .errors import CmaError, PeerGone, ProtocolError
 
 ENV_WORLD = "CMA_WORLD"
 ENV_TRANSPORT = "CMA_TRANSPORT"
+# How long a rank waits for a peer to attach: far above the 0.25-1.75 s 16 ranks' attach
+# took here (docs/architecture.md,
+# "Peers connected on first use"), for slow starts on loaded machines; chosen.
 CONNECT_TIMEOUT = float(os.environ.get("CMA_CONNECT_TIMEOUT", "60"))
 # A rank's PHASE word moves up through these; peers wait until every rank reaches one.
 PHASE_PUBLISHED = 1  # pid and server are up
@@ -58,6 +61,7 @@ PHASE_CLOSED = 3  # reads its rings no more
 REQUEST_SECONDS = 2.0
 # fds a rank of an N-rank world may hold: per connected peer a doorbell, a pidfd and a
 # transport fd or two (docs/architecture.md, "Memory per rank"), plus the process's own
+# (the interpreter, its libraries and the caller's files: a round 64, chosen)
 FDS_PER_RANK = 4
 FDS_SPARE = 64
 # The kernel's PID_MAX_LIMIT: a pid word above it (or below 1) was not written by a rank.
@@ -84,6 +88,7 @@ class WorldFds:
 
     @classmethod
     def create(cls, size: int, config: ChannelConfig | None = None) -> WorldFds:
+        """A new world of ``size`` ranks: a memfd segment sized by ``config`` and one eventfd per rank."""
         config = config or ChannelConfig.for_ranks(size)
         config.validate()
         world_id = secrets.token_hex(8)
@@ -111,6 +116,7 @@ class WorldFds:
 
     @classmethod
     def from_env(cls, text: str) -> tuple[WorldFds, int]:
+        """The fds and rank that ``to_env`` wrote (``CMA_WORLD``); ``CmaError`` if malformed or not open."""
         try:
             world_id, rank, size, memfd, bells, config = text.split(":")
             fds = cls(world_id, int(size), int(memfd), [int(b) for b in bells.split(",")],
@@ -123,6 +129,7 @@ class WorldFds:
                            "start the program with cma-run, which passes them") from exc
 
     def inheritable(self) -> list[int]:
+        """Every fd still open (the segment and the doorbells this process holds)."""
         return [fd for fd in [self.memfd, *self.doorbells] if fd >= 0]
 
 
@@ -196,6 +203,7 @@ class PeerLink:
         self.pid = world.pid_of(rank)
 
     def fetch_fd(self, name: str) -> int:
+        """The fd the peer exposed under ``name``, through its fd server (SCM_RIGHTS)."""
         return self.world.fetch_fd(self.rank, name)
 
     def take_fd(self, number: int, name: str) -> int:
@@ -263,6 +271,7 @@ class World:
         return PREAMBLE_WORDS + self.size * RANK_BLOCK_WORDS + rank * self.size + peer
 
     def pid_of(self, rank: int) -> int:
+        """The pid ``rank`` published in the header (0 before it attached)."""
         return self.header[self._word(rank, PID)]
 
     def reach(self, rank: int, peer: int) -> int:
@@ -318,6 +327,7 @@ class World:
         self.header[self._word(peer, CONNECTS)] = 1  # (after the reach word: x86 keeps the order)
 
     def set_phase(self, phase: int) -> None:
+        """Publish this rank's connect phase (``PHASE_*``), which its peers wait for."""
         self.header[self._word(self.rank, PHASE)] = phase
 
     def _watch(self, rank: int) -> int:
@@ -420,6 +430,7 @@ class World:
     # -- fd exposure (SCM_RIGHTS over an abstract Unix socket, same user and same world only)
 
     def expose_fd(self, name: str, opener: Callable[[], int]) -> None:
+        """Serve the fd ``opener()`` returns to verified peers that ask for ``name`` (closed once sent)."""
         self._exposed[name] = lambda: [opener()]
 
     def expose_fds(self, name: str, opener: Callable[[], list[int]]) -> None:
@@ -539,6 +550,7 @@ class World:
             pass
 
     def fetch_fd(self, peer: int, name: str) -> int:
+        """The fd ``peer`` exposed under ``name``, through its fd server."""
         return fetch_fds(self.fds.world_id, peer, self.pid_of(peer), name)[0]
 
     # -- waking and sleeping
@@ -558,6 +570,7 @@ class World:
         return [r for r, fd in enumerate(self.pidfds) if fd >= 0 and fd in ready]
 
     def set_sleeping(self, flag: int) -> None:
+        """Publish this rank's about-to-sleep flag (1: a sender must ring the doorbell)."""
         self.header[self._word(self.rank, SLEEPING)] = flag
 
     # -- teardown
@@ -571,9 +584,11 @@ class World:
         self.header[self._word(self.rank, PHASE)] = PHASE_CLOSED
 
     def has_closed(self, rank: int) -> bool:
+        """Whether ``rank`` said it reads its rings no more."""
         return self.header[self._word(rank, PHASE)] == PHASE_CLOSED
 
     def close(self) -> None:
+        """Stop the fd server, close the pidfds and unmap the rings and header."""
         if self._server is not None:
             # (in a forked child the listener is still the parent's; the pid is kept here,
             # not read from the header, which a peer can overwrite)

@@ -125,7 +125,7 @@ def test_a_segment_given_back_closes_its_fd_and_its_index_gets_a_new_generation(
     assert heap_files() == before and heap.HEAP.locate(where) is None
     again = heap.locate(cma.empty(8 << 20, dtype=np.uint8))
     assert again is not None and again.segment.index == found.segment.index
-    assert again.generation > found.generation
+    assert again.segment.generation > found.segment.generation
 
 
 # ---------------------------------------------------------------- fork

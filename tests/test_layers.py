@@ -76,6 +76,27 @@ def test_every_module_has_a_floor() -> None:
     assert sorted(modules()) == sorted(floors()), "modules and docs/architecture.md's floors differ"
 
 
+def drawn() -> list[str]:
+    """The modules of docs/architecture.md's opening picture, top first."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    found = re.search(r"```\n(.*?)```", text, re.S)
+    assert found, "docs/architecture.md has no picture"
+    return [module_name(ROOT / (path.rstrip("/") + ("/__init__.py" if path.endswith("/") else "")))
+            for path in re.findall(r"^(cma/\S+)", found.group(1), re.M)]
+
+
+def test_the_picture_agrees_with_the_floors() -> None:
+    """The picture draws each module above the ones it may import: top to bottom is the
+    floors' order read upward (world.py imports channel.py, so channel.py is drawn below)."""
+    order = {name: i for i, name in enumerate(floors())}
+    names = drawn()
+    assert len(names) >= 10 and set(names) <= set(order), names
+    out_of_order = [f"{upper} drawn above {lower}"
+                    for upper, lower in zip(names, names[1:], strict=False)
+                    if order[upper] <= order[lower]]
+    assert not out_of_order, out_of_order
+
+
 def test_no_module_imports_upward() -> None:
     order = {name: i for i, name in enumerate(floors())}
     known = set(modules())

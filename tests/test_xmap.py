@@ -212,7 +212,7 @@ def _give_back_and_reuse(comm: cma.Comm) -> list:
     a = cma.empty(SIZE, np.uint8)
     a[:] = 1
     where = heap.locate(a)
-    first = (where.segment.index, where.generation)
+    first = (where.segment.index, where.segment.generation)
     comm.Send(a, 0, 1)
     comm.Send(np.zeros(1, np.uint8), 0, 7)  # (Send keeps its last array: now this one)
     del a, where
@@ -222,7 +222,7 @@ def _give_back_and_reuse(comm: cma.Comm) -> list:
     b = cma.empty(SIZE, np.uint8)
     b[:] = 2
     again = heap.locate(b)
-    second = (again.segment.index, again.generation)
+    second = (again.segment.index, again.segment.generation)
     del again
     comm.Send(b, 0, 2)
     comm.Send(np.zeros(1, np.uint8), 0, 7)

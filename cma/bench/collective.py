@@ -40,6 +40,8 @@ COLLECTIVES = {
     "allgather": "Allgather of SIZE bytes from every rank (osu_allgather)",
     "alltoall": "Alltoall of SIZE bytes to every rank (osu_alltoall)",
 }
+# A rank that has not exited this long after the last collective is stuck: it is killed
+# (generous beside runners.JOIN_TIMEOUT: several ranks may share each core; chosen).
 JOIN_TIMEOUT = 30.0
 
 
@@ -56,6 +58,7 @@ class CollectiveResult:
 
     @property
     def mean_us(self) -> float:
+        """The mean time per collective, averaged over ranks (OSU's figure)."""
         return float(np.mean(self.rank_means_us))
 
 

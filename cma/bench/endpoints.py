@@ -54,29 +54,37 @@ class PipeComm:
         self.rank = rank
 
     def Send(self, buf: Bytes, dest: int, tag: int = 0) -> None:
+        """``MPI.Comm.Send`` as a pipe does it: ``send_bytes`` (tag ignored)."""
         self.conn.send_bytes(buf.data)
 
     def Recv(self, buf: Bytes, source: int = -1, tag: int = -1) -> None:
+        """``MPI.Comm.Recv`` as a pipe does it: ``recv_bytes_into`` (source and tag ignored)."""
         self.conn.recv_bytes_into(buf)
 
     def Isend(self, buf: Bytes, dest: int, tag: int = 0) -> _Done:
+        """``MPI.Comm.Isend`` as a pipe does it: written at once, a request already done."""
         self.conn.send_bytes(buf.data)
         return _Done()
 
     def Irecv(self, buf: Bytes, source: int = -1, tag: int = -1) -> _DeferredRecv:
+        """``MPI.Comm.Irecv`` as a pipe does it: read when the request is waited for."""
         return _DeferredRecv(self.conn, buf)
 
     def Barrier(self) -> None:
+        """``MPI.Comm.Barrier`` for two: one byte each way."""
         self.conn.send_bytes(b"\0")
         self.conn.recv_bytes()
 
     def send(self, obj: object, dest: int, tag: int = 0) -> None:
+        """``MPI.Comm.send``: the pipe's own pickling ``send``."""
         self.conn.send(obj)
 
     def recv(self, source: int = -1, tag: int = -1) -> Any:
+        """``MPI.Comm.recv``: the pipe's own ``recv``."""
         return self.conn.recv()
 
     def close(self) -> None:
+        """Close the pipe end."""
         self.conn.close()
 
 
@@ -121,4 +129,5 @@ class Endpoint:
                 self.waitall = MPI.Request.Waitall
 
     def stats(self) -> dict[str, dict[str, float]] | None:
+        """The communicator's ``stats()``, or None for one that counts nothing (MPI, a pipe)."""
         return self.comm.stats() if self.has_stats else None

@@ -97,9 +97,11 @@ def make_buffers(size: int, form: str) -> _Buffers:
 
 
 # Fresh receive buffers are mapped this many bytes at a time, between untimed barriers,
-# so that neither mmap nor munmap lands inside a timed sample on either rank.
+# so that neither mmap nor munmap lands inside a timed sample on either rank; 128 MiB holds
+# two 64 MiB messages yet stays small beside the machine's memory (chosen).
 COLD_POOL_BYTES = 128 * MIB
-# A bw/bibw iteration needs a window of fresh buffers at once; above this, refuse.
+# A bw/bibw iteration needs a window of fresh buffers at once; above this, refuse (what
+# two ranks may map on a shared machine without pushing others out; chosen).
 COLD_WINDOW_LIMIT = 1 * GIB
 
 

@@ -219,6 +219,7 @@ class Progress:
         self.shown = 0
 
     def update(self, text: str) -> None:
+        """Show ``text`` (and the time so far) in place of the last status, once ``delay`` has passed."""
         if not self.enabled:
             return
         elapsed = time.monotonic() - self.start
@@ -231,6 +232,7 @@ class Progress:
         self.shown = len(line)
 
     def clear(self) -> None:
+        """Erase the status line, if one is shown."""
         if self.shown:
             self.stream.write("\r" + " " * self.shown + "\r")
             self.stream.flush()

@@ -42,14 +42,17 @@ class SizeResult:
     redone_us: list[float] = field(default_factory=list)
 
     def per_message_us(self) -> list[float]:
+        """Each sample's time per message, in microseconds."""
         return [ns / self.messages_per_sample / 1e3 for ns in self.samples_ns]
 
     @property
     def mean_us(self) -> float:
+        """The mean of ``per_message_us``."""
         return statistics.fmean(self.per_message_us())
 
     @property
     def stdev_us(self) -> float:
+        """The standard deviation of ``per_message_us`` (0 for one sample)."""
         values = self.per_message_us()
         return statistics.stdev(values) if len(values) > 1 else 0.0
 
@@ -93,6 +96,7 @@ class SizeResult:
         return self.size / self.time_us
 
     def summary(self) -> dict[str, float | int | list[float]]:
+        """The figures the JSON report keeps for this size."""
         values = self.per_message_us()
         summary: dict[str, float | int | list[float]] = {
             "time_us_mean": self.mean_us,

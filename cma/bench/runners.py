@@ -18,7 +18,8 @@ from .kernels import Plan, SizePlan, kernel_for, make_buffers, memcpy_size, touc
 from .results import SizeResult
 from .sizes import messages_per_sample
 
-# A peer that has not exited this long after its last message is stuck: it is killed.
+# A peer that has not exited this long after its last message is stuck: it is killed
+# (exit takes well under a second even when loaded; chosen, not measured).
 JOIN_TIMEOUT = 10.0
 
 
@@ -127,9 +128,10 @@ class Runner:
         self.plan = plan
 
     def open(self, sizes: Sequence[SizePlan]) -> None:
-        pass
+        """Set up for ``sizes`` (the session's, in the order they will run); nothing by default."""
 
     def run_size(self, sp: SizePlan) -> SizeResult | None:
+        """Time one size; None where the series does not run it."""
         raise NotImplementedError
 
     def close(self, completed: bool) -> None:
@@ -140,6 +142,7 @@ class MemcpyRunner(Runner):
     threads = 1
 
     def run_size(self, sp: SizePlan) -> SizeResult:
+        """Time one size's copy in this process (the memcpy baseline)."""
         return memcpy_size(self.plan, sp, self.threads)
 
 
@@ -153,6 +156,7 @@ class EndpointRunner(Runner):
     ep: Endpoint
 
     def run_size(self, sp: SizePlan) -> SizeResult | None:
+        """Time one size between this rank's endpoint and its peer."""
         return _run_size(self.ep, self.plan, sp)
 
 
@@ -167,6 +171,7 @@ class PeerRunner(EndpointRunner):
         self.proc: multiprocessing.process.BaseProcess | None = None
 
     def open(self, sizes: Sequence[SizePlan]) -> None:
+        """Make the pair and start the peer (rank 1) in a spawned child with the session's sizes."""
         local, remote = self.ends = self.pair()
         self.ep = Endpoint(local, self.flavor)
         self.proc = multiprocessing.get_context("spawn").Process(
@@ -179,6 +184,7 @@ class PeerRunner(EndpointRunner):
             remote.close()
 
     def close(self, completed: bool) -> None:
+        """Close both ends and end the child (killed if it does not exit in time)."""
         if self.ends is None:
             return
         local, remote = self.ends
@@ -205,6 +211,7 @@ class WorldRunner(EndpointRunner):
         self.flavor = flavor
 
     def open(self, sizes: Sequence[SizePlan]) -> None:
+        """Make this rank's communicator of the MPI world."""
         # (a cma.mpi.Comm over COMM_WORLD is left open: its Free would free COMM_WORLD)
         self.ep = Endpoint(self.make_comm(), self.flavor, self.plan.waitall)
 

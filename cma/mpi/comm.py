@@ -60,7 +60,12 @@ from .requests import SERVED, Request, start_request
 from .specs import snapshot
 
 # Mixed ranks poll both engines: spin this long, then sleep pauses doubling up to the max.
+# 100 us is cma.Comm's first spin, kept here when cma.Comm's grew to 1 ms; not measured
+# for mixed ranks, whose every turn polls MPI too (docs/mpi.md, "Mixed ranks").
 SPIN_SECONDS = float(os.environ.get("CMA_SPIN_US", "100")) * 1e-6
+# The first pause is about two wake-ups (~10 us each here, KERNEL-FACTS.md); the last, 1 ms,
+# bounds the extra latency after an idle phase (docs/mpi.md) and is the first pause long
+# enough for Progress.doze (whole milliseconds; its doorbell ends it early). Chosen, not measured.
 PAUSE_MIN = 20e-6
 PAUSE_MAX = 1e-3
 # methods an all-on-node Comm takes from its cma communicator
@@ -194,6 +199,10 @@ class Comm(MPI.Intracomm):
     # -- blocking buffer point-to-point
 
     def Send(self, buf: Any, dest: int, tag: int = 0) -> None:
+        """mpi4py's ``Send``: through cma to a rank on this node, through MPI to the others.
+
+        Raises mpi4py's errors (``TruncateError``, ``PeerGoneError`` are
+        ``MPI.Exception``s)."""
         peer = self._fast.get(dest)
         if peer is None:
             if dest in self._local:  # a mixed rank: wait in both engines
@@ -205,6 +214,10 @@ class Comm(MPI.Intracomm):
 
     def Recv(self, buf: Any, source: int = ANY_SOURCE, tag: int = ANY_TAG,
              status: MPI.Status | None = None) -> None:
+        """mpi4py's ``Recv``: through cma from a rank on this node, through MPI from the others.
+
+        ``ANY_SOURCE`` on a mixed rank probes both and receives the message found
+        (docs/mpi.md)."""
         peer = self._fast.get(source)
         if peer is None:
             if self._waits_in_cma(source, tag):
@@ -217,6 +230,7 @@ class Comm(MPI.Intracomm):
     def Sendrecv(self, sendbuf: Any, dest: int, sendtag: int = 0, recvbuf: Any = None,
                  source: int = ANY_SOURCE, recvtag: int = ANY_TAG,
                  status: MPI.Status | None = None) -> None:
+        """mpi4py's ``Sendrecv``: ``Isend``, ``Recv``, then wait for the send, each routed per peer."""
         if self._cma is None:
             mpi_sendrecv(self, sendbuf, dest, sendtag, recvbuf, source, recvtag, status)
             return
@@ -226,6 +240,7 @@ class Comm(MPI.Intracomm):
 
     def Sendrecv_replace(self, buf: Any, dest: int, sendtag: int = 0, source: int = ANY_SOURCE,
                          recvtag: int = ANY_TAG, status: MPI.Status | None = None) -> None:
+        """mpi4py's ``Sendrecv_replace``: a copy of ``buf`` is sent, the reply received into it."""
         if self._cma is None:
             MPI.Intracomm.Sendrecv_replace(self, buf, dest, sendtag, source, recvtag, status)
             return
@@ -234,24 +249,34 @@ class Comm(MPI.Intracomm):
 
     # Ready mode may be implemented as standard mode (MPI-4.1, section 3.4).
     def Rsend(self, buf: Any, dest: int, tag: int = 0) -> None:
+        """mpi4py's ``Rsend``: ready mode as standard mode (``Send``), as MPI-4.1 section 3.4 allows."""
         self.Send(buf, dest, tag)
 
     # -- non-blocking buffer point-to-point
 
     def Isend(self, buf: Any, dest: int, tag: int = 0) -> MPI.Request:
+        """mpi4py's ``Isend``: through cma to a rank on this node, through MPI to the others.
+
+        An on-node request is MPI's (a generalized request, or MPI's own when complete at
+        once)."""
         peer = self._local.get(dest)
         if peer is None:
             return mpi_isend(self, buf, dest, tag)
         return self._cma.Isend(buf, peer, tag)  # type: ignore[union-attr,return-value]
 
     def Irsend(self, buf: Any, dest: int, tag: int = 0) -> MPI.Request:
+        """mpi4py's ``Irsend``: ready mode as standard mode (``Isend``)."""
         return self.Isend(buf, dest, tag)
 
     def Irecv(self, buf: Any, source: int = ANY_SOURCE, tag: int = ANY_TAG) -> MPI.Request:
+        """mpi4py's ``Irecv``: through cma from a rank on this node, through MPI from the others.
+
+        An on-node request is an MPI generalized request (``cma.mpi.Request``)."""
         return self._irecv(buf, source, tag, False)
 
     def Isendrecv(self, sendbuf: Any, dest: int, sendtag: int = 0, recvbuf: Any = None,
                   source: int = ANY_SOURCE, recvtag: int = ANY_TAG) -> MPI.Request:
+        """mpi4py's ``Isendrecv``: through cma when both peers are on this node, else through MPI."""
         peer, origin = self._local.get(dest), self._fast.get(source)
         if self._cma is None or (peer is None and dest != MPI.PROC_NULL) or (
                 origin is None and source != MPI.PROC_NULL):
@@ -265,12 +290,16 @@ class Comm(MPI.Intracomm):
 
     def Isendrecv_replace(self, buf: Any, dest: int, sendtag: int = 0, source: int = ANY_SOURCE,
                           recvtag: int = ANY_TAG) -> MPI.Request:
+        """mpi4py's ``Isendrecv_replace``: ``Isendrecv`` of a copy of ``buf`` into ``buf``."""
         if self._cma is None:
             return mpi_isendrecv_replace(self, buf, dest, sendtag, source, recvtag)
         outgoing = snapshot(buf)
         return self.Isendrecv(outgoing, dest, sendtag, buf, source, recvtag)
 
     def Recv_init(self, buf: Any, source: int = ANY_SOURCE, tag: int = ANY_TAG) -> MPI.Prequest:
+        """mpi4py's ``Recv_init``: a ``cma.mpi.Prequest`` from a rank on this node, MPI's from others.
+
+        ``ANY_SOURCE`` on a mixed rank raises ``NotImplementedError``."""
         peer = self._fast.get(source)
         if peer is None and (self._mixed and source == ANY_SOURCE or source not in self._local):
             if self._mixed and source == ANY_SOURCE:
@@ -284,22 +313,27 @@ class Comm(MPI.Intracomm):
         except CmaError as exc:
             self._fail(exc)
 
-    # -- matched probes
+    # -- matched probes (four one-line calls differing only in helper and object flag: an
+    # alias cannot pass the flag, and each keeps mpi4py's signature)
 
     def Improbe(self, source: int = ANY_SOURCE, tag: int = ANY_TAG,
                 status: MPI.Status | None = None) -> MPI.Message | None:
+        """mpi4py's ``Improbe``: the matched message (a ``cma.mpi.Message`` on-node), or ``None``."""
         return self._improbe(source, tag, status, False)
 
     def Mprobe(self, source: int = ANY_SOURCE, tag: int = ANY_TAG,
                status: MPI.Status | None = None) -> MPI.Message:
+        """mpi4py's ``Mprobe``: ``Improbe`` that waits for a message."""
         return self._mprobe(source, tag, status, False)
 
     def improbe(self, source: int = ANY_SOURCE, tag: int = ANY_TAG,
                 status: MPI.Status | None = None) -> MPI.Message | None:
+        """mpi4py's ``improbe``: ``Improbe`` of an object message (receive it with ``recv``)."""
         return self._improbe(source, tag, status, True)
 
     def mprobe(self, source: int = ANY_SOURCE, tag: int = ANY_TAG,
                status: MPI.Status | None = None) -> MPI.Message:
+        """mpi4py's ``mprobe``: ``Mprobe`` of an object message (receive it with ``recv``)."""
         return self._mprobe(source, tag, status, True)
 
     def _mprobe(self, source: int, tag: int, status: MPI.Status | None, is_object: bool
@@ -351,6 +385,7 @@ class Comm(MPI.Intracomm):
     # -- objects (on-node: pickle protocol 5, large buffers out of band through cma)
 
     def send(self, obj: Any, dest: int, tag: int = 0) -> None:
+        """mpi4py's ``send`` of an object: through cma to a rank on this node, through MPI to the others."""
         peer = self._fast.get(dest)
         if peer is None:
             if dest in self._local:
@@ -365,11 +400,15 @@ class Comm(MPI.Intracomm):
 
     def recv(self, buf: Any = None, source: int = ANY_SOURCE, tag: int = ANY_TAG,
              status: MPI.Status | None = None) -> Any:
+        """mpi4py's ``recv`` of an object: through cma from a rank on this node, MPI from the others.
+
+        On-node any size; off-node mpi4py's own, whose default buffer is bounded."""
         if source in self._fast or self._waits_in_cma(source, tag):
             return self._irecv(buf, source, tag, True).wait(status)
         return mpi_recv_obj(self, buf, source, tag, status)
 
     def isend(self, obj: Any, dest: int, tag: int = 0) -> MPI.Request:
+        """mpi4py's ``isend`` of an object: through cma to a rank on this node, MPI to the others."""
         peer = self._local.get(dest)
         if peer is None:
             return mpi_isend_obj(self, obj, dest, tag)
@@ -386,6 +425,7 @@ class Comm(MPI.Intracomm):
     def sendrecv(self, sendobj: Any, dest: int, sendtag: int = 0, recvbuf: Any = None,
                  source: int = ANY_SOURCE, recvtag: int = ANY_TAG,
                  status: MPI.Status | None = None) -> Any:
+        """mpi4py's ``sendrecv``: ``isend``, ``recv``, then wait for the send; the received object."""
         if self._cma is None:
             return mpi_sendrecv_obj(self, sendobj, dest, sendtag, recvbuf, source, recvtag,
                                     status)
@@ -418,6 +458,10 @@ class Comm(MPI.Intracomm):
 
     def Iprobe(self, source: int = ANY_SOURCE, tag: int = ANY_TAG,
                status: MPI.Status | None = None) -> bool:
+        """mpi4py's ``Iprobe``: cma's rings for a rank on this node, MPI for the others.
+
+        A mixed rank's ``ANY_SOURCE`` probes cma, then MPI; a message that a receive posted
+        earlier will take is not reported."""
         if self._mixed:
             return self._iprobe_mixed(source, tag, status)
         peer = self._fast.get(source)
@@ -427,6 +471,7 @@ class Comm(MPI.Intracomm):
 
     def Probe(self, source: int = ANY_SOURCE, tag: int = ANY_TAG,
               status: MPI.Status | None = None) -> Literal[True]:
+        """mpi4py's ``Probe``: waits until ``Iprobe`` would return True (a mixed rank polls both)."""
         if self._mixed:
             self._progress_until(lambda: self._iprobe_mixed(source, tag, status),
                                  self._local.get(source))
@@ -483,6 +528,7 @@ class Comm(MPI.Intracomm):
         return type(self)(dup, self._transport, **self._options)
 
     def Clone(self) -> Comm:
+        """mpi4py's ``Clone``: ``Dup()``, a new ``cma.mpi.Comm`` with cma worlds of its own."""
         return self.Dup()
 
     def Free(self) -> None:
@@ -677,6 +723,7 @@ class Message(MPI.Message):
 
     @classmethod
     def of(cls, message: CmaMessage) -> Message:
+        """Wrap a cma ``Message`` (what a node communicator's matched probe returned)."""
         wrapped = cls()
         wrapped._message = message
         return wrapped
@@ -685,15 +732,19 @@ class Message(MPI.Message):
         return bool(self._message)
 
     def Irecv(self, buf: Any) -> MPI.Request:
+        """mpi4py's ``Message.Irecv``: receive the message into ``buf`` through cma; only once."""
         return self._message.Irecv(buf)  # type: ignore[return-value]  # a node request
 
     def Recv(self, buf: Any, status: MPI.Status | None = None) -> None:
+        """mpi4py's ``Message.Recv``: receive the message into ``buf`` through cma; only once."""
         self.Irecv(buf).Wait(status)
 
     def irecv(self) -> MPI.Request:
+        """mpi4py's ``Message.irecv``: receive the object message through cma; only once."""
         return self._message.irecv()  # type: ignore[return-value]
 
     def recv(self, status: MPI.Status | None = None) -> Any:
+        """mpi4py's ``Message.recv``: receive the object message through cma; only once."""
         return self.irecv().wait(status)
 
 

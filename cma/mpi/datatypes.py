@@ -55,6 +55,7 @@ class Layout:
             (not self.size or int(self.offsets[0]) == 0)
 
     def plan(self, count: int, displ: int) -> Plan:
+        """The ``Plan`` of ``count`` elements from element ``displ`` (a few kept for reuse)."""
         key = (count, displ)
         plan = self.plans.get(key)
         if plan is None:
@@ -88,15 +89,19 @@ class Plan:
         self.last: Typed | None = None  # the last Typed made of it, for a buffer used again
 
     def check(self, nbytes: int) -> None:
+        """Raise ``ValueError`` if the blocks reach outside a buffer of ``nbytes`` (as MPI leaves
+        undefined)."""
         if self.lowest < 0 or self.highest > nbytes:
             raise ValueError(f"message: the datatype reaches bytes {self.lowest}..{self.highest} "
                              f"of a {nbytes}-byte buffer")
 
     @property
     def single(self) -> bool:
+        """Whether the bytes are one block (then a plain view, no packing)."""
         return len(self.lengths) == 1
 
     def few_large_blocks(self) -> bool:
+        """Whether the blocks go as one iovec: at most IOVEC_MAX_BLOCKS, averaging IOVEC_MIN_BLOCK bytes."""
         n = len(self.lengths)
         return n <= IOVEC_MAX_BLOCKS and self.nbytes >= IOVEC_MIN_BLOCK * n
 
@@ -139,12 +144,14 @@ class Group:
         return np.ndarray(shape=shape, dtype=self.word, buffer=base, offset=first, strides=strides)
 
     def gather(self, blocks: np.ndarray, out: np.ndarray) -> None:
+        """Copy this group's blocks (``blocks``: its view of the buffer) into the packet ``out``."""
         if self.grid is not None:
             np.copyto(self.packed_view(out, blocks), blocks)
         else:
             _records(out, self.record)[self.packed] = blocks[self.starts]
 
     def scatter(self, packet: np.ndarray, blocks: np.ndarray) -> None:
+        """Copy this group's bytes of ``packet`` into its blocks (``blocks``: its view of the buffer)."""
         if self.grid is not None:
             np.copyto(blocks, self.packed_view(packet, blocks))
         else:
@@ -379,6 +386,7 @@ class Typed:
             done += take
 
     def views(self) -> list[memoryview]:
+        """One memoryview per block of the buffer, in message order (a rendezvous's iovec)."""
         base = self.base.data
         return [base[start : start + length]
                 for start, length in zip(self.plan.starts.tolist(), self.plan.lengths.tolist(),

@@ -37,6 +37,7 @@ class Hierarchy:
                                            key=self.rank)
 
     def free(self) -> None:
+        """Free the leaders' communicator (``cma.mpi.Comm.Free`` calls it)."""
         if self.leaders != MPI.COMM_NULL:
             self.leaders.Free()
 
@@ -47,6 +48,7 @@ class Hierarchy:
     # -- the collectives
 
     def Bcast(self, buf: Any, root: int = 0) -> None:
+        """``MPI.Comm.Bcast`` over nodes: cma on the root's node, MPI between leaders, cma on the others."""
         node, here = self.node, self._holds(root)
         if here and node is not None:
             CmaComm.Bcast(node, buf, root=self.local[root])
@@ -57,6 +59,8 @@ class Hierarchy:
             CmaComm.Bcast(node, buf, root=0)
 
     def Reduce(self, sendbuf: Any, recvbuf: Any, op: Any, root: int, node_op: Any) -> None:
+        """``MPI.Comm.Reduce`` over nodes: cma reduces each node at its leader, MPI reduces the leaders'
+        results at the root's leader, which hands it to the root if needed."""
         at_root = root == self.rank
         source = recvbuf if at_root and _is_in_place(sendbuf) else sendbuf
         partial = self._node_reduce(source, recvbuf if at_root else None, node_op)
@@ -73,6 +77,8 @@ class Hierarchy:
                 node._coll_wait(node._coll_recv(_message(recvbuf, writable=True), 0))
 
     def Allreduce(self, sendbuf: Any, recvbuf: Any, op: Any, node_op: Any) -> None:
+        """``MPI.Comm.Allreduce`` over nodes: cma reduces each node, MPI allreduces the leaders, cma
+        broadcasts."""
         source = recvbuf if _is_in_place(sendbuf) else sendbuf
         result = self._node_reduce(source, recvbuf if self.leads else None, node_op)
         if self.leads:

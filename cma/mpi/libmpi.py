@@ -76,6 +76,7 @@ class ProgressHook:
             self._running = False
 
     def arm(self) -> None:
+        """Have the MPI library call ``poll`` from its progress loop (until ``poll`` says to stop)."""
         raise NotImplementedError
 
     def active(self, request: MPI.Request) -> bool:
@@ -88,6 +89,7 @@ class ProgressHook:
         """Nothing is pending now: stop calling back where that costs a call per progress."""
 
     def close(self) -> None:
+        """Never call ``poll`` again (at exit, before MPI_Finalize)."""
         self._closed = True
 
 
@@ -114,12 +116,15 @@ class MpichHook(ProgressHook):
         return ASYNC_DONE
 
     def arm(self) -> None:
+        """``MPIX_Async_start`` the hook unless it is armed already (MPICH drops it when ``poll`` says
+        done)."""
         if not self._armed and not self._closed:
             if self._start(self._callback, None, MPICH_STREAM_NULL) != 0:
                 raise RuntimeError("MPIX_Async_start failed")
             self._armed = True
 
     def active(self, request: MPI.Request) -> bool:
+        """``MPIX_Request_is_complete``, negated: MPICH answers without progressing MPI."""
         return not self._is_complete(ctypes.c_int(request.handle & 0xFFFFFFFF).value)
 
     def close(self) -> None:
@@ -147,17 +152,20 @@ class OpenMpiHook(ProgressHook):
         return 0  # events progressed: opal only sums them
 
     def arm(self) -> None:
+        """``opal_progress_register`` the hook unless it is registered already."""
         if not self._armed and not self._closed:
             if self._register(self._callback) != 0:
                 raise RuntimeError("opal_progress_register failed")
             self._armed = True
 
     def rest(self) -> None:
+        """``opal_progress_unregister`` the hook (not from inside Open MPI's walk of its callbacks)."""
         if self._armed and not self._running:  # not from inside the callback list's walk
             self._unregister(self._callback)
             self._armed = False
 
     def close(self) -> None:
+        """Unregister, then never call ``poll`` again."""
         self.rest()
         super().close()
 

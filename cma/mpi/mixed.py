@@ -49,6 +49,7 @@ class Wildcards(Generic[Item]):
             for _, s, t in self.waiting)
 
     def add(self, item: Item, source: int, tag: int) -> None:
+        """Queue a receive of (source, tag) behind those waiting, in posted order."""
         self.waiting.append((item, source, tag))
 
     def remove(self, item: Item) -> bool:

@@ -28,9 +28,11 @@ if TYPE_CHECKING:
     from .comm import Comm
 
 # How often a request that MPI waits for (inside MPI's progress loop, where cma never
-# sleeps on its doorbell) checks whether its peer is still alive.
+# sleeps on its doorbell) checks whether its peer is still alive: as often as a sleeping
+# cma wait wakes (progress.SLEEP_MS), so a death is noticed as soon (docs/mpi.md).
 PEER_CHECK_SECONDS = 0.01
-# How long a mixed rank's wildcard receive waits inside MPI before the hook warns.
+# How long a mixed rank's wildcard receive waits inside MPI before the hook warns: long
+# beside any message's latency, short beside a hang someone is watching; chosen.
 DEFERRED_WARNING_SECONDS = 2.0
 
 
@@ -71,11 +73,14 @@ class NodeComm(CmaComm):
         self._typed: Typed | None = None
 
     def comm_rank(self, rank: int) -> int:
+        """The wrapped MPI communicator's rank of cma rank ``rank``."""
         return self._ranks[rank]
 
     # -- buffer specs, statuses and errors as mpi4py's
 
     def buffer_view(self, buf: Any, convert: Callable[[Any], memoryview]) -> memoryview:
+        """Hook (``cma.Comm.buffer_view``): also mpi4py's tuple specs, ``None`` (no bytes) and a datatype
+        with gaps, which stands in for the view as a ``Typed``."""
         typed = self._typed
         if typed is not None and buf.__class__ is list and buf and buf[0] is typed.owner \
                 and buf == self._typed_spec and convert is send_view:
@@ -116,6 +121,7 @@ class NodeComm(CmaComm):
         return typed.pack()
 
     def remember_spec(self, spec: list[Any], mv: memoryview, sending: bool) -> None:
+        """Hook (``cma.Comm.remember_spec``): a receive's ``Typed`` is kept as a view would be."""
         if mv.__class__ is Typed:  # a receive's: kept as a view would be (sends: _typed)
             if not sending and mv.kept:
                 self._recv_base, self._recv_spec = spec[0], list(spec)
@@ -132,6 +138,7 @@ class NodeComm(CmaComm):
         return MPI.pickle.loads(data) if len(data) else None
 
     def general_send(self, mv: memoryview, dest: Any, tag: Any) -> None:
+        """Hook (``cma.Comm.general_send``): cma's errors raised as mpi4py's; keeps MPI's hook armed."""
         try:
             super().general_send(mv, dest, tag)
         except CmaError as exc:
@@ -139,6 +146,7 @@ class NodeComm(CmaComm):
         self._keep_moving()
 
     def general_recv(self, mv: memoryview, source: Any, tag: Any, status: Any) -> None:
+        """Hook (``cma.Comm.general_recv``): fills an ``MPI.Status``, raises mpi4py's errors."""
         mpi_status = None if status is None or status.__class__ is CmaStatus else status
         scratch = self._mpi_scratch if mpi_status is not None else status
         try:
@@ -151,6 +159,7 @@ class NodeComm(CmaComm):
 
     def start_send(self, segments: list[memoryview], dest: int, tag: int, is_object: bool,
                     eager: bool = True, sync: bool = False) -> SendOp:
+        """Hook (``cma.Comm.start_send``): a ``Typed``'s blocks go as one iovec; keeps MPI's hook armed."""
         if segments and segments[0].__class__ is Typed:  # a datatype's blocks, as one iovec
             segments = segments[0].views()
         op = super().start_send(segments, dest, tag, is_object, eager, sync)
@@ -159,18 +168,21 @@ class NodeComm(CmaComm):
 
     def start_buffered_send(self, segments: list[memoryview], dest: int, tag: int, is_object: bool
                         ) -> None:
+        """Hook (``cma.Comm.start_buffered_send``): a ``Typed`` is packed first; keeps MPI's hook armed."""
         if segments and segments[0].__class__ is Typed:
             segments = [segments[0].pack()]
         super().start_buffered_send(segments, dest, tag, is_object)
         self._keep_moving()
 
     def general_isend(self, mv: memoryview, dest: Any, tag: Any) -> CmaRequest:
+        """Hook (``cma.Comm.general_isend``): cma's errors raised as mpi4py's."""
         try:
             return super().general_isend(mv, dest, tag)  # (start_send keeps MPI moving)
         except CmaError as exc:
             self._mpi._fail(exc)
 
     def general_irecv(self, mv: memoryview, source: Any, tag: Any) -> CmaRequest:
+        """Hook (``cma.Comm.general_irecv``): cma's errors raised as mpi4py's; keeps MPI's hook armed."""
         try:
             req = super().general_irecv(mv, source, tag)
         except CmaError as exc:
@@ -189,6 +201,8 @@ class NodeComm(CmaComm):
     # -- the requests cma completes
 
     def operation_completed(self, op: SendOp | RecvOp) -> None:
+        """Hook (``cma.Comm.operation_completed``): scatter a ``Typed`` receive, complete the MPI request
+        waiting for ``op`` (an ``Isendrecv``'s once its send is done too)."""
         super().operation_completed(op)
         if op.__class__ is RecvOp and op.buffer.__class__ is Typed:
             op.buffer.finish()
@@ -309,6 +323,7 @@ class NodeComm(CmaComm):
     # -- persistent requests
 
     def private_comm(self) -> MPI.Intracomm:
+        """The duplicate of ``COMM_SELF`` where persistent requests' MPI halves live (made once)."""
         if self._private is None:
             self._private = MPI.COMM_SELF.Dup()
         return self._private
@@ -333,6 +348,7 @@ class NodeComm(CmaComm):
         return persistent_request(self, begin)
 
     def recv_init(self, buf: Any, source: int, tag: int) -> Prequest:
+        """A persistent receive into a bound buffer (``MPI.Comm.Recv_init``) from cma rank ``source``."""
         mv = self.buffer_view(buf, recv_view)
         source = self._check_source(source)
         tag = self._check_tag(tag, wildcard=True)
@@ -342,10 +358,12 @@ class NodeComm(CmaComm):
         return persistent_request(self, begin)
 
     def watch(self, preq: Prequest) -> None:
+        """Have MPI's progress hook start and finish ``preq`` (MPI's ``Startall`` must be noticed there)."""
         self._persistent[preq._tag] = weakref.ref(preq)
         SERVED.serve(self)  # MPI's Startall must be noticed inside MPI's waits
 
     def forget(self, preq: Prequest) -> None:
+        """Stop watching ``preq`` (freed)."""
         self._persistent.pop(preq._tag, None)
 
     def settle_op(self, op: SendOp | RecvOp) -> None:
@@ -357,6 +375,7 @@ class NodeComm(CmaComm):
             (self._progress or self._attach()).wait(op)
 
     def step_all(self) -> None:
+        """Move everything once: cma's progress (and MPI's, on a mixed rank)."""
         if self._mixed:
             self._mpi._step()
         else:

@@ -78,6 +78,9 @@ class Prequest(MPI.Prequest):
             self._started()
 
     def Start(self) -> None:
+        """mpi4py's ``Prequest.Start``: starts the cma operation (and MPI's zero-byte half).
+
+        Starting it while active raises ``RequestActiveError``."""
         if self._state in (STARTING, RUNNING):
             raise RequestActiveError(_ACTIVE)
         previous, self._state = self._state, STARTING  # (MPI_Start might run the hook,
@@ -93,6 +96,8 @@ class Prequest(MPI.Prequest):
         self._started()
 
     def Wait(self, status: MPI.Status | None = None) -> Literal[True]:
+        """mpi4py's ``Prequest.Wait``: waits inside cma, then completes MPI's half; the request stays
+        inactive, not null. Fills ``status`` with cma's source, tag and count."""
         node = self._node
         if self._state not in (RUNNING, STARTING) and self and SERVED.active(self):
             self._started()  # started by MPI (Startall), noticed here first
@@ -112,6 +117,7 @@ class Prequest(MPI.Prequest):
         return True
 
     def Test(self, status: MPI.Status | None = None) -> bool:
+        """mpi4py's ``Prequest.Test``: one step of progress; if the operation is over, ``Wait``."""
         self.poll()
         if self._state == RUNNING:
             self._node.step_all()
@@ -120,11 +126,13 @@ class Prequest(MPI.Prequest):
         return self.Wait(status)
 
     def Free(self) -> None:
+        """mpi4py's ``Prequest.Free``: no longer watched by the progress hook, then freed in MPI."""
         self._node.forget(self)
         MPI.Prequest.Free(self)
 
     @classmethod
     def Startall(cls, requests: Sequence[MPI.Prequest]) -> None:
+        """mpi4py's ``Prequest.Startall``: ``Start`` each request, in order."""
         for req in requests:
             req.Start()
 

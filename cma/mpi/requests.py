@@ -175,6 +175,8 @@ class Request(MPI.Grequest):
     # -- mpi4py's API, done inside cma first
 
     def Wait(self, status: MPI.Status | None = None) -> Literal[True]:
+        """mpi4py's ``Request.Wait``: waits inside cma (spin, then sleep on the doorbell), then MPI retires
+        the request. Raises ``TruncateError``/``PeerGoneError`` with the details MPI's code lacks."""
         if self:
             error = self._settle()
             _mpi_wait(self, status)
@@ -184,6 +186,7 @@ class Request(MPI.Grequest):
         return _mpi_wait(self, status)
 
     def wait(self, status: MPI.Status | None = None) -> Any:
+        """mpi4py's ``Request.wait``: ``Wait``, then the received object (or ``None``)."""
         if self:
             error = self._settle()
             value = _mpi_wait_obj(self, status)
@@ -193,11 +196,13 @@ class Request(MPI.Grequest):
         return _mpi_wait_obj(self, status)
 
     def Test(self, status: MPI.Status | None = None) -> bool:
+        """mpi4py's ``Request.Test``: one step of cma's progress; if the operation is over, ``Wait``."""
         if self and not self._test_in_cma():
             return False
         return self.Wait(status)
 
     def test(self, status: MPI.Status | None = None) -> tuple[bool, Any]:
+        """mpi4py's ``Request.test``: ``Test``, returning ``(done, object or None)``."""
         if self and not self._test_in_cma():
             return False, None
         return True, self.wait(status)
@@ -254,33 +259,42 @@ class Request(MPI.Grequest):
         if ours:
             ours[0]._node.settle_any(ours)
 
+    # mpi4py's many-request calls below share their two lines (prepare in cma, then MPI's
+    # own call): written out, not generated, so each keeps mpi4py's signature for mypy and help().
     @classmethod
     def Waitall(cls, requests: Sequence[MPI.Request],
                 statuses: list[MPI.Status] | None = None) -> Literal[True]:
+        """mpi4py's ``Request.Waitall``: cma waits if every active request is one node's, then MPI (else
+        MPI waits for all, its progress hook moving cma)."""
         cls._settle_all(requests)
         return MPI.Request.Waitall(requests, statuses)
 
     @classmethod
     def waitall(cls, requests: Sequence[MPI.Request],
                 statuses: list[MPI.Status] | None = None) -> list[Any]:
+        """mpi4py's ``Request.waitall``, waited for as ``Waitall``: the received objects."""
         cls._settle_all(requests)
         return MPI.Request.waitall(requests, statuses)
 
     @classmethod
     def Waitany(cls, requests: Sequence[MPI.Request],
                 status: MPI.Status | None = None) -> int:
+        """mpi4py's ``Request.Waitany``: cma waits for one if every active request is one node's, then MPI
+        picks (else MPI waits, its progress hook moving cma)."""
         cls._settle_any(requests)
         return MPI.Request.Waitany(requests, status)
 
     @classmethod
     def waitany(cls, requests: Sequence[MPI.Request],
                 status: MPI.Status | None = None) -> tuple[int, Any]:
+        """mpi4py's ``Request.waitany``, waited for as ``Waitany``: ``(index, object)``."""
         cls._settle_any(requests)
         return MPI.Request.waitany(requests, status)
 
     @classmethod
     def Waitsome(cls, requests: Sequence[MPI.Request],
                  statuses: list[MPI.Status] | None = None) -> list[int] | None:
+        """mpi4py's ``Request.Waitsome``, waited for as ``Waitany``: the indices completed."""
         cls._settle_any(requests)
         return MPI.Request.Waitsome(requests, statuses)
 
@@ -288,6 +302,7 @@ class Request(MPI.Grequest):
     def waitsome(cls, requests: Sequence[MPI.Request],
                  statuses: list[MPI.Status] | None = None
                  ) -> tuple[list[int] | None, list[Any] | None]:
+        """mpi4py's ``Request.waitsome``, waited for as ``Waitany``: indices and objects."""
         cls._settle_any(requests)
         return MPI.Request.waitsome(requests, statuses)
 
@@ -296,33 +311,39 @@ class Request(MPI.Grequest):
         for req in cls._ours(requests):
             req._test_in_cma()
 
+    # (the test family: two lines each as above, written out for the same reason)
     @classmethod
     def Testall(cls, requests: Sequence[MPI.Request],
                 statuses: list[MPI.Status] | None = None) -> bool:
+        """mpi4py's ``Request.Testall``, after one step of cma's progress for each of cma's requests."""
         cls._step_all(requests)
         return MPI.Request.Testall(requests, statuses)
 
     @classmethod
     def testall(cls, requests: Sequence[MPI.Request],
                 statuses: list[MPI.Status] | None = None) -> tuple[bool, list[Any] | None]:
+        """mpi4py's ``Request.testall``, after one step of cma's progress for each of cma's requests."""
         cls._step_all(requests)
         return MPI.Request.testall(requests, statuses)
 
     @classmethod
     def Testany(cls, requests: Sequence[MPI.Request],
                 status: MPI.Status | None = None) -> tuple[int, bool]:
+        """mpi4py's ``Request.Testany``, after one step of cma's progress for each of cma's requests."""
         cls._step_all(requests)
         return MPI.Request.Testany(requests, status)
 
     @classmethod
     def testany(cls, requests: Sequence[MPI.Request],
                 status: MPI.Status | None = None) -> tuple[int, bool, Any | None]:
+        """mpi4py's ``Request.testany``, after one step of cma's progress for each of cma's requests."""
         cls._step_all(requests)
         return MPI.Request.testany(requests, status)
 
     @classmethod
     def Testsome(cls, requests: Sequence[MPI.Request],
                  statuses: list[MPI.Status] | None = None) -> list[int] | None:
+        """mpi4py's ``Request.Testsome``, after one step of cma's progress for each of cma's requests."""
         cls._step_all(requests)
         return MPI.Request.Testsome(requests, statuses)
 
@@ -330,6 +351,7 @@ class Request(MPI.Grequest):
     def testsome(cls, requests: Sequence[MPI.Request],
                  statuses: list[MPI.Status] | None = None
                  ) -> tuple[list[int] | None, list[Any] | None]:
+        """mpi4py's ``Request.testsome``, after one step of cma's progress for each of cma's requests."""
         cls._step_all(requests)
         return MPI.Request.testsome(requests, statuses)
 
@@ -412,6 +434,7 @@ class ServedNodes:
         return bool(self._nodes)
 
     def serve(self, node: NodeComm) -> None:
+        """Have MPI's progress loop move ``node``'s requests from now on (the hook made, armed)."""
         if node not in self._nodes:
             self._nodes[node] = None
         if not self._made:
@@ -421,6 +444,7 @@ class ServedNodes:
             self._hook.arm()
 
     def drop(self, node: NodeComm) -> None:
+        """Stop moving ``node`` from MPI's progress loop; with none left, the hook rests."""
         self._nodes.pop(node, None)
         if not self._nodes and self._hook is not None:
             self._hook.rest()

@@ -37,6 +37,7 @@ class Copies:
 
     @property
     def total(self) -> int:
+        """CPU copies of each payload byte in all, user space and kernel."""
         return self.user + self.kernel
 
 
@@ -84,6 +85,7 @@ class TransportStats:
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def count_copy(self, *, user: int = 0, kernel: int = 0, syscalls: int = 0) -> None:
+        """Add copied bytes and system calls (thread-safe: overlap's thread counts too)."""
         with self._lock:
             self.user_copy_bytes += user
             self.kernel_copy_bytes += kernel
@@ -96,6 +98,7 @@ class TransportStats:
             self.kernel_copy_bytes = self.syscalls = 0
 
     def as_dict(self) -> dict[str, float]:
+        """What ``Comm.stats()`` shows: messages, bytes, copies per payload byte, system calls."""
         moved = self.bytes or 1
         return {
             "messages": self.messages,
@@ -151,19 +154,20 @@ class Transport:
     def close(self) -> None:
         """Release everything; the transport is not used afterwards."""
 
-    # pull: copy the concatenation of the peer's regions into the local buffers
     def read(self, peer: Peer, remote: Sequence[Region], local: Sequence[memoryview]) -> None:
+        """Pull: copy the concatenation of the peer's regions into the local buffers."""
         raise NotImplementedError(f"{self.name} does not pull")
 
-    # push: copy the local buffers into the concatenation of the peer's regions
     def write(self, peer: Peer, local: Sequence[memoryview], remote: Sequence[Region]) -> None:
+        """Push: copy the local buffers into the concatenation of the peer's regions."""
         raise NotImplementedError(f"{self.name} does not push")
 
-    # staged: copy a fragment into / out of a staging slot shared with the peer
     def stage(self, slot: memoryview, fragment: memoryview) -> None:
+        """Staged: copy a fragment into a staging slot shared with the peer."""
         raise NotImplementedError(f"{self.name} is not staged")
 
     def drain(self, slot: memoryview, fragment: memoryview) -> None:
+        """Staged: copy a staging slot shared with the peer out into a fragment."""
         raise NotImplementedError(f"{self.name} is not staged")
 
 
@@ -340,6 +344,7 @@ class Registry:
     classes: dict[str, type[Transport]] = field(default_factory=dict)
 
     def add(self, cls: type[Transport]) -> type[Transport]:
+        """Register a transport class under its name (usable as a class decorator)."""
         self.classes[cls.name] = cls
         return cls
 

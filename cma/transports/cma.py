@@ -57,6 +57,7 @@ class CmaTransport(Transport):
         self._pool = ProcessPool(threads - 1, "cma-copy")
 
     def probe(self, peer: Peer) -> str | None:
+        """None if ``process_vm_readv`` may reach ``peer`` (a read of its address 0), else why not."""
         err = _linux.cma_access_errno(peer.pid)
         if err in (0, errno.EFAULT):
             return None
@@ -72,14 +73,18 @@ class CmaTransport(Transport):
         return f"process_vm_readv on process {peer.pid} failed: {os.strerror(err)}"
 
     def read(self, peer: Peer, remote: Sequence[Region], local: Sequence[memoryview]) -> None:
+        """Pull with ``process_vm_readv`` (one kernel copy), cut between threads from 4 MiB when
+        ``threads`` > 1."""
         what = f"cma read from rank {peer.rank}"
         self._transfer(peer, local, remote, write=False, what=what)
 
     def write(self, peer: Peer, local: Sequence[memoryview], remote: Sequence[Region]) -> None:
+        """Push with ``process_vm_writev`` (one kernel copy), cut between threads as ``read`` is."""
         what = f"cma write to rank {peer.rank}"
         self._transfer(peer, local, remote, write=True, what=what)
 
     def close(self) -> None:
+        """Stop the copy threads."""
         self._pool.shutdown()
 
     def _transfer(

@@ -37,6 +37,8 @@ from ..errors import CmaError, TransportUnavailable
 from .base import BatchLimits, Copies, Peer, Region, Transfer, Transport
 
 LOCK_ADDRESS = "\0cma-ptrace-copy"
+# A waiter for the lock polls this often: short beside a copy (~1.3 s for 4 MiB), long
+# enough not to take a core from the holder; chosen, not measured.
 LOCK_RETRY_SECONDS = 0.0002
 LOCK_PATIENCE_SECONDS = 120.0  # a 4 MiB copy holds it ~1.3 s here
 
@@ -115,6 +117,8 @@ class PtraceTransport(Transport):
         return None
 
     def read(self, peer: Peer, remote: Sequence[Region], local: Sequence[memoryview]) -> None:
+        """Pull word by word with ``PTRACE_PEEKDATA``, the peer stopped meanwhile, under the machine-wide
+        lock."""
         what = f"ptrace read from rank {peer.rank}"
         transfer = Transfer(local, remote, writable=True, what=what)
         if not transfer.total:

@@ -17,11 +17,13 @@ class ShmTransport(Transport):
     styles: ClassVar[frozenset[str]] = frozenset({"staged"})
 
     def stage(self, slot: memoryview, fragment: memoryview) -> None:
+        """Copy ``fragment`` into the shared slot (the first of the pipeline's two user copies)."""
         n = fragment.nbytes
         slot[:n] = fragment
         self.stats.count_copy(user=n)
 
     def drain(self, slot: memoryview, fragment: memoryview) -> None:
+        """Copy the shared slot out into ``fragment`` (the second user copy)."""
         n = fragment.nbytes
         fragment[:] = slot[:n]
         self.stats.count_copy(user=n)

@@ -47,12 +47,12 @@ LIMITS = BatchLimits(local_spans=_linux.IOV_MAX, remote_spans=1, nbytes=_linux.M
 
 def _copy(transfer: Transfer, fd: int, pid: int, *, write: bool, stats: TransportStats | None) -> None:
     """Run ``transfer`` through the memory fd ``fd`` of process ``pid``, counting into ``stats``."""
-    syscall = _linux.mem_pwritev if write else _linux.mem_preadv
+    mem_copy = _linux.mem_copy
     what = transfer.what
 
     def batch(views: list[memoryview], lens: list[int], addrs: list[int],
               remote_lens: list[int]) -> int:
-        return syscall(fd, views, addrs[0], pid=pid, what=what)
+        return mem_copy(fd, views, addrs[0], write=write, pid=pid, what=what)
 
     outcome = transfer.run(batch, LIMITS)
     if stats is not None:
@@ -158,6 +158,7 @@ class VmfdTransport(Transport):
         return None
 
     def connect(self, peer: Peer) -> None:
+        """Fetch the peer's read-only /proc/PID/mem fd (and its read-write one, with ``writes``)."""
         if peer.rank in self._peers:
             return
         readable = self._fetch(peer, "mem-ro", writable=False)
@@ -169,11 +170,13 @@ class VmfdTransport(Transport):
         self._peers[peer.rank] = _PeerMemory(peer.pid, readable, writable)
 
     def disconnect(self, peer: Peer) -> None:
+        """Close the fds fetched from ``peer``."""
         memory = self._peers.pop(peer.rank, None)
         if memory is not None:
             self._close_peer(memory)
 
     def close(self) -> None:
+        """Close every fd fetched or exposed."""
         for memory in [*self._peers.values(), *self._retired]:
             self._close_peer(memory)
         self._peers.clear()
@@ -183,11 +186,13 @@ class VmfdTransport(Transport):
         self._own.clear()
 
     def read(self, peer: Peer, remote: Sequence[Region], local: Sequence[memoryview]) -> None:
+        """Pull with ``preadv`` on the peer's /proc/PID/mem fd (one kernel copy)."""
         memory = self._memory(peer)
         transfer = Transfer(local, remote, writable=True, what=f"vmfd read from rank {peer.rank}")
         _copy(transfer, memory.readable, memory.pid, write=False, stats=self.stats)
 
     def write(self, peer: Peer, local: Sequence[memoryview], remote: Sequence[Region]) -> None:
+        """Push with ``pwritev`` on the peer's read-write fd; ``TransportUnavailable`` unless ``writes``."""
         memory = self._memory(peer)
         if memory.writable is None:
             raise TransportUnavailable(

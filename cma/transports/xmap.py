@@ -48,7 +48,7 @@ MAX_ENTRIES = 1024
 # the mmap over it, close (counted as such: where ptrace rules refuse pidfd_getfd, the fd
 # server's socket, connect, send, recvmsg and close come on top, uncounted).
 MAP_SYSCALLS = 7
-ADDRESS_LIMIT = 1 << 56
+ADDRESS_LIMIT = 1 << 56  # above any user address (as protocol.ADDRESS_LIMIT): a whole space
 
 Space = tuple[int, int, int, int]  # (peer rank, peer pid, segment index, generation)
 
@@ -93,6 +93,7 @@ class XmapStats(TransportStats):
         self._cache_base = (0, 0, 0, 0)
 
     def as_dict(self) -> dict[str, float]:
+        """``TransportStats.as_dict`` plus the registration cache's counts since the last reset."""
         out = super().as_dict()
         c = self._cache
         hits, misses, evictions, invalidations = self._cache_base
@@ -103,6 +104,7 @@ class XmapStats(TransportStats):
         return out
 
     def reset(self) -> None:
+        """Zero the counters; the cache's counts are taken from here on."""
         super().reset()
         c = self._cache
         self._cache_base = (c.hits, c.misses, c.evictions, c.invalidations)
@@ -254,6 +256,7 @@ class XmapTransport(Transport):
         return view
 
     def view_released(self, leases: list[Lease[mmap.mmap]]) -> None:
+        """A view was released: give back the mappings it held."""
         for lease in leases:
             self.views_held -= 1
             lease.release()
@@ -357,10 +360,12 @@ class XmapTransport(Transport):
     # ------------------------------------------------------------ teardown
 
     def disconnect(self, peer: Peer) -> None:
+        """Drop every mapping of ``peer``'s segments."""
         for key in [k for k in self._spaces if k[0] == peer.rank]:
             self.cache.invalidate(0, ADDRESS_LIMIT, self._spaces.pop(key))
 
     def close(self) -> None:
+        """Stop serving this rank's segments and drop every mapping of peers' segments."""
         heap.HEAP.unlisten(self._segment_given_back)
         with self._serving:
             offered, self._offered = self._offered, {}

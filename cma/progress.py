@@ -719,8 +719,7 @@ class Progress:
             pass
         for r in gone:
             self.dead.add(r)
-            os.close(world.pidfds[r])
-            world.pidfds[r] = -1
+            world.unwatch(r)
 
     # -- teardown
 
@@ -783,7 +782,7 @@ _IDLE_CODE = frozenset({Progress.wait_until.__code__, Progress._wait_loop.__code
                         World.connected_to_me.__code__, Inbox.ready.__code__,
                         Inbox._position.__code__, BackgroundPulls.__bool__.__code__,
                         World.sleep.__code__, World.set_sleeping.__code__,
-                        _linux.wait_readable.__code__})
+                        _linux.EpollSet.wait.__code__})
 _BUSY_CODE = frozenset({Progress.poll.__code__, Progress.bury.__code__})
 
 

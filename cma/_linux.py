@@ -164,11 +164,59 @@ def drain_doorbell(fd: int) -> None:
 
 
 def wait_readable(fds: list[int], timeout_ms: int) -> list[int]:
-    """poll() the fds for input; returns the ready ones (a pidfd is ready when its process exits)."""
+    """poll() the fds for input, once; returns the ready ones (a pidfd is ready when its
+    process exits). A wait repeated on the same fds uses an ``EpollSet`` instead."""
     poller = select.poll()
     for fd in fds:
         poller.register(fd, select.POLLIN)
     return [fd for fd, _ in poller.poll(timeout_ms)]
+
+
+class EpollSet:
+    """An epoll instance watching fds for input: each is registered once, so a wait costs
+    the same whatever the number of fds (docs/architecture.md, "Waiting", has the numbers).
+
+    The epoll fd is close-on-exec (Python opens it with EPOLL_CLOEXEC). A process forked
+    from its owner shares the instance, so only the owner may add or remove fds; ``close``
+    removes none (it closes the instance, whose registrations go with it).
+    """
+
+    def __init__(self) -> None:
+        try:
+            self._epoll = select.epoll()
+        except OSError as exc:
+            raise CmaError(f"cannot create an epoll instance: {exc.strerror} (raise the "
+                           "open-file limit, ulimit -n)") from exc
+        self._count = 0
+
+    def add(self, fd: int) -> None:
+        try:
+            self._epoll.register(fd, select.EPOLLIN)
+        except OSError as exc:
+            hint = (" (the per-user limit /proc/sys/fs/epoll/max_user_watches is reached)"
+                    if exc.errno == errno.ENOSPC else "")
+            raise CmaError(f"cannot watch fd {fd} with epoll: {exc.strerror}{hint}") from exc
+        self._count += 1
+
+    def remove(self, fd: int) -> None:
+        """Stop watching ``fd``; call it before closing ``fd``, whose registration would
+        otherwise outlive it in a forked process that still holds a copy."""
+        try:
+            self._epoll.unregister(fd)
+        except OSError as exc:
+            raise CmaError(f"fd {fd} was not watched by this epoll instance: {exc.strerror}") from exc
+        self._count -= 1
+
+    def wait(self, timeout_ms: int) -> list[int]:
+        """The watched fds that are readable, waiting up to ``timeout_ms`` for one.
+
+        A signal ends the wait at once: epoll_wait returns EINTR, Python runs the handler,
+        and what the handler raises (KeyboardInterrupt) comes out of here (PEP 475).
+        """
+        return [fd for fd, _ in self._epoll.poll(timeout_ms / 1000, self._count or 1)]
+
+    def close(self) -> None:
+        self._epoll.close()
 
 
 # ---------------------------------------------------------------- processes

@@ -83,6 +83,13 @@ YIELD_FROM_BYTES = 1 << 20
 # (docs/architecture.md, "Waiting"): an idle waiter that wakes this often costs
 # 1.2-1.6 % of a CPU (measured, same section). The value is chosen, not tuned.
 SLEEP_MS = 10
+# A wait that must also move an engine that cannot ring the doorbell (cma.mpi's MPI on a
+# rank with peers off this node) sleeps in pauses doubling from the min to the max instead:
+# an off-node message is seen within about the pause (docs/mpi.md, "Mixed ranks"). The
+# first pause is about two wake-ups (~10 us each here, KERNEL-FACTS.md); the last bounds
+# the extra latency after an idle phase. Chosen, not measured.
+OUTSIDE_PAUSE_MIN = 20e-6
+OUTSIDE_PAUSE_MAX_MS = 1
 
 Packet = tuple[int, int, int, bytes]  # kind, tag, aux, payload
 
@@ -582,14 +589,21 @@ class Progress:
         self.wait_until(lambda: op.done, None if peer == ANY_SOURCE else peer, spin, large)
 
     def wait_until(self, done: Callable[[], bool], peer: int | None,
-                   spin: float = SPIN_SECONDS, yield_cpu: bool = False) -> None:
+                   spin: float = SPIN_SECONDS, yield_cpu: bool = False,
+                   outside: Callable[[], object] | None = None) -> None:
         """Progress until ``done()``: spin for ``spin`` seconds, then sleep on the doorbell.
 
         ``peer`` is the rank whose exit makes waiting pointless (None: any rank may answer).
         ``yield_cpu``: call sched_yield while spinning (always so when ranks outnumber cores).
+        ``outside``: one pass of another engine that must move too (cma.mpi's MPI on a
+        rank with peers off this node), called every pass. It cannot ring the doorbell, so
+        the sleeps are pauses doubling from OUTSIDE_PAUSE_MIN to OUTSIDE_PAUSE_MAX_MS, and
+        ``peer`` None means that no exit ends the wait (an off-node rank may answer).
+        ``done`` is then called once a pass, and once more only to return (mprobe's takes
+        the message it finds).
         """
         try:
-            self._wait_loop(done, peer, spin, yield_cpu)
+            self._wait_loop(done, peer, spin, yield_cpu, outside)
         except CmaError:
             raise  # raised on purpose, where the state is whole
         except BaseException as exc:
@@ -600,16 +614,21 @@ class Progress:
             raise
 
     def _wait_loop(self, done: Callable[[], bool], peer: int | None, spin: float,
-                   yield_cpu: bool) -> None:
+                   yield_cpu: bool, outside: Callable[[], object] | None) -> None:
         deadline = 0.0
         yield_cpu = yield_cpu or self.oversubscribed
         slept = False
+        pause = OUTSIDE_PAUSE_MIN
+        exits_end_it = peer is not None or outside is None
         while not done():
+            if outside is not None:
+                outside()
             # Once asleep, a pass runs only if there is work: a Ctrl-C landing inside an
             # empty pass (every SLEEP_MS) would otherwise break the communicator (#23).
             if (not slept or self._has_work()) and self.poll():
                 deadline = 0.0
                 slept = False
+                pause = OUTSIDE_PAUSE_MIN
                 continue
             if yield_cpu:
                 os.sched_yield()
@@ -622,11 +641,19 @@ class Progress:
             # The deadline stays expired: only progress (above) earns a new spin, so a
             # waiter that wakes to nothing every SLEEP_MS sleeps again at once instead of
             # spinning (1 ms in 11 was 9 % of a CPU per idle waiter, taken from the peer).
-            self.doze(SLEEP_MS, done, idle=slept)
+            if outside is None:
+                self.doze(SLEEP_MS, done, idle=slept)
+            elif pause < OUTSIDE_PAUSE_MAX_MS / 1000:
+                time.sleep(pause)
+                pause *= 2
+            else:
+                self.doze(OUTSIDE_PAUSE_MAX_MS, idle=slept)
             slept = True
-            if self.dead and not done():
+            if self.dead and exits_end_it:
                 error = self.exit_error(peer)
                 if error is not None:
+                    if done():
+                        return
                     raise error
 
     def doze(self, timeout_ms: int, done: Callable[[], bool] | None = None,
@@ -736,8 +763,7 @@ class Progress:
             pass
         for r in gone:
             self.dead.add(r)
-            os.close(world.pidfds[r])
-            world.pidfds[r] = -1
+            world.unwatch(r)
 
     # -- teardown
 
@@ -800,7 +826,7 @@ _IDLE_CODE = frozenset({Progress.wait_until.__code__, Progress._wait_loop.__code
                         World.connected_to_me.__code__, Inbox.ready.__code__,
                         Inbox._position.__code__, BackgroundPulls.__bool__.__code__,
                         World.sleep.__code__, World.set_sleeping.__code__,
-                        _linux.wait_readable.__code__})
+                        _linux.EpollSet.wait.__code__})
 _BUSY_CODE = frozenset({Progress.poll.__code__, Progress.bury.__code__})
 
 

@@ -244,6 +244,11 @@ class World:
         first = self._reach_word(0, rank)
         self._reach_column = self._header_view(first, (self.size - 1) * self.size + 1)[:: self.size]
         self.pidfds: list[int] = [-1] * self.size
+        # What a sleep waits on, registered once: this rank's doorbell, and each peer's
+        # pidfd from its connect (_watch) to its burial (unwatch) or close.
+        self._sleep_set = _linux.EpollSet()
+        self._sleep_set.add(fds.doorbells[rank])
+        self._peer_of_pidfd: dict[int, int] = {}
         # while connecting: (pid, pidfd) of the process started to attach a late rank
         self._launched: dict[int, tuple[int, int]] = {}
         self._exposed: dict[str, Callable[[], list[int]]] = {}
@@ -335,10 +340,26 @@ class World:
         if self.pidfds[rank] < 0:
             pid = self._checked_pid(rank, self.pid_of(rank))
             try:
-                self.pidfds[rank] = _linux.pidfd_open(pid)
+                pidfd = _linux.pidfd_open(pid)
             except PeerGone as exc:
                 raise PeerGone(f"rank {rank} (pid {pid}) exited while connecting") from exc
+            try:
+                self._sleep_set.add(pidfd)
+            except CmaError:
+                _linux.close_fd(pidfd)
+                raise
+            self.pidfds[rank] = pidfd
+            self._peer_of_pidfd[pidfd] = rank
         return self.pidfds[rank]
+
+    def unwatch(self, rank: int) -> None:
+        """Stop watching ``rank``'s exit (it is buried): close its pidfd."""
+        pidfd = self.pidfds[rank]
+        if pidfd >= 0:
+            self.pidfds[rank] = -1
+            del self._peer_of_pidfd[pidfd]
+            self._sleep_set.remove(pidfd)
+            os.close(pidfd)
 
     @staticmethod
     def _checked_pid(rank: int, pid: int) -> int:
@@ -562,12 +583,18 @@ class World:
         bounds the rare lost wake-up: a sender's load of our flag may pass its own store
         of the head (x86 store-load reordering), and Python has no fence to prevent it.
         """
+        ready = self._sleep_set.wait(timeout_ms)
+        if not ready:
+            return []
         bell = self.fds.doorbells[self.rank]
-        live = [fd for fd in self.pidfds if fd >= 0]
-        ready = _linux.wait_readable([bell, *live], timeout_ms)
-        if bell in ready:
-            _linux.drain_doorbell(bell)
-        return [r for r, fd in enumerate(self.pidfds) if fd >= 0 and fd in ready]
+        peer_of = self._peer_of_pidfd
+        gone = []
+        for fd in ready:
+            if fd == bell:
+                _linux.drain_doorbell(bell)
+            else:
+                gone.append(peer_of[fd])
+        return gone
 
     def set_sleeping(self, flag: int) -> None:
         """Publish this rank's about-to-sleep flag (1: a sender must ring the doorbell)."""
@@ -602,6 +629,10 @@ class World:
             if self._server_thread is not None:
                 self._server_thread.join(timeout=5)
         self._forget_launched()
+        # (the set goes first, whole: removing fds one by one from a set a forked child
+        # shares with its parent would edit the parent's)
+        self._sleep_set.close()
+        self._peer_of_pidfd.clear()
         for i, fd in enumerate(self.pidfds):
             if fd >= 0:
                 os.close(fd)

@@ -58,7 +58,7 @@ def receive_what_was_queued(comm, source, tag):
 
 def thread_state(pid: int, tid: int | None = None) -> tuple[str, str]:
     """The scheduler state letter and wait channel of thread ``tid`` of ``pid`` (its main
-    thread by default), from /proc: e.g. ("S", "poll_schedule_timeout"), ("R", "0")."""
+    thread by default), from /proc: e.g. ("S", "do_epoll_wait"), ("R", "0")."""
     task = f"/proc/{pid}/task/{pid if tid is None else tid}"
     with open(f"{task}/stat") as f:
         state = f.read().rsplit(")", 1)[1].split()[0]
@@ -68,8 +68,9 @@ def thread_state(pid: int, tid: int | None = None) -> tuple[str, str]:
 
 def wait_asleep_in_poll(pid: int, tid: int | None = None, what: str = "the thread",
                         timeout: float = 10.0) -> None:
-    """Return once thread ``tid`` of ``pid`` sleeps in poll(2), which is where cma's blocking
-    calls sleep on their doorbell once done spinning; fail the test after ``timeout`` s.
+    """Return once thread ``tid`` of ``pid`` sleeps in epoll_wait(2) (wchan do_epoll_wait) or
+    poll(2), which is where cma's blocking calls sleep on their doorbell once done spinning;
+    fail the test after ``timeout`` s.
 
     Call it after a handshake that says the thread is on its way into the blocking call:
     nothing else on that way sleeps in poll (waiting for the GIL or a lock is a futex wait,

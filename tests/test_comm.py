@@ -1216,7 +1216,7 @@ def wait_exited(pid: int, timeout: float = JOIN_TIMEOUT) -> None:
 
 
 def set_when_asleep(tid: int, what: str, event: Any, failures: list[BaseException]) -> None:
-    """Set ``event`` once thread ``tid`` of this process sleeps in poll (or failed to)."""
+    """Set ``event`` once thread ``tid`` of this process sleeps in epoll_wait (or failed to)."""
     try:
         wait_asleep_in_poll(os.getpid(), tid, what=what)
     except BaseException as exc:  # noqa: BLE001 - reported by the test's thread
@@ -1800,6 +1800,38 @@ def test_close_in_a_forked_child_leaves_the_parents_queue_alone():
     assert run_pair("shm", SMALL_RING, rank0, rank1, timeout=10) == [False, False]
 
 
+def test_close_in_a_forked_child_leaves_the_parents_sleep_set_alone(monkeypatch):
+    """A child forked from an attached rank shares its epoll set (one open file): the
+    child's close must not take the doorbell or the peer's pidfd out of it, or the parent
+    sleeps through its peer's exit. The timed wake-up is a minute, so only the pidfd
+    ends the parent's wait in time."""
+    monkeypatch.setattr(cma.progress, "SLEEP_MS", 60_000)  # inherited by the forks
+    child_closed = mp.get_context("fork").Event()
+
+    def rank0(comm):
+        comm.attach()
+        assert child_closed.wait(JOIN_TIMEOUT)
+        return True  # and this process exits
+
+    def rank1(comm):
+        comm.attach()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                comm.close()
+            finally:
+                os._exit(0)
+        os.waitpid(pid, 0)
+        child_closed.set()
+        start = time.monotonic()
+        with pytest.raises(PeerGone):
+            comm.Recv(np.empty(8, np.uint8), source=0, tag=1)
+        return time.monotonic() - start
+
+    seconds = run_pair("shm", None, rank0, rank1, timeout=15)[1]
+    assert seconds < 10, f"rank 0's exit was seen after {seconds:.1f} s"
+
+
 # ------------------------------------------------------------------ huge messages
 
 
@@ -1828,7 +1860,7 @@ def doorbell_receiver(comm, ready, go, receiving, woken):
         assert np.array_equal(buf, np.arange(16, dtype=np.uint8))
     for i, (said, told) in enumerate(zip(receiving, woken, strict=True)):
         said.set()
-        comm.Recv(buf, 0, tag=4 + i)  # asleep in poll until woken
+        comm.Recv(buf, 0, tag=4 + i)  # asleep in epoll_wait until woken
         told.set()
     comm.close()
 

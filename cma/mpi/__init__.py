@@ -22,8 +22,8 @@ Two things need care when a rank has peers of both kinds ("mixed"):
 * progress: MPI progresses only inside MPI calls and cma only inside cma calls, and
   either may need this rank's help to finish a transfer (MPI rendezvous, cma's shm
   pipeline). The hook runs cma inside MPI's waits; waiting for cma, mixed ranks poll
-  both (``Comm._progress_until``), spinning briefly and then sleeping with a growing
-  pause.
+  both in cma's wait loop (``Comm._progress_until``: ``Progress.wait_until`` with MPI's
+  pass as its ``outside``), spinning briefly and then sleeping with a growing pause.
 * ANY_SOURCE: a wildcard receive is matched lazily, by probing both channels and
   receiving exactly the message found (``mixed``). To keep MPI's order of posted
   receives, a receive posted after an unmatched wildcard receive that could take the

@@ -5,7 +5,6 @@ from __future__ import annotations
 import inspect
 import os
 import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, NoReturn
 
@@ -59,15 +58,11 @@ from .node import NodeComm
 from .requests import SERVED, Request, start_request
 from .specs import snapshot
 
-# Mixed ranks poll both engines: spin this long, then sleep pauses doubling up to the max.
-# 100 us is cma.Comm's first spin, kept here when cma.Comm's grew to 1 ms; not measured
-# for mixed ranks, whose every turn polls MPI too (docs/mpi.md, "Mixed ranks").
+# Mixed ranks wait in both engines: they spin this long, then sleep in short pauses
+# (progress.OUTSIDE_PAUSE_*). 100 us is cma.Comm's first spin, kept here when cma.Comm's
+# grew to 1 ms; not measured for mixed ranks, whose every turn polls MPI too (docs/mpi.md,
+# "Mixed ranks").
 SPIN_SECONDS = float(os.environ.get("CMA_SPIN_US", "100")) * 1e-6
-# The first pause is about two wake-ups (~10 us each here, KERNEL-FACTS.md); the last, 1 ms,
-# bounds the extra latency after an idle phase (docs/mpi.md) and is the first pause long
-# enough for Progress.doze (whole milliseconds; its doorbell ends it early). Chosen, not measured.
-PAUSE_MIN = 20e-6
-PAUSE_MAX = 1e-3
 # methods an all-on-node Comm takes from its cma communicator
 HANDED_OUT = ("Send", "Recv", "Isend", "Irecv")
 
@@ -655,9 +650,20 @@ class Comm(MPI.Intracomm):
         cma = self._cma
         if cma is not None:
             cma.progress()
+        self._step_mpi()
+
+    def _step_mpi(self) -> None:
+        """Move MPI once, and the wildcard receives waiting on both engines; raise what
+        MPI's progress hook caught while running cma (mixed ranks).
+
+        Passed to ``Progress.wait_until`` as itself, not wrapped: a Ctrl-C landing in
+        this frame (in MPI's probe) then counts as landing in the idle wait, which it is
+        for cma; one landing deeper (matching wildcards) breaks the communicator.
+        """
         mpi_iprobe(self, ANY_SOURCE, ANY_TAG)  # MPI progresses inside its calls
         if self._wildcards:
             self._match_wildcards()
+        SERVED.raise_pending()
 
     def _iprobe_mixed(self, source: int, tag: int, status: MPI.Status | None) -> bool:
         if self._wildcards:
@@ -677,38 +683,21 @@ class Comm(MPI.Intracomm):
         return True
 
     def _progress_until(self, done: Callable[[], bool], peer: int | None) -> None:
-        """Drive cma and MPI until ``done()``: spin, then sleep with a growing pause, from
-        1 ms on in cma's ``Progress.doze`` (so cma's packets end it early, and it learns
-        there which peers exited).
+        """Drive cma and MPI until ``done()``: cma's one wait loop (``Progress.wait_until``)
+        with MPI's pass as its ``outside`` engine.
 
         ``peer`` is the cma rank whose exit makes waiting pointless (None: none is, since
         an off-node rank may still answer).
         """
         cma = self._cma
-        deadline = 0.0
-        pause = PAUSE_MIN
-        while not done():
-            self._step()
-            SERVED.raise_pending()
-            now = time.perf_counter()
-            if not deadline:
-                deadline = now + SPIN_SECONDS
-            if now < deadline:
-                if self._yield:
-                    os.sched_yield()
-                continue
-            progress = None if cma is None else cma._progress
-            if progress is None or pause < PAUSE_MAX:
-                time.sleep(pause)
-            else:
-                progress.doze(int(pause * 1000))  # (not given done: mprobe's takes a message)
-            if peer is not None and progress is not None and progress.dead:
-                error = progress.exit_error(peer)
-                if error is not None:
-                    if done():
-                        return
-                    self._fail(error)
-            pause = min(pause * 2, PAUSE_MAX)
+        assert cma is not None  # (only ranks with on-node peers wait in cma)
+        try:
+            (cma._progress or cma._attach()).wait_until(done, peer, SPIN_SECONDS, self._yield,
+                                                        outside=self._step_mpi)
+        except PeerGone as exc:
+            if isinstance(exc, MPI.Exception):
+                raise  # (converted already)
+            self._fail(exc)
 
 
 class Message(MPI.Message):

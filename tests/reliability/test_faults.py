@@ -2,7 +2,7 @@
 
 Rank 1 (the victim, a fork child) runs up to a phase and stops there: either it says so
 through a pipe and the test kills it, or it waits until the test process sleeps in
-poll(2) inside the call under test and then kills itself, or a copy of its own kills it
+epoll_wait(2) inside the call under test and then kills itself, or a copy of its own kills it
 from inside the transport (before or after the bytes move). No sleep synchronises
 anything. The test process (rank 0, the survivor) must then get ``PeerGone`` (or
 ``CommBroken``) from the call, not hang, and be left with the fds it had before.

@@ -63,8 +63,10 @@ def leaks(before: set[tuple[int, str]]) -> dict[str, object]:
 
 
 def the_librarys(found: set[tuple[int, str]] | dict[int, str]) -> list[tuple[int, str]]:
-    """The fds among ``found`` that cma opens: memfds, eventfds, pidfds, sockets, /proc/PID/mem."""
-    kinds = ("memfd:cma-", "anon_inode:[eventfd]", "anon_inode:[pidfd]", "socket:", "/mem")
+    """The fds among ``found`` that cma opens: memfds, eventfds, pidfds, the epoll set a
+    sleep waits on, sockets, /proc/PID/mem."""
+    kinds = ("memfd:cma-", "anon_inode:[eventfd]", "anon_inode:[pidfd]", "anon_inode:[eventpoll]",
+             "socket:", "/mem")
     pairs = found.items() if isinstance(found, dict) else found
     return sorted((fd, what) for fd, what in pairs if what.startswith(kinds) or what.endswith("/mem"))
 

@@ -4,9 +4,10 @@ Rank 0 receives what ranks 1-3 send through a random mix of Irecv, Recv, irecv, 
 (some posted in a burst before their messages are sent), Probe or Iprobe then a receive
 of what they saw (sometimes into a buffer a byte short), and test, wait, waitany,
 waitall or testall over random subsets in random orders, and records what each call saw.
-The test process replays the calls through the reference model of MPI matching: per
-source, in posting order, each receive or probe sees the earliest message of that source
-not received yet that its tag admits. Source, tag, count, content and truncation must
+The test process replays the calls through the reference model of MPI matching
+(tests/matching_model.py, which test_mixed_matching checks cma.mpi's wildcards against):
+per source, in posting order, each receive or probe sees the earliest message of that
+source not received yet that its tag admits. Source, tag, count, content and truncation must
 agree, and every message must be received once.
 
 Nothing can deadlock: rank 0 posts a receive, or blocks in one or in Probe, only when more
@@ -30,6 +31,7 @@ from typing import Any
 import numpy as np
 import pytest
 from conftest import PUSH_TRANSPORTS, SMALL_RING, run_ranks
+from matching_model import BySource
 
 import cma
 from cma import ANY_SOURCE, ANY_TAG
@@ -147,14 +149,18 @@ class Call:
 
 
 class Model:
-    """The reference model of matching, fed the calls in posting order: per source, each
-    receive or probe sees the earliest message of that source not received yet that its
-    tag admits."""
+    """The reference model of matching (matching_model.BySource), fed the calls in posting
+    order: per source, each receive or probe sees the earliest message of that source not
+    received yet that its tag admits."""
 
     def __init__(self, plan: Plan) -> None:
         self.messages = {source: [m for chunk in chunks for m in chunk]
                          for source, chunks in plan.chunks.items()}
-        self.taken = {source: [False] * len(ms) for source, ms in self.messages.items()}
+        self.matching = BySource(m for messages in self.messages.values() for m in messages)
+
+    def number(self, m: Message) -> str:
+        index = next(i for i, sent in enumerate(self.messages[m.source]) if sent is m)
+        return f"message {index} of rank {m.source}"
 
     def disagreement(self, number: int, call: Call) -> str | None:
         """What is wrong with what call ``number`` saw, if anything."""
@@ -162,26 +168,20 @@ class Model:
         source = call.seen[0]
         said = (f"call {number}, {call.name}(source={call.source}, tag={call.tag}, "
                 f"capacity={call.capacity}), saw (source, tag, count, outcome) {call.seen}")
-        if source not in self.taken or call.source not in (ANY_SOURCE, source):
-            return f"{said}: a source it does not admit"
-        index = next((i for i, m in enumerate(self.messages[source])
-                      if not self.taken[source][i] and call.tag in (ANY_TAG, m.tag)), None)
-        if index is None:
-            return f"{said}: rank {source} has no message left for it"
-        m = self.messages[source][index]
+        see = self.matching.probe if call.name in PROBES else self.matching.receive
+        m = see(call.source, call.tag, source)
+        if m is None:
+            return f"{said}: it admits no message left of rank {source}"
         outcome = None if call.name in PROBES else \
             "truncated" if call.capacity is not None and m.count > call.capacity else m.digest
-        if call.name not in PROBES:
-            self.taken[source][index] = True
         expected = (m.source, m.tag, m.count, outcome)
         if call.seen != expected:
-            return f"{said}; the model: message {index} of rank {source}, {expected}"
+            return f"{said}; the model: {self.number(m)}, {expected}"
         return None
 
     def unreceived(self) -> list[str]:
-        return [f"message {i} of rank {source} ({m.how}, tag {m.tag}, {m.count} B) was never "
-                "received" for source, ms in self.messages.items()
-                for i, m in enumerate(ms) if not self.taken[source][i]]
+        return [f"{self.number(m)} ({m.how}, tag {m.tag}, {m.count} B) was never received"
+                for m in self.matching.unreceived()]
 
 
 class Receiver:

@@ -1,4 +1,5 @@
-"""The iteration every memory-reaching transport shares (base.Transfer), driven sans-IO.
+"""The iteration every memory-reaching transport shares (base.Transfer), and its split
+over threads (base.SplitCopy, cma's and xmap's), driven sans-IO.
 
 A fake batch copy reads "remote" addresses as offsets into a bytes object and, like the
 kernel, may move fewer bytes than it was offered: the iteration must deliver every byte
@@ -8,12 +9,15 @@ once, in order, never offer more than the limits allow, and never spin.
 from __future__ import annotations
 
 import errno
+import mmap
 import random
+import sys
+import threading
 
 import pytest
 
 from cma.errors import BufferError, TransportFault
-from cma.transports.base import BatchLimits, Region, Transfer
+from cma.transports.base import BatchLimits, Region, SplitCopy, Transfer
 
 
 def _cuts(rng: random.Random, total: int, pieces: int) -> list[int]:
@@ -28,10 +32,11 @@ def test_every_byte_arrives_once_in_order_within_the_limits(seed: int) -> None:
     total = rng.choice([1, 7, 100, 4096, 10_000])
     source = rng.randbytes(total)
     base = 1000  # remote addresses start here, so an offset slip shows
-    region_sizes = _cuts(rng, total, rng.randint(1, 40))
+    # one span a side in some runs: the iteration's shortcut for those
+    region_sizes = _cuts(rng, total, rng.choice([1, rng.randint(1, 40)]))
     starts = [base + sum(region_sizes[:i]) for i in range(len(region_sizes))]
     regions = [Region(addr, n) for addr, n in zip(starts, region_sizes, strict=True)]
-    buffers = [memoryview(bytearray(n)) for n in _cuts(rng, total, rng.randint(1, 40))]
+    buffers = [memoryview(bytearray(n)) for n in _cuts(rng, total, rng.choice([1, rng.randint(1, 40)]))]
     limits = BatchLimits(local_spans=rng.randint(1, 5), remote_spans=rng.randint(1, 5),
                          nbytes=rng.randint(1, total + 1))
 
@@ -76,3 +81,42 @@ def test_sides_are_checked_once_before_any_copy() -> None:
         Transfer([memoryview(bytearray(4))], [Region(-1, 4)], writable=True, what="test")
     empty = Transfer([memoryview(bytearray(0))], [Region(5, 0)], writable=True, what="test")
     assert empty.total == 0 and empty.run(lambda *batch: 0, BatchLimits(1, 1, 1)).calls == 0
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_a_split_copy_from_views_delivers_every_byte_once_across_threads(seed: int) -> None:
+    """xmap's shape: the remote side is views of a mapping, one span pair per batch; a
+    copy at or above the threshold runs as page-multiple ranges, the first on this
+    thread and the others on the pool's."""
+    rng = random.Random(seed)
+    total = rng.choice([1, 4095, 3 * mmap.PAGESIZE + 5, 100_000, 300_000])
+    source = rng.randbytes(total)
+    cuts = _cuts(rng, total, rng.choice([1, rng.randint(1, 6)]))
+    sources = [memoryview(source)[sum(cuts[:i]) : sum(cuts[: i + 1])] for i in range(len(cuts))]
+    buffers = [memoryview(bytearray(n)) for n in _cuts(rng, total, rng.choice([1, rng.randint(1, 6)]))]
+    threads = rng.randint(1, 4)
+    split = SplitCopy(threads, rng.choice([0, 0, total, total + 1]), "test-split")
+    ran_on: set[int] = set()
+
+    def batch(views: list[memoryview], lens: list[int], spans: list[memoryview],
+              span_lens: list[int]) -> int:
+        assert len(views) == len(spans) == 1 and lens == span_lens == [spans[0].nbytes]
+        views[0][:] = spans[0]
+        ran_on.add(threading.get_ident())
+        return lens[0]
+
+    ranges = split.run(Transfer.from_views(buffers, sources, what="test"), batch,
+                       BatchLimits(1, 1, sys.maxsize))
+    split.close()
+    assert b"".join(bytes(b) for b in buffers) == source
+    assert all(outcome.error is None for _, outcome in ranges)
+    starts = [start for start, _ in ranges]
+    if threads == 1 or total < split.threshold or total <= mmap.PAGESIZE:
+        assert starts == [0] and ran_on == {threading.get_ident()}
+    else:
+        assert 1 < len(starts) <= threads
+        assert all(start % mmap.PAGESIZE == 0 for start in starts)
+        # each range copied exactly its bytes, up to the next range
+        assert [outcome.copied for _, outcome in ranges] == \
+            [b - a for a, b in zip(starts, [*starts[1:], total], strict=True)]
+        assert threading.get_ident() in ran_on and len(ran_on) > 1

@@ -5,7 +5,8 @@ for the others) cannot be posted to either engine: it waits here, with every rec
 posted after it that could take the same messages, until a probe of one channel finds
 a message for it. Sans-IO, as ``cma.protocol`` is: ``Wildcards`` decides, the caller
 probes and receives (``cma.mpi.Comm._match_wildcards``), and tests/test_mixed_matching.py drives
-it against a model of MPI's matching with no MPI at all.
+it with no MPI at all, checked against the reference model of MPI matching that the
+engine's matching tests use too (tests/matching_model.py).
 """
 
 from __future__ import annotations

@@ -17,13 +17,16 @@ Styles:
 from __future__ import annotations
 
 import errno
+import mmap
 import threading
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import ClassVar, Generic, Protocol, TypeVar
 
+from .._pool import ProcessPool
 from ..errors import BufferError, CmaError, TransportFault, TransportUnavailable
 from ..wire import Region as Region  # (re-exported: transports name it from here)
 
@@ -188,8 +191,9 @@ def _local_byte_views(buffers: Sequence[memoryview], *, writable: bool, what: st
 # ---------------------------------------------------------------- the shared copy iteration
 #
 # As UCX's scopy base does (uct_scopy_ep_tx over an iov iterator): every transport that
-# reaches a peer's memory copies (local spans x remote regions) through ``Transfer.run``,
-# and supplies only its batch copy, one system call's worth, and that call's limits.
+# reaches a peer's memory copies (local spans x remote spans) through ``Transfer.run``,
+# and supplies only its batch copy (one system call's worth, or one memory copy out of a
+# mapping) and that call's limits; ``SplitCopy`` runs a large one on several threads.
 
 
 @dataclass(frozen=True)
@@ -201,12 +205,11 @@ class BatchLimits:
     nbytes: int
 
 
-# A transport's batch copy: (local views, their lengths, remote addresses, their lengths),
+# A transport's batch copy: (local views, their lengths, remote spans, their lengths),
 # as many bytes on each side, within its limits -> bytes moved. The kernel may move fewer;
 # a call that moves none must raise (or return 0, which the iteration turns into a fault).
-BatchCopy = Callable[[list[memoryview], list[int], list[int], list[int]], int]
-
 _Span = TypeVar("_Span", memoryview, int)
+BatchCopy = Callable[[list[memoryview], list[int], list[_Span], list[int]], int]
 
 
 def _cut_view(view: memoryview, lo: int, hi: int) -> memoryview:
@@ -269,42 +272,64 @@ class Outcome:
         self.error: CmaError | None = None
 
 
-class Transfer:
-    """One copy between local buffers and a peer's regions, each side read as one byte stream.
+class Transfer(Generic[_Span]):
+    """One copy between local buffers and a peer's memory, each side read as one byte stream.
 
-    Built once per message, which checks the buffers and regions and that both sides hold
-    as many bytes; ``run`` then copies a range of the stream through a transport's batch
-    copy.
+    The remote side is regions of the peer's address space (``Transfer(buffers, regions)``,
+    spans are addresses: cma, vmfd, ptrace) or views of a mapping of the peer's memory in
+    this process (``Transfer.from_views``: xmap). Built once per message, which checks both
+    sides and that they hold as many bytes; ``run`` then copies a range of the stream
+    through a transport's batch copy.
     """
 
-    __slots__ = ("what", "total", "views", "view_lens", "view_ends", "addrs", "region_lens",
-                 "region_ends")
+    __slots__ = ("what", "total", "views", "view_lens", "view_ends", "remote", "remote_lens",
+                 "remote_ends", "cut_remote")
+    remote: list[_Span]
+    cut_remote: Callable[[_Span, int, int], _Span]  # the part [lo, hi) of a remote span
 
     def __init__(
-        self, buffers: Sequence[memoryview], regions: Sequence[Region], *, writable: bool, what: str
+        self: Transfer[int], buffers: Sequence[memoryview], regions: Sequence[Region], *,
+        writable: bool, what: str
     ) -> None:
         """``writable``: the copy fills the local buffers (a read), so they must take data."""
-        self.what = what
-        self.views = _local_byte_views(buffers, writable=writable, what=what)
-        self.view_lens = [view.nbytes for view in self.views]
-        self.view_ends = list(accumulate(self.view_lens))
         for i, (addr, nbytes) in enumerate(regions):
             if addr < 0 or nbytes < 0 or addr + nbytes > 1 << 64:
                 raise TransportFault(
                     errno.EINVAL, f"{what}: region {i} (addr {addr:#x}, {nbytes} bytes) is not valid"
                 )
-        self.addrs = [addr for addr, nbytes in regions if nbytes]
-        self.region_lens = [nbytes for _, nbytes in regions if nbytes]
-        self.region_ends = list(accumulate(self.region_lens))
-        self.total = self.region_ends[-1] if self.region_ends else 0
+        self._build(buffers, [addr for addr, nbytes in regions if nbytes],
+                    [nbytes for _, nbytes in regions if nbytes], _cut_address,
+                    writable=writable, what=what)
+
+    @staticmethod
+    def from_views(buffers: Sequence[memoryview], sources: Sequence[memoryview], *,
+                   what: str) -> Transfer[memoryview]:
+        """A copy of the concatenated byte views ``sources`` into ``buffers``."""
+        transfer: Transfer[memoryview] = object.__new__(Transfer)
+        spans = [source for source in sources if source.nbytes]
+        transfer._build(buffers, spans, [span.nbytes for span in spans], _cut_view,
+                        writable=True, what=what)
+        return transfer
+
+    def _build(self, buffers: Sequence[memoryview], remote: list[_Span], remote_lens: list[int],
+               cut_remote: Callable[[_Span, int, int], _Span], *, writable: bool, what: str) -> None:
+        self.what = what
+        self.views = _local_byte_views(buffers, writable=writable, what=what)
+        self.view_lens = [view.nbytes for view in self.views]
+        self.view_ends = list(accumulate(self.view_lens))
+        self.remote = remote
+        self.remote_lens = remote_lens
+        self.remote_ends = list(accumulate(remote_lens))
+        self.cut_remote = cut_remote
+        self.total = self.remote_ends[-1] if self.remote_ends else 0
         local = self.view_ends[-1] if self.view_ends else 0
         if local != self.total:
             raise BufferError(
-                f"{what}: the remote regions hold {self.total} bytes but the local buffers "
+                f"{what}: the remote side holds {self.total} bytes but the local buffers "
                 f"{local}; they must be equal"
             )
 
-    def run(self, batch: BatchCopy, limits: BatchLimits, start: int = 0,
+    def run(self, batch: BatchCopy[_Span], limits: BatchLimits, start: int = 0,
             stop: int | None = None) -> Outcome:
         """Copy bytes [start, stop) of the stream (all of it by default) batch by batch.
 
@@ -314,27 +339,78 @@ class Transfer:
         over other ranges finish).
         """
         stop = self.total if stop is None else stop
-        local = _Cursor(self.views, self.view_lens, self.view_ends, _cut_view, start)
-        remote = _Cursor(self.addrs, self.region_lens, self.region_ends, _cut_address, start)
         outcome = Outcome()
         pos = start
         try:
+            count = stop - start
+            if 0 < count <= limits.nbytes and len(self.views) == 1 == len(self.remote):
+                # one span a side (most messages, and each thread's range of one): one
+                # call may take the range whole, without cursors
+                view, span = self.views[0], self.remote[0]
+                if count != self.total:
+                    view, span = view[start:stop], self.cut_remote(span, start, stop)
+                pos += self._call(batch, outcome, [view], [count], [span], [count])
+            if pos < stop:
+                local = _Cursor(self.views, self.view_lens, self.view_ends, _cut_view, pos)
+                remote = _Cursor(self.remote, self.remote_lens, self.remote_ends, self.cut_remote, pos)
             while pos < stop:
-                addrs, rlens, nbytes = remote.take(limits.remote_spans, min(limits.nbytes, stop - pos))
+                spans, rlens, nbytes = remote.take(limits.remote_spans, min(limits.nbytes, stop - pos))
                 views, lens, local_bytes = local.take(limits.local_spans, nbytes)
                 if local_bytes < nbytes:  # the local side ran out of spans first
-                    addrs, rlens, nbytes = remote.take(limits.remote_spans, local_bytes)
-                outcome.calls += 1
-                moved = batch(views, lens, addrs, rlens)
-                if not moved:  # the kernel reports failure only when nothing moved; never spin
-                    raise TransportFault(errno.EIO, f"{self.what}: a copy call made no progress")
-                outcome.copied += moved
+                    spans, rlens, nbytes = remote.take(limits.remote_spans, local_bytes)
+                moved = self._call(batch, outcome, views, lens, spans, rlens)
                 pos += moved
                 local.advance(moved)
                 remote.advance(moved)
         except CmaError as exc:
             outcome.error = exc
         return outcome
+
+    def _call(self, batch: BatchCopy[_Span], outcome: Outcome, views: list[memoryview],
+              lens: list[int], spans: list[_Span], span_lens: list[int]) -> int:
+        """One batch call, counted into ``outcome`` (a call that raises counts too): bytes moved."""
+        outcome.calls += 1
+        moved = batch(views, lens, spans, span_lens)
+        if not moved:  # the kernel reports failure only when nothing moved; never spin
+            raise TransportFault(errno.EIO, f"{self.what}: a copy call made no progress")
+        outcome.copied += moved
+        return moved
+
+
+class SplitCopy:
+    """Runs a large ``Transfer`` as page-multiple byte ranges on ``threads`` threads at once
+    (this one and a pool's), for transports whose batch copy lets go of the GIL.
+
+    A copy below ``threshold`` bytes, or with one thread, runs whole on this thread.
+    """
+
+    def __init__(self, threads: int, threshold: int, name: str) -> None:
+        self.threads = threads
+        self.threshold = threshold
+        self._pool = ProcessPool(threads - 1, name)
+
+    def run(self, transfer: Transfer[_Span], batch: BatchCopy[_Span], limits: BatchLimits,
+            split_batch: BatchCopy[_Span] | None = None) -> list[tuple[int, Outcome]]:
+        """Copy all of ``transfer``: (start, outcome) of each range, in stream order.
+
+        ``split_batch``: the batch copy to use instead when the copy is split (one that
+        lets go of the GIL, where ``batch`` is cheaper on one thread).
+        """
+        total = transfer.total
+        if self.threads == 1 or total < self.threshold or total <= mmap.PAGESIZE:
+            return [(0, transfer.run(batch, limits))]
+        share = -(-total // self.threads // mmap.PAGESIZE) * mmap.PAGESIZE
+        batch = split_batch or batch
+        pool = self._pool.get()
+        futures: list[tuple[int, Future[Outcome]]] = [
+            (start, pool.submit(transfer.run, batch, limits, start, min(start + share, total)))
+            for start in range(share, total, share)
+        ]
+        first = transfer.run(batch, limits, 0, share)
+        return [(0, first), *((start, future.result()) for start, future in futures)]
+
+    def close(self) -> None:
+        self._pool.shutdown()
 
 
 @dataclass

@@ -9,7 +9,7 @@ A call moves at most ``MAX_RW_COUNT`` bytes through at most ``IOV_MAX`` iovecs p
 and stops short inside an iovec when it reaches a remote page it cannot pin: those are
 its ``LIMITS`` for the shared iteration (``base.Transfer``), which advances both sides
 by what the kernel returned. A large copy split across threads is one ``Transfer`` whose
-byte ranges run on different threads.
+byte ranges run on different threads (``base.SplitCopy``, which xmap shares).
 
 ``threads`` (default 1) cuts a copy of at least ``SPLIT_THRESHOLD`` (4 MiB) into that
 many page-multiple parts copied concurrently (ctypes releases the GIL). It pays off only
@@ -24,14 +24,12 @@ import errno
 import os
 from bisect import bisect_right
 from collections.abc import Sequence
-from concurrent.futures import Future
 from itertools import accumulate
 from typing import ClassVar
 
 from .. import _linux
-from .._pool import ProcessPool
 from ..errors import CmaError, TransportFault
-from .base import BatchLimits, Copies, Host, Outcome, Peer, Region, Transfer, Transport
+from .base import BatchLimits, Copies, Host, Peer, Region, SplitCopy, Transfer, Transport
 
 SPLIT_THRESHOLD = 4 << 20  # bytes; below it a thread hand-off costs about what it gains
 # one process_vm_readv/writev: IOV_MAX iovecs per side, MAX_RW_COUNT bytes
@@ -53,8 +51,7 @@ class CmaTransport(Transport):
             threads = 1
         if threads < 1:
             raise ValueError(f"cma: threads must be at least 1, not {threads}")
-        self.threads = threads
-        self._pool = ProcessPool(threads - 1, "cma-copy")
+        self._split = SplitCopy(threads, SPLIT_THRESHOLD, "cma-copy")
 
     def probe(self, peer: Peer) -> str | None:
         """None if ``process_vm_readv`` may reach ``peer`` (a read of its address 0), else why not."""
@@ -85,7 +82,7 @@ class CmaTransport(Transport):
 
     def close(self) -> None:
         """Stop the copy threads."""
-        self._pool.shutdown()
+        self._split.close()
 
     def _transfer(
         self, peer: Peer, buffers: Sequence[memoryview], regions: Sequence[Region], *,
@@ -102,32 +99,20 @@ class CmaTransport(Transport):
             return _linux.process_vm_copy(pid, local, iovec_array(addrs, remote_lens),
                                           write=write, what=what)
 
-        total = transfer.total
-        if self.threads == 1 or total < SPLIT_THRESHOLD:
-            outcomes = [transfer.run(batch, LIMITS)]
-            starts = [0]
-        else:  # page-aligned buffers split at pages, one part per thread
-            share = -(-total // self.threads // _linux.PAGE_SIZE) * _linux.PAGE_SIZE
-            starts = list(range(0, total, share))
-            pool = self._pool.get()
-            futures: list[Future[Outcome]] = [
-                pool.submit(transfer.run, batch, LIMITS, start, min(start + share, total))
-                for start in starts[1:]
-            ]
-            outcomes = [transfer.run(batch, LIMITS, 0, share),
-                        *(future.result() for future in futures)]
-        for outcome in outcomes:
+        ranges = self._split.run(transfer, batch, LIMITS)
+        for _, outcome in ranges:
             self.stats.count_copy(kernel=outcome.copied, syscalls=outcome.calls)
-        for start, outcome in zip(starts, outcomes, strict=True):
+        for start, outcome in ranges:
             if outcome.error is not None:
-                raise self._explain(outcome.error, regions, start + outcome.copied, outcomes, what)
+                copied = sum(outcome.copied for _, outcome in ranges)
+                raise self._explain(outcome.error, regions, start + outcome.copied, copied, what)
 
     @staticmethod
     def _explain(
         error: CmaError,
         regions: Sequence[Region],
         position: int,
-        outcomes: list[Outcome],
+        copied: int,
         what: str,
     ) -> CmaError:
         """``error`` as raised, or for a fault the region and offset where the copy stopped."""
@@ -137,7 +122,6 @@ class CmaTransport(Transport):
         index = bisect_right(ends, position)
         region = regions[index]
         offset = position - (ends[index] - region.nbytes)
-        copied = sum(outcome.copied for outcome in outcomes)
         fault = TransportFault(
             errno.EFAULT,
             f"{what}: region {index} (addr {region.addr:#x}, {region.nbytes} bytes) is not mapped "

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import sys
 import threading
 import weakref
 from collections import deque
@@ -33,15 +34,16 @@ from typing import Any, ClassVar
 import numpy as np
 
 from .. import _linux, heap
-from .._pool import ProcessPool
 from ..errors import CmaError, TransportFault
 from ..rcache import CacheStats, Lease, RegistrationCache
 from ..wire import HeapRef
-from .base import Copies, Host, Peer, Region, Transport, TransportStats
+from .base import BatchLimits, Copies, Host, Peer, Region, SplitCopy, Transfer, Transport, TransportStats
 
 # A copy of at least this many bytes is cut in two, one half per thread: NumPy releases
 # the GIL while it copies, and one core's copy rate is below what memory gives two.
 SPLIT_FROM = 4 << 20
+# one copy out of the mapping: one local span from one source span, any length
+LIMITS = BatchLimits(local_spans=1, remote_spans=1, nbytes=sys.maxsize)
 # Mappings kept per communicator (each is one VMA; the kernel allows 65530 by default).
 MAX_ENTRIES = 1024
 # System calls to map a segment: pidfd_getfd, two fstat, fcntl (seals), the reservation and
@@ -135,8 +137,8 @@ class XmapTransport(Transport):
         self._wanted: tuple[Peer, HeapRef] | None = None  # what the cache's next map is of
         # a second thread only where a second CPU may run it (cma-bench --bind pins each
         # process to one: the two halves would only take turns)
-        self._threads = max(1, min(threads, len(os.sched_getaffinity(0))))
-        self._pool = ProcessPool(self._threads - 1, "cma-xmap") if self._threads > 1 else None
+        self._split = SplitCopy(max(1, min(threads, len(os.sched_getaffinity(0)))), SPLIT_FROM,
+                                "cma-xmap")
         heap.HEAP.listen(self._segment_given_back)
 
     # ------------------------------------------------------------ the sender's side
@@ -200,7 +202,7 @@ class XmapTransport(Transport):
         try:
             sources = [memoryview(lease.mapping)[ref.offset : ref.offset + region.nbytes]
                        for lease, ref, region in zip(leases, refs, remote, strict=True)]
-            copied = self._copy(sources, local)
+            copied = self._copy(peer, sources, local)
             for source in sources:
                 source.release()
         finally:
@@ -315,47 +317,16 @@ class XmapTransport(Transport):
         except BufferError:
             pass  # a view of it is still out there: the mapping goes with the last one
 
-    def _copy(self, sources: Sequence[memoryview], local: Sequence[memoryview]) -> int:
+    def _copy(self, peer: Peer, sources: Sequence[memoryview], local: Sequence[memoryview]) -> int:
         """Copy the concatenation of ``sources`` into that of ``local``: bytes copied."""
-        pairs: list[tuple[memoryview, memoryview]] = []
-        dst = [v.cast("B") if v.format != "B" or v.ndim != 1 else v for v in local if v.nbytes]
-        i = at = 0
-        for src in sources:
-            pos = 0
-            while pos < src.nbytes:
-                if i >= len(dst):
-                    raise CmaError("xmap: the receive buffers are smaller than the message")
-                take = min(src.nbytes - pos, dst[i].nbytes - at)
-                pairs.append((dst[i][at : at + take], src[pos : pos + take]))
-                pos += take
-                at += take
-                if at == dst[i].nbytes:
-                    i, at = i + 1, 0
-        total = sum(d.nbytes for d, _ in pairs)
-        if self._pool is None or total < SPLIT_FROM:
-            for d, s in pairs:
-                d[:] = s
-            return total
-        # the first half on the pool's thread, the second here (each a page multiple)
-        half = total // 2 & ~4095
-        first: list[tuple[memoryview, memoryview]] = []
-        second: list[tuple[memoryview, memoryview]] = []
-        seen = 0
-        for d, s in pairs:
-            n = d.nbytes
-            if seen + n <= half:
-                first.append((d, s))
-            elif seen >= half:
-                second.append((d, s))
-            else:
-                cut = half - seen
-                first.append((d[:cut], s[:cut]))
-                second.append((d[cut:], s[cut:]))
-            seen += n
-        future = self._pool.get().submit(_copy_pairs, first)
-        _copy_pairs(second)
-        future.result()
-        return total
+        transfer = Transfer.from_views(local, sources, what=f"xmap read from rank {peer.rank}")
+        # np.copyto lets go of the GIL while it copies, which a second thread needs (a
+        # memoryview assignment does not, and costs less on one thread)
+        ranges = self._split.run(transfer, _copy_out, LIMITS, _copy_out_nogil)
+        for _, outcome in ranges:
+            if outcome.error is not None:
+                raise outcome.error
+        return transfer.total
 
     # ------------------------------------------------------------ teardown
 
@@ -376,11 +347,16 @@ class XmapTransport(Transport):
             self.cache.invalidate(0, ADDRESS_LIMIT, space)
         self._spaces.clear()
         self.cache.flush()
-        if self._pool is not None:
-            self._pool.shutdown()
+        self._split.close()
 
 
-def _copy_pairs(pairs: list[tuple[memoryview, memoryview]]) -> None:
-    for d, s in pairs:
-        # np.copyto lets go of the GIL while it copies (a memoryview assignment does not)
-        np.copyto(np.frombuffer(d, np.uint8), np.frombuffer(s, np.uint8))
+def _copy_out(views: list[memoryview], lens: list[int], sources: list[memoryview],
+              source_lens: list[int]) -> int:
+    views[0][:] = sources[0]
+    return lens[0]
+
+
+def _copy_out_nogil(views: list[memoryview], lens: list[int], sources: list[memoryview],
+                    source_lens: list[int]) -> int:
+    np.copyto(np.frombuffer(views[0], np.uint8), np.frombuffer(sources[0], np.uint8))
+    return lens[0]

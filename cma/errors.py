@@ -89,7 +89,9 @@ class ProtocolError(CmaError):
     Raised where the bytes are decoded, before anything is copied on their word; the
     communicator is then broken (later calls raise ``CommBroken`` saying why). A peer
     gets there by corrupting its shared mappings (a bug or a hostile program), never by
-    using cma's API."""
+    using cma's API. One exception: an object message whose pickle stream does not load
+    here (corrupt bytes, or a class this process cannot import) raises it from ``recv``
+    or ``wait``, and only that message is lost; the communicator stays usable."""
 
     def __init__(self, message: str, *, peer: int) -> None:
         super().__init__(message)

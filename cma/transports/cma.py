@@ -72,11 +72,11 @@ class CmaTransport(Transport):
         return f"process_vm_readv on process {peer.pid} failed: {os.strerror(err)}"
 
     def read(self, peer: Peer, remote: Sequence[Region], local: Sequence[memoryview]) -> None:
-        what = f"cma read from rank {peer.rank}"
+        what = f"cma read from rank {peer.rank} (pid {peer.pid})"
         self._transfer(peer, local, remote, write=False, what=what)
 
     def write(self, peer: Peer, local: Sequence[memoryview], remote: Sequence[Region]) -> None:
-        what = f"cma write to rank {peer.rank}"
+        what = f"cma write to rank {peer.rank} (pid {peer.pid})"
         self._transfer(peer, local, remote, write=True, what=what)
 
     def close(self) -> None:

@@ -115,7 +115,7 @@ class PtraceTransport(Transport):
         return None
 
     def read(self, peer: Peer, remote: Sequence[Region], local: Sequence[memoryview]) -> None:
-        what = f"ptrace read from rank {peer.rank}"
+        what = f"ptrace read from rank {peer.rank} (pid {peer.pid})"
         transfer = Transfer(local, remote, writable=True, what=what)
         if not transfer.total:
             return

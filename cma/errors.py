@@ -57,6 +57,12 @@ class TransportFault(CmaError, OSError):
     """A transport copy failed part way, e.g. the peer's region is no longer mapped."""
 
 
+class FdAlreadyClosed(CmaError, OSError):
+    """cma closed a file descriptor that was not open (EBADF): it closed it twice, a bug in
+    cma. Had the number been reused in between, the second close would have ended another
+    file of this process; please report it."""
+
+
 class WindowError(CmaError, PermissionError):
     """An access outside the memory window a peer exposed was refused before any copy."""
 

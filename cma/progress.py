@@ -719,7 +719,7 @@ class Progress:
             pass
         for r in gone:
             self.dead.add(r)
-            os.close(world.pidfds[r])
+            _linux.close_fd(world.pidfds[r])
             world.pidfds[r] = -1
 
     # -- teardown

@@ -95,7 +95,7 @@ class WorldFds:
         """Close the fds (once: a second call must not close numbers reused since)."""
         for fd in [self.memfd, *self.doorbells]:
             if fd >= 0:
-                os.close(fd)
+                _linux.close_fd(fd)
         self.memfd = -1
         self.doorbells = []
 
@@ -589,7 +589,7 @@ class World:
         self._forget_launched()
         for i, fd in enumerate(self.pidfds):
             if fd >= 0:
-                os.close(fd)
+                _linux.close_fd(fd)
                 self.pidfds[i] = -1
         for box in [*self.outboxes, *self.inboxes]:
             if box is not None:

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .errors import CmaError, PeerGone, TransportFault, TransportUnavailable
+from .errors import CmaError, FdAlreadyClosed, PeerGone, TransportFault, TransportUnavailable
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 
@@ -44,7 +44,7 @@ def memfd_segment(name: str, nbytes: int, sealed: bool = False) -> int:
         if sealed:
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
     except OSError:
-        os.close(fd)
+        close_fd(fd)
         raise
     return fd
 
@@ -269,7 +269,7 @@ def recv_fds(sock: socket.socket, bufsize: int, maxfds: int) -> tuple[bytes, lis
             fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
     if flags & socket.MSG_CTRUNC:  # the kernel dropped fds this process had no room for
         for fd in fds:
-            os.close(fd)
+            close_fd(fd)
         raise OSError(errno.EMFILE, f"{os.strerror(errno.EMFILE)}: fds passed to this process were "
                       "dropped (raise the open-file limit, ulimit -n)")
     return msg, list(fds)
@@ -631,11 +631,15 @@ def dup_fd(fd: int) -> int:
 
 
 def close_fd(fd: int) -> None:
-    """Close ``fd``; closing an fd that is already gone is not an error worth raising."""
+    """Close ``fd``; ``FdAlreadyClosed`` if it was not open (EBADF: a double close, which
+    closes another file of this process once the number is reused). Other errors leave
+    the fd closed (Linux releases it before reporting EINTR or EIO): nothing to do."""
     try:
         os.close(fd)
-    except OSError:
-        pass
+    except OSError as exc:
+        if exc.errno == errno.EBADF:
+            raise FdAlreadyClosed(errno.EBADF, f"fd {fd} is not open: cma closed it twice "
+                                  "(a bug in cma; please report it)") from exc
 
 
 def _mem_error(exc: OSError, access: str, addr: int, nbytes: int, pid: int) -> TransportFault:

@@ -37,6 +37,7 @@ from .errors import (
     InvalidRank,
     InvalidTag,
     NotTransferable,
+    ProtocolError,
 )
 from .progress import Progress
 from .protocol import Arrival, Matcher, RecvOp, SendOp, completed_recv
@@ -637,10 +638,23 @@ class Comm(Collectives):
         if not op.is_object:
             return bytearray(op.segments[0]) if op.segments else bytearray()
         stream, *buffers = op.segments
-        obj = pickle.loads(stream, buffers=buffers)
-        if op.view:
-            op.segments = []  # (the object's arrays alone keep the sender's buffers now)
-        return obj
+        try:
+            return pickle.loads(stream, buffers=buffers)
+        except Exception as exc:
+            # The message was received whole and is consumed; the rings are untouched, so
+            # the communicator stays usable, with this peer too. Its buffers are dropped
+            # here: the traceback keeps this frame, and a view maps the peer's memory.
+            op.segments = []
+            del stream, buffers
+            raise ProtocolError(
+                f"rank {op.matched_source}'s object message (tag {op.matched_tag}, {op.nbytes} "
+                f"bytes) does not unpickle here: {type(exc).__name__}: {exc}. Either its bytes "
+                "are not a pickle (the peer broke the protocol), or they name what this "
+                "process cannot rebuild (a class must be importable here, not defined in "
+                "the sender's __main__ only)", peer=op.matched_source) from exc
+        finally:
+            if op.view:
+                op.segments = []  # (the object's arrays alone keep the sender's buffers now)
 
     def send(self, obj: Any, dest: int, tag: int = 0) -> None:
         """Blocking send of a picklable object (``MPI.Comm.send``): ``isend(...).Wait()``."""

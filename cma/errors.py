@@ -57,6 +57,12 @@ class TransportFault(CmaError, OSError):
     """A transport copy failed part way, e.g. the peer's region is no longer mapped."""
 
 
+class FdAlreadyClosed(CmaError, OSError):
+    """cma closed a file descriptor that was not open (EBADF): it closed it twice, a bug in
+    cma. Had the number been reused in between, the second close would have ended another
+    file of this process; please report it."""
+
+
 class WindowError(CmaError, PermissionError):
     """An access outside the memory window a peer exposed was refused before any copy."""
 
@@ -89,7 +95,9 @@ class ProtocolError(CmaError):
     Raised where the bytes are decoded, before anything is copied on their word; the
     communicator is then broken (later calls raise ``CommBroken`` saying why). A peer
     gets there by corrupting its shared mappings (a bug or a hostile program), never by
-    using cma's API."""
+    using cma's API. One exception: an object message whose pickle stream does not load
+    here (corrupt bytes, or a class this process cannot import) raises it from ``recv``
+    or ``wait``, and only that message is lost; the communicator stays usable."""
 
     def __init__(self, message: str, *, peer: int) -> None:
         super().__init__(message)

@@ -183,7 +183,7 @@ class Heap:
         try:
             mm = _linux.map_shared(fd, nbytes)
         except BaseException:
-            os.close(fd)
+            _linux.close_fd(fd)
             raise
         if nbytes >= HUGE_PAGE:
             _linux.advise_huge_pages(mm)
@@ -285,7 +285,7 @@ class Heap:
                                f"of {size} bytes: it does not come from a cma heap, or was altered")
             mm = _linux.map_shared(fd, length, start, writable)
         except BaseException:
-            os.close(fd)
+            _linux.close_fd(fd)
             raise
         with self._locked():
             self._add_segment(fd, mm, "imported", start)

@@ -110,7 +110,7 @@ def _share(node: Comm, world: World, shape: int | tuple[int, ...] | list[int], d
         _all_succeeded(node, None)
     finally:
         world.withdraw_fd(name)
-        os.close(fd)
+        _linux.close_fd(fd)
     return arr
 
 

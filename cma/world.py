@@ -100,7 +100,7 @@ class WorldFds:
         """Close the fds (once: a second call must not close numbers reused since)."""
         for fd in [self.memfd, *self.doorbells]:
             if fd >= 0:
-                os.close(fd)
+                _linux.close_fd(fd)
         self.memfd = -1
         self.doorbells = []
 
@@ -359,7 +359,7 @@ class World:
             self.pidfds[rank] = -1
             del self._peer_of_pidfd[pidfd]
             self._sleep_set.remove(pidfd)
-            os.close(pidfd)
+            _linux.close_fd(pidfd)
 
     @staticmethod
     def _checked_pid(rank: int, pid: int) -> int:
@@ -635,7 +635,7 @@ class World:
         self._peer_of_pidfd.clear()
         for i, fd in enumerate(self.pidfds):
             if fd >= 0:
-                os.close(fd)
+                _linux.close_fd(fd)
                 self.pidfds[i] = -1
         for box in [*self.outboxes, *self.inboxes]:
             if box is not None:

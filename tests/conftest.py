@@ -23,7 +23,9 @@ import numpy as np
 import pytest
 
 import cma
+import cma._linux
 from cma.comm import _shared_fds
+from cma.errors import FdAlreadyClosed
 from cma.transports import REGISTRY
 from cma.world import WorldFds
 
@@ -254,6 +256,28 @@ def _no_leftovers() -> Iterator[None]:
               if not name.startswith(FOREIGN_SHM_PREFIXES)}
     assert not children, f"child processes left running: {children}"
     assert not leaked, f"entries left in /dev/shm: {sorted(leaked)}"
+
+
+@pytest.fixture(autouse=True)
+def _no_fd_closed_twice(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """A close of an fd that was not open (EBADF, ``FdAlreadyClosed``) by cma in the test
+    process fails the test, also where it would not reach the test: in a finalizer, a
+    thread, or a clean-up path that catches ``CmaError``. (Forked children inherit the
+    check but report only through their own exceptions.)"""
+    seen: list[str] = []
+    close = cma._linux.close_fd
+
+    def checked_close(fd: int) -> None:
+        try:
+            close(fd)
+        except FdAlreadyClosed as exc:
+            seen.append(f"{exc}, closed from:\n{''.join(traceback.format_stack(limit=12))}")
+            raise
+
+    monkeypatch.setattr(cma._linux, "close_fd", checked_close)
+    yield
+    if seen:
+        pytest.fail("cma closed an fd that was not open:\n" + "\n".join(seen))
 
 
 def mem_available() -> int:

@@ -99,7 +99,7 @@ def test_partial_read_stops_at_a_hole_and_names_the_address(target: Target) -> N
     finally:
         vmfd.close()
     assert caught.value.errno == errno.EIO
-    assert f"vmfd read from rank 1: reading [{hole + PAGE:#x}," in str(caught.value)
+    assert f"vmfd read from rank 1 (pid {target.pid}): reading [{hole + PAGE:#x}," in str(caught.value)
     assert f"{hole + PAGE:#x} is not mapped" in str(caught.value)
     assert received[:PAGE] == pattern(PAGE, 6)
     assert received[PAGE:] == bytes(PAGE)

@@ -72,12 +72,12 @@ class CmaTransport(Transport):
     def read(self, peer: Peer, remote: Sequence[Region], local: Sequence[memoryview]) -> None:
         """Pull with ``process_vm_readv`` (one kernel copy), cut between threads from 4 MiB when
         ``threads`` > 1."""
-        what = f"cma read from rank {peer.rank}"
+        what = f"cma read from rank {peer.rank} (pid {peer.pid})"
         self._transfer(peer, local, remote, write=False, what=what)
 
     def write(self, peer: Peer, local: Sequence[memoryview], remote: Sequence[Region]) -> None:
         """Push with ``process_vm_writev`` (one kernel copy), cut between threads as ``read`` is."""
-        what = f"cma write to rank {peer.rank}"
+        what = f"cma write to rank {peer.rank} (pid {peer.pid})"
         self._transfer(peer, local, remote, write=True, what=what)
 
     def close(self) -> None:

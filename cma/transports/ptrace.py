@@ -119,7 +119,7 @@ class PtraceTransport(Transport):
     def read(self, peer: Peer, remote: Sequence[Region], local: Sequence[memoryview]) -> None:
         """Pull word by word with ``PTRACE_PEEKDATA``, the peer stopped meanwhile, under the machine-wide
         lock."""
-        what = f"ptrace read from rank {peer.rank}"
+        what = f"ptrace read from rank {peer.rank} (pid {peer.pid})"
         transfer = Transfer(local, remote, writable=True, what=what)
         if not transfer.total:
             return

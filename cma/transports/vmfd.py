@@ -188,7 +188,8 @@ class VmfdTransport(Transport):
     def read(self, peer: Peer, remote: Sequence[Region], local: Sequence[memoryview]) -> None:
         """Pull with ``preadv`` on the peer's /proc/PID/mem fd (one kernel copy)."""
         memory = self._memory(peer)
-        transfer = Transfer(local, remote, writable=True, what=f"vmfd read from rank {peer.rank}")
+        transfer = Transfer(local, remote, writable=True,
+                            what=f"vmfd read from rank {peer.rank} (pid {peer.pid})")
         _copy(transfer, memory.readable, memory.pid, write=False, stats=self.stats)
 
     def write(self, peer: Peer, local: Sequence[memoryview], remote: Sequence[Region]) -> None:
@@ -199,7 +200,8 @@ class VmfdTransport(Transport):
                 f"vmfd write to rank {peer.rank}: writes are off; create the vmfd transport with "
                 "writes=True (cma.Comm, cma.Pipe: push=True) in both processes"
             )
-        transfer = Transfer(local, remote, writable=False, what=f"vmfd write to rank {peer.rank}")
+        transfer = Transfer(local, remote, writable=False,
+                            what=f"vmfd write to rank {peer.rank} (pid {peer.pid})")
         _copy(transfer, memory.writable, memory.pid, write=True, stats=self.stats)
 
     def _memory(self, peer: Peer) -> _PeerMemory:

@@ -14,6 +14,7 @@ import multiprocessing as mp
 import os
 import pickle
 import time
+from multiprocessing.connection import Connection
 
 import numpy as np
 import pytest
@@ -25,10 +26,18 @@ import cma.world
 from cma.channel import LAUNCHED
 from cma.errors import CmaError, PeerGone
 
-BOUND_SECONDS = 3.0  # generous: detection takes milliseconds
+# Issue #23 asks for 1 s where the pid is known; a waiting rank looks at the announced
+# pid's pidfd every 5 ms at most, so it takes milliseconds (docs/reliability.md). Measured
+# from the later of the exit and the call, 0.5 s leaves room for a loaded 2-CPU machine.
+BOUND_SECONDS = 0.5
 
 
 def exit_at_once(comm: cma.Comm) -> None:
+    os._exit(3)
+
+
+def note_the_time_and_exit(comm: cma.Comm, note: Connection) -> None:
+    note.send(time.monotonic())  # (CLOCK_MONOTONIC is the same in every process)
     os._exit(3)
 
 
@@ -37,22 +46,28 @@ def test_a_spawned_peer_that_exits_before_connecting_is_peer_gone(
         transport: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cma.world, "CONNECT_TIMEOUT", 20.0)  # the old code's wait, bounded
     a, b = cma.Pipe(transport=transport)
-    proc = mp.get_context("spawn").Process(target=exit_at_once, args=(b,))
+    ctx = mp.get_context("spawn")
+    exits, note = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=note_the_time_and_exit, args=(b, note))
     try:
         proc.start()
         b.close()
+        note.close()
         start = time.monotonic()
         with pytest.raises(PeerGone) as caught:
             a.Recv(np.empty(4), source=1)
-        elapsed = time.monotonic() - start
-        print(f"{transport}: PeerGone {elapsed * 1000:.0f} ms after the first Recv "
-              "(the child's start included)")
+        raised = time.monotonic()
+        assert exits.poll(5), "the child did not note when it exited"
+        exited = exits.recv()
+        print(f"{transport}: PeerGone {(raised - exited) * 1000:.1f} ms after the child's exit, "
+              f"{(raised - start) * 1000:.0f} ms after the first Recv (the child's start included)")
         assert f"rank 1 (pid {proc.pid})" in str(caught.value)
         assert "before connecting" in str(caught.value)
-        assert elapsed < BOUND_SECONDS
+        assert raised - max(exited, start) < BOUND_SECONDS
     finally:
         a.close()
         stop_process(proc)
+        exits.close()
 
 
 def test_a_forked_peer_that_exits_before_connecting_is_named_at_the_timeout(
@@ -103,13 +118,15 @@ RANK_1_NEVER_USES_CMA = """
 import os, sys, time
 import numpy as np
 if os.environ["CMA_WORLD"].split(":")[1] == "1":
+    with open(os.path.join(sys.argv[1], "exited"), "w") as f:
+        f.write(repr(time.monotonic()))
     sys.exit(0)  # exits cleanly without ever touching COMM_WORLD
 import cma
 start = time.monotonic()
 try:
     cma.COMM_WORLD.Recv(np.empty(1), source=1)
 except cma.errors.PeerGone as exc:
-    print(f"{time.monotonic() - start:.3f} {exc}")
+    print(f"{start!r} {time.monotonic()!r} {exc}")
     sys.exit(0)
 sys.exit(5)
 """
@@ -119,7 +136,10 @@ def test_a_cma_run_rank_that_exits_without_connecting_is_peer_gone(tmp_path) -> 
     code, out, err, _ = cma_run(["-n", "2", "--timeout", "30"], RANK_1_NEVER_USES_CMA, tmp_path,
                                 env={"CMA_CONNECT_TIMEOUT": "20"})
     assert code == 0, err
-    elapsed, message = out.split(" ", 1)
-    print(f"cma-run: PeerGone {float(elapsed) * 1000:.0f} ms after the first Recv")
+    start, raised, message = out.split(" ", 2)
+    exited = float((tmp_path / "exited").read_text())  # (a little before the exit itself)
+    took = float(raised) - max(exited, float(start))
+    print(f"cma-run: PeerGone {took * 1000:.1f} ms after the later of rank 1's exit and the "
+          "first Recv")
     assert "rank 1 (pid" in message and "before connecting" in message
-    assert float(elapsed) < BOUND_SECONDS
+    assert took < BOUND_SECONDS

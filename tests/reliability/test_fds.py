@@ -53,6 +53,13 @@ def open_fds() -> dict[int, str]:
     return found
 
 
+def gone_since(before: dict[int, str]) -> dict[int, str]:
+    """The fds of ``before`` no longer open, or now open on something else: closed by
+    someone who did not own them (a double close that hit a reused number does that)."""
+    now = open_fds()
+    return {fd: what for fd, what in before.items() if now.get(fd) != what}
+
+
 def leaks(before: set[tuple[int, str]]) -> dict[str, object]:
     """What a started program inherits now and did not before, and which fds opened
     since ``before`` are not close-on-exec (both must be empty)."""
@@ -96,6 +103,7 @@ def child_checks_its_fds(comm: cma.Comm, conn: mp.connection.Connection) -> None
 def test_a_started_program_inherits_no_fd_of_the_library(transport: str) -> None:
     ctx = mp.get_context("spawn")  # the child's world fds arrive through pass_fds
     before = inherited_fds()
+    open_before = open_fds()
     a, b = cma.Pipe(transport=transport)
     results, report = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=child_checks_its_fds, args=(b, report))
@@ -119,6 +127,7 @@ def test_a_started_program_inherits_no_fd_of_the_library(transport: str) -> None
         a.close()
         stop_process(proc)
         results.close()
+    assert not gone_since(open_before), "fds open before the test were closed"
 
 
 def readme_child(comm: cma.Comm) -> None:
@@ -147,17 +156,21 @@ def readme_cycles(count: int, context: str) -> None:
 def test_the_readme_pattern_leaves_no_fd_open(context: str, count: int) -> None:
     readme_cycles(1, context)  # whatever the first use opens for good (imports, pools)
     gc.collect()
+    open_before = open_fds()
     before = len(os.listdir("/proc/self/fd"))
     readme_cycles(count, context)
     after = len(os.listdir("/proc/self/fd"))  # no gc.collect(): released as soon as unused
     assert abs(after - before) <= 2, f"{before} fds before {count} Pipes, {after} after"
+    assert not gone_since(open_before), "fds open before the Pipes were closed"
 
 
 def test_an_unused_end_is_released_when_collected_and_a_used_one_is_not() -> None:
-    before = len(open_fds())
+    open_before = open_fds()
+    before = len(open_before)
     a, b = cma.Pipe()
     assert len(open_fds()) == before + 6  # a memfd and two doorbells per end
     del b
     assert len(open_fds()) == before + 3
     a.close()
     assert len(open_fds()) == before
+    assert not gone_since(open_before)

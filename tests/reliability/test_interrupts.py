@@ -30,7 +30,10 @@ TAG = 7
 EAGER_SIZE = 1000
 LARGE_SIZE = 64 << 20  # a rendezvous with every transport (the eager limit is 2 MiB)
 SETTLE_SECONDS = 0.3  # time for the child to go from "ready" to sleeping in its wait
-INTERRUPT_BOUND = 2.0  # generous: the measured latency is ~1 ms (docs/reliability.md)
+# Issue #23 asks for 0.1 s; a wait sleeps 10 ms at a time and SIGINT ends the sleep at once,
+# so it takes ~1 ms (docs/reliability.md). 0.5 s leaves room for a loaded 2-CPU machine and
+# still fails a wait that sleeps through the signal for a second.
+INTERRUPT_BOUND = 0.5
 REPLY_TIMEOUT = 20.0
 IDLE_PASSES_SECONDS = 0.5  # some 50 wake-ups of a waiting rank (every 10 ms)
 
@@ -202,7 +205,9 @@ class Rank1:
         wait_asleep_in_poll(self.proc.pid, what="rank 1", timeout=REPLY_TIMEOUT)
         sent = time.monotonic()
         os.kill(self.proc.pid, signal.SIGINT)
-        return float(self.expect("interrupted")) - sent
+        latency = float(self.expect("interrupted")) - sent
+        print(f"KeyboardInterrupt {latency * 1000:.2f} ms after SIGINT")
+        return latency
 
     def close(self) -> None:
         try:

@@ -11,7 +11,7 @@ cost too)::
     python bench/kill_mid_copy.py                        # 1 GiB, every transport, 3 runs
     python bench/kill_mid_copy.py --size-mib 64 --runs 5 --transports cma vmfd
 
-Figures: docs/reliability.md ("Peers killed at any phase").
+Figures: docs/reliability.md ("Large copies").
 """
 
 from __future__ import annotations

@@ -36,6 +36,7 @@ from .errors import (
     InvalidDatatype,
     InvalidRank,
     InvalidTag,
+    MessageTooLarge,
     NotTransferable,
     ProtocolError,
 )
@@ -416,10 +417,22 @@ class Comm(Collectives):
         if sum(s.nbytes for s in segments) <= self._eager_limit and len(segments) == 1:
             self.start_send(segments, dest, tag, is_object)  # complete once in a packet
             return
+        self._refuse_beyond_memory(segments, "a buffered send (Bsend, bsend, or a blocking Send "
+                                   "to oneself) copies its message first", "send it with Send or "
+                                   "Isend to another rank, which copy from your buffer")
         copies = [memoryview(bytearray(s)) for s in segments]
         op = self.start_send(copies, dest, tag, is_object)
         progress = self._progress or self._attach()
         progress.buffered = [*(op for op in progress.buffered if not op.done), op]
+
+    def _refuse_beyond_memory(self, segments: list[memoryview], why: str, instead: str) -> None:
+        """MessageTooLarge, before anything is allocated or sent, for ``segments`` that would
+        have to be allocated whole and hold more than this machine's memory and swap."""
+        nbytes = sum(s.nbytes for s in segments)
+        limit = (self._progress or self._attach()).engine.max_object_bytes
+        if limit is not None and nbytes > limit:
+            raise MessageTooLarge(f"{why}, and {nbytes} bytes is more than this machine's memory "
+                                  f"and swap ({limit} bytes): {instead}")
 
     def Isendrecv(self, sendbuf: Any, dest: int, sendtag: int = 0, recvbuf: Any = None,
                   source: int = ANY_SOURCE, recvtag: int = ANY_TAG) -> Request:
@@ -693,6 +706,9 @@ class Comm(Collectives):
         if dest == PROC_NULL:
             return self.make_request(self, None)
         segments = self._pickle(obj)
+        self._refuse_beyond_memory(segments, "an object's receiver allocates what it pickled to",
+                                   "send its large arrays with Send, into receive buffers of "
+                                   "their own (a file mapping can be larger than memory)")
         if buffered:
             self.start_buffered_send(segments, dest, tag, True)
             return self.make_request(self, None)

@@ -45,6 +45,13 @@ class TruncationError(CmaError):
         self.capacity = capacity
 
 
+class MessageTooLarge(CmaError, MemoryError):
+    """A message more than this machine's memory and swap would have to be allocated:
+    an object to pickle-receive, or a copy for a buffered send. Refused before anything
+    is allocated or sent; a receive that matched such a message consumed it (as in
+    truncation). Large data goes with ``Send``/``Recv`` into buffers of the caller's own."""
+
+
 class PeerGone(CmaError, ConnectionError):
     """The peer process exited (or its memory vanished) while we needed it."""
 

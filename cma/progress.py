@@ -615,7 +615,7 @@ class Progress:
 
     def _wait_loop(self, done: Callable[[], bool], peer: int | None, spin: float,
                    yield_cpu: bool, outside: Callable[[], object] | None) -> None:
-        deadline = 0.0
+        deadline = look = 0.0
         yield_cpu = yield_cpu or self.oversubscribed
         slept = False
         pause = OUTSIDE_PAUSE_MIN
@@ -635,8 +635,20 @@ class Progress:
             now = time.perf_counter()
             if not deadline:
                 deadline = now + spin
+                look = now + SLEEP_MS * 1e-3
                 continue
             if now < deadline and not self.pulls:
+                # A long spin (a large send's: as long as the peer's copy may take) looks
+                # for exited peers every SLEEP_MS, as sleeping would; a receiver killed
+                # mid-copy was noticed only when the spin ended, 1 s per GiB.
+                if now >= look:
+                    look = now + SLEEP_MS * 1e-3
+                    gone = self.world.sleep(0)  # (pidfds and doorbell; we poll rings anyway)
+                    if gone:
+                        self.bury(gone)
+                        error = self.exit_error(peer)
+                        if error is not None and exits_end_it and not done():
+                            raise error
                 continue  # (a background pull needs the GIL back, and rings when done)
             # The deadline stays expired: only progress (above) earns a new spin, so a
             # waiter that wakes to nothing every SLEEP_MS sleeps again at once instead of

@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from .errors import ProtocolError, TruncationError
+from .errors import MessageTooLarge, ProtocolError, TruncationError
 from .wire import (
     ANY_SOURCE,
     ANY_TAG,
@@ -815,8 +815,9 @@ class Engine:
     def _receive_matched(self, op: RecvOp, arrival: Arrival,
                          inline: bytes | memoryview | None = None) -> list[Action]:
         """Start receiving ``arrival`` into ``op``, the receive it matched: deliver an eager
-        payload (``inline``: still in the ring), consume a message too large for the buffer,
-        or answer an RTS with the protocol the policy chooses (pull, CTS, stream)."""
+        payload (``inline``: still in the ring), consume a message too large for the buffer
+        (or, for an object receive, for this machine's memory), or answer an RTS with the
+        protocol the policy chooses (pull, CTS, stream)."""
         op.matched_source = arrival.source
         op.matched_tag = arrival.tag
         op.nbytes = arrival.nbytes
@@ -832,6 +833,16 @@ class Engine:
                 nbytes=arrival.nbytes,
                 capacity=op.capacity,
             )
+        limit = self.max_object_bytes
+        if op.buffer is None and limit is not None and arrival.nbytes > limit:
+            # (an object message this large was refused in ``packet``: this is a buffer
+            # message, which a sender may have in a file mapping or untouched memory)
+            truncated = True  # consumed unallocated, as a truncated one is
+            op.error = MessageTooLarge(
+                f"a message of {arrival.nbytes} bytes from rank {arrival.source} (tag "
+                f"{arrival.tag}) matched an object receive, which would allocate it, and it is "
+                f"more than this machine's memory and swap ({limit} bytes); it was consumed. "
+                "Receive it with Recv into a buffer of your own (a file mapping can be larger)")
         if rts is None:
             op.done = True
             released = [Transmit(arrival.source, FIN, 0, arrival.sync, b"")] if arrival.sync else []
@@ -853,11 +864,6 @@ class Engine:
             op.mechanism = "xmap"
             return [MapView(op, arrival.source, rts.heap, rts.sizes, rts.msgid)]
         if buffer is None:
-            limit = self.max_object_bytes
-            if limit is not None and arrival.nbytes > limit:  # (an RTS not flagged OBJECT too)
-                raise ProtocolError(f"rank {arrival.source} broke the protocol: a message of "
-                                    f"{arrival.nbytes} bytes for an object receive, more than "
-                                    f"this machine's memory and swap ({limit})", peer=arrival.source)
             op.segments = [self.allocate(n) for n in rts.sizes]
         elif isinstance(buffer, memoryview):
             op.segments = [buffer[: arrival.nbytes]]

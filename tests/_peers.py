@@ -18,6 +18,7 @@ import pickle
 import select
 import signal
 import socket
+import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -32,6 +33,31 @@ from cma.transports.vmfd import VmfdTransport
 PAGE = _linux.PAGE_SIZE
 NOBODY = 65534
 REPLY_TIMEOUT = 60.0
+
+
+def pause_copies_for_a_signal(comm: Any, notify: Callable[[], None]) -> None:
+    """Make this process's copies for ``comm`` (attached) stop before their second system
+    call (cma, vmfd) or second staging fragment (shm) until a signal handler's exception
+    ends the pause: ``notify()`` is called first, so that another process sends the signal
+    while a copy is half done. Python raises a signal's exception at the first bytecode
+    after the call under way returns, which is where this raises it too."""
+    calls = []
+
+    def pausing(copy: Callable[..., Any]) -> Callable[..., Any]:
+        def paused(*args: Any, **kwargs: Any) -> Any:
+            calls.append(copy)
+            if len(calls) == 2:
+                notify()
+                time.sleep(REPLY_TIMEOUT)
+                raise AssertionError(f"no signal ended the pause within {REPLY_TIMEOUT} s")
+            return copy(*args, **kwargs)
+        return paused
+
+    for name in ("process_vm_copy", "mem_copy"):
+        setattr(_linux, name, pausing(getattr(_linux, name)))
+    staging = comm._progress.transports.get("shm")
+    if staging is not None:
+        staging.drain = pausing(staging.drain)
 
 
 def pattern(nbytes: int, seed: int) -> bytes:

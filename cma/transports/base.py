@@ -205,6 +205,12 @@ class BatchLimits:
     nbytes: int
 
 
+# Bytes one copy call moves at most, below what the kernel would take (MAX_RW_COUNT, ~2 GiB).
+# For as long as a call runs the kernel keeps the peer's memory, even after the peer died,
+# and its death is noticed only between calls: 64 MiB is 7-25 ms of copying here, 1 GiB
+# 0.1-0.4 s, and a call's own cost is microseconds (docs/reliability.md, "Peers killed").
+CALL_BYTES = 64 << 20
+
 # A transport's batch copy: (local views, their lengths, remote spans, their lengths),
 # as many bytes on each side, within its limits -> bytes moved. The kernel may move fewer;
 # a call that moves none must raise (or return 0, which the iteration turns into a fault).
@@ -410,6 +416,7 @@ class SplitCopy:
         return [(0, first), *((start, future.result()) for start, future in futures)]
 
     def close(self) -> None:
+        """Stop the copy threads."""
         self._pool.shutdown()
 
 

@@ -6,10 +6,12 @@ one copy, in the kernel, no staging. It needs ptrace-attach permission over the 
 with the UCX trick of reading 16 bytes from the peer's address 0.
 
 A call moves at most ``MAX_RW_COUNT`` bytes through at most ``IOV_MAX`` iovecs per side,
-and stops short inside an iovec when it reaches a remote page it cannot pin: those are
-its ``LIMITS`` for the shared iteration (``base.Transfer``), which advances both sides
-by what the kernel returned. A large copy split across threads is one ``Transfer`` whose
-byte ranges run on different threads (``base.SplitCopy``, which xmap shares).
+and stops short inside an iovec when it reaches a remote page it cannot pin. Its
+``LIMITS`` for the shared iteration (``base.Transfer``, which advances both sides by what
+the kernel returned) are ``IOV_MAX`` and ``CALL_BYTES`` (64 MiB), so that a peer that dies
+during a copy is noticed (ESRCH) within one call, not after up to 2 GiB. A large copy
+split across threads is one ``Transfer`` whose byte ranges run on different threads
+(``base.SplitCopy``, which xmap shares).
 
 ``threads`` (default 1) cuts a copy of at least ``SPLIT_THRESHOLD`` (4 MiB) into that
 many page-multiple parts copied concurrently (ctypes releases the GIL). It pays off only
@@ -29,12 +31,22 @@ from typing import ClassVar
 
 from .. import _linux
 from ..errors import CmaError, TransportFault
-from .base import BatchLimits, Copies, Host, Peer, Region, SplitCopy, Transfer, Transport
+from .base import (
+    CALL_BYTES,
+    BatchLimits,
+    Copies,
+    Host,
+    Peer,
+    Region,
+    SplitCopy,
+    Transfer,
+    Transport,
+)
 
 SPLIT_THRESHOLD = 4 << 20  # bytes; below it a thread hand-off costs about what it gains
-# one process_vm_readv/writev: IOV_MAX iovecs per side, MAX_RW_COUNT bytes
-LIMITS = BatchLimits(local_spans=_linux.IOV_MAX, remote_spans=_linux.IOV_MAX,
-                     nbytes=_linux.MAX_RW_COUNT)
+# one process_vm_readv/writev: IOV_MAX iovecs per side, CALL_BYTES (the kernel takes up
+# to MAX_RW_COUNT), so that a peer's death (ESRCH on the next call) is noticed within one call
+LIMITS = BatchLimits(local_spans=_linux.IOV_MAX, remote_spans=_linux.IOV_MAX, nbytes=CALL_BYTES)
 
 
 class CmaTransport(Transport):

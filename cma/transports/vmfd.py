@@ -30,6 +30,7 @@ from typing import ClassVar
 from .. import _linux
 from ..errors import CmaError, TransportUnavailable, WindowError
 from .base import (
+    CALL_BYTES,
     BatchLimits,
     Copies,
     Host,
@@ -41,8 +42,9 @@ from .base import (
 )
 
 # one preadv/pwritev: its offset is one remote address, so one region per call, gathered
-# from or scattered to up to IOV_MAX local buffers
-LIMITS = BatchLimits(local_spans=_linux.IOV_MAX, remote_spans=1, nbytes=_linux.MAX_RW_COUNT)
+# from or scattered to up to IOV_MAX local buffers; CALL_BYTES, so that a peer's death
+# (the next call reads 0 bytes) is noticed within one call
+LIMITS = BatchLimits(local_spans=_linux.IOV_MAX, remote_spans=1, nbytes=CALL_BYTES)
 
 
 def _copy(transfer: Transfer, fd: int, pid: int, *, write: bool, stats: TransportStats | None) -> None:

@@ -17,6 +17,7 @@ import os
 import select
 import signal
 import struct
+import threading
 import time
 from collections.abc import Callable
 
@@ -33,9 +34,11 @@ from conftest import (
 
 import cma
 import cma._linux
+import cma.progress
 import cma.world
 from cma.channel import PHASE
-from cma.errors import CmaError
+from cma.errors import CmaError, PeerGone
+from cma.transports.base import CALL_BYTES
 
 RENDEZVOUS = 64 << 10  # 16 fragments of SMALL_RING's 4 KiB staging slots
 TAG = 5
@@ -422,3 +425,91 @@ def test_a_new_process_with_a_dead_peers_pid_is_not_the_peer(transport: str) -> 
             os.waitpid(impostor[0], 0)
         os.close(ready_r)
         os.close(ready_w)
+
+
+# ------------------------------------------------------------------ large copies
+
+LARGE = 128 << 20  # 2 copy calls of CALL_BYTES (64 MiB)
+DETECTION_BOUND = 1.0  # seconds; measured: 10-30 ms (docs/reliability.md)
+
+
+def large_sender(comm: cma.Comm) -> None:
+    buf = np.full(LARGE, 7, np.uint8)  # every page written before the copy starts
+    comm.Send(np.zeros(1, np.uint8), dest=0, tag=TAG + 1)
+    comm.Send(buf, dest=0, tag=TAG)
+
+
+def idle_receiver(comm: cma.Comm) -> None:
+    comm.Barrier()
+    signal.pause()  # the message it never receives is the survivor's to wait for
+
+
+def kill_when(pid: int, ready: Callable[[], bool], killed: list[float]) -> None:
+    deadline = time.monotonic() + HANG
+    while not ready() and time.monotonic() < deadline:
+        time.sleep(0.0002)  # (a polling interval, not a wait for anything)
+    killed.append(time.monotonic())
+    os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.timeout(HANG)
+def test_a_sender_killed_during_a_large_pull_is_peer_gone(monkeypatch) -> None:
+    """vmfd pulls 128 MiB from a sender that dies during the first copy call. The kernel
+    keeps a dead process's memory for as long as a call copies from it, and one call took
+    up to ~2 GiB: the old code read the whole message from the dead sender and delivered
+    it (bench/kill_mid_copy.py: 0.27 s after a kill 0.1 s into 1 GiB, 3 runs of 3). In
+    calls of CALL_BYTES, the next call reads 0 bytes: PeerGone."""
+    a, b = cma.Pipe(transport="vmfd")
+    child = mp.get_context("fork").Process(target=large_sender, args=(b,), daemon=True)
+    child.start()
+    b.close()
+    read = cma._linux.mem_copy
+    calls: list[int] = []
+
+    def read_while_the_sender_dies(*args, **kwargs):
+        got = read(*args, **kwargs)
+        if not calls:  # (killed during the call: the kernel finishes it all the same)
+            os.kill(child.pid, signal.SIGKILL)
+            child.join(HANG)
+        calls.append(got)
+        return got
+
+    try:
+        a.Recv(np.empty(1, np.uint8), source=1, tag=TAG + 1)
+        monkeypatch.setattr(cma._linux, "mem_copy", read_while_the_sender_dies)
+        with pytest.raises(PeerGone, match="has exited"):
+            a.Recv(np.empty(LARGE, np.uint8), source=1, tag=TAG)
+        assert calls == [CALL_BYTES], calls
+    finally:
+        stop_process(child)
+        a.close()
+
+
+@pytest.mark.timeout(HANG)
+def test_a_receiver_killed_while_a_large_send_spins_is_peer_gone(monkeypatch) -> None:
+    """A large send spins (yielding) for as long as the peer's copy may take before it
+    sleeps on the pidfds: 1 s per GiB at SLOWEST_COPY_BYTES_PER_S. Made 40 s for 4 MiB
+    here; the old code noticed the receiver's death only when the spin ended."""
+    monkeypatch.setattr(cma.progress, "SLOWEST_COPY_BYTES_PER_S", 1e5)
+    a, b = cma.Pipe(transport="shm")
+    child = mp.get_context("fork").Process(target=idle_receiver, args=(b,), daemon=True)
+    child.start()
+    b.close()
+    try:
+        a.Barrier()
+        killed: list[float] = []
+        sending = threading.Event()
+        killer = threading.Thread(target=kill_when, daemon=True, args=(
+            child.pid, lambda: sending.wait(HANG) and time.sleep(0.1) is None, killed))
+        killer.start()
+        sending.set()
+        began = time.monotonic()
+        with pytest.raises(PeerGone, match="rank 1"):
+            a.Send(np.ones(4 << 20, np.uint8), dest=1, tag=TAG)
+        latency = time.monotonic() - killed[0]
+        assert latency < DETECTION_BOUND, f"PeerGone {latency:.2f} s after the kill"
+        print(f"PeerGone {latency * 1000:.1f} ms after the kill, "
+              f"{time.monotonic() - began:.2f} s into the Send")
+    finally:
+        stop_process(child)
+        a.close()

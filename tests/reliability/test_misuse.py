@@ -5,6 +5,7 @@ nothing was left unreceived on either side)."""
 from __future__ import annotations
 
 import hashlib
+import mmap
 import multiprocessing as mp
 import os
 import pickle
@@ -14,6 +15,7 @@ import pytest
 from conftest import Peer, stop_process
 
 import cma
+from cma import _linux
 from cma.errors import (
     BufferError,
     CmaError,
@@ -24,6 +26,7 @@ from cma.errors import (
     InvalidDatatype,
     InvalidRank,
     InvalidTag,
+    MessageTooLarge,
     NotTransferable,
     TransportUnavailable,
     TruncationError,
@@ -276,6 +279,57 @@ def test_receive_buffer_too_small_is_truncation(peer):
         peer.comm.Recv(small, source=1, tag=TAG)
     peer.result()
     assert not small.any()
+    round_trip(peer)
+
+
+# ------------------------------------------------------------------ larger than memory
+
+def beyond_memory() -> np.ndarray:
+    """Bytes more than this machine's RAM plus swap, at no cost: a sparse memfd mapped
+    shared, whose pages exist only once written (none is). A file mapping can be as large."""
+    nbytes = _linux.memory_bytes() + (1 << 30)
+    fd = os.memfd_create("cma-test-beyond-memory")
+    try:
+        os.ftruncate(fd, nbytes)
+        return np.frombuffer(mmap.mmap(fd, nbytes), np.uint8)
+    finally:
+        os.close(fd)
+
+
+def op_send_beyond_memory(comm: cma.Comm) -> None:
+    comm.Send(beyond_memory(), dest=0, tag=TAG)
+
+
+@ONE_TRANSPORT
+def test_an_object_larger_than_memory_refused_before_sending(peer):
+    """Its receiver would have to allocate it: refused at the sender, nothing sent. Before,
+    the RTS went out and the receiver broke the communicator with a ProtocolError blaming
+    the sender (bsend: numpy's MemoryError from copying it)."""
+    comm, huge = peer.comm, {"array": beyond_memory()}
+    refused(peer, MessageTooLarge, "object's receiver allocates .* more than this machine's "
+            "memory and swap", [lambda: comm.isend(huge, 1, TAG), lambda: comm.send(huge, 1, TAG),
+                                lambda: comm.issend(huge, 1, TAG), lambda: comm.bsend(huge, 1, TAG)])
+
+
+@ONE_TRANSPORT
+def test_a_buffered_send_larger_than_memory_refused_before_copying(peer):
+    """Bsend copies the message, as a blocking Send to oneself does: refused before the
+    copy (Python's MemoryError from bytearray before, or the copy itself where it fit)."""
+    comm, huge = peer.comm, beyond_memory()
+    refused(peer, MessageTooLarge, "copies its message first", [
+        lambda: comm.Bsend(huge, 1, TAG), lambda: comm.Ibsend(huge, 1, TAG),
+        lambda: comm.Send(huge, 0, TAG)])
+
+
+@ONE_TRANSPORT
+def test_an_object_receive_of_a_message_larger_than_memory_consumes_it(peer):
+    """A buffer message may be larger than memory (from a file mapping); an object receive
+    (recv) would allocate it: MessageTooLarge, the message consumed as in truncation and
+    its sender released. Before, a ProtocolError blamed the sender and broke the pair."""
+    peer.start(op_send_beyond_memory)
+    with pytest.raises(MessageTooLarge, match="matched an object receive.*it was consumed"):
+        peer.comm.recv(source=1, tag=TAG)
+    peer.result()
     round_trip(peer)
 
 

@@ -1,0 +1,97 @@
+"""Ctrl-C in a cma.mpi receive whose copy is under way, with each transport named.
+
+Two ranks. Per transport: rank 1 receives 136 MiB from rank 0 through a fresh
+cma.mpi.Comm, its copy pausing before its second call (or staging fragment) until a
+signal comes (tests/_peers.py, pause_copies_for_a_signal); it tells rank 0, which sends
+it SIGINT. Rank 1 must raise KeyboardInterrupt within BOUND seconds; then its
+communicator is usable (the eager message after arrives) or raises an error naming the
+interrupt. Both ranks free the communicator and go on to the next transport; rank 0
+prints one line per transport, and each rank "OK <rank>" at the end.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from mpi4py import MPI
+
+import cma.mpi
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from _peers import pause_copies_for_a_signal  # noqa: E402 - the tests' directory, on the path above
+
+SIZE = 136 << 20  # rank 1 copies more than one call of 64 MiB with each transport (SPLIT: half)
+SMALL = 1000
+TAG = 5
+BOUND = 2.0  # seconds; as test_interrupts.INTERRUPT_BOUND (measured: ms)
+HANG = 60.0
+
+# As an interactive Python has it (a launcher may start ranks with SIGINT ignored)
+signal.signal(signal.SIGINT, signal.default_int_handler)
+world = MPI.COMM_WORLD
+pids = world.allgather(os.getpid())
+
+
+def receiver(comm: cma.mpi.Comm) -> None:
+    buf = np.empty(SIZE, np.uint8)
+    node = comm.cma
+    assert node is not None, "the ranks must share a node"
+    node.attach()
+    pause_copies_for_a_signal(node, lambda: world.send(None, dest=0, tag=3))
+    world.send(None, dest=0, tag=1)  # about to receive
+    try:
+        comm.Recv(buf, 0, TAG)
+    except KeyboardInterrupt:
+        arrived = time.monotonic()
+    else:
+        raise AssertionError("the receive returned instead of being interrupted")
+    try:
+        comm.Iprobe(0, TAG + 1)
+    except Exception as exc:  # noqa: BLE001 - reported to rank 0, which judges it
+        world.send((arrived, "broken", f"{type(exc).__name__}: {exc}"), dest=0, tag=2)
+        return
+    world.send((arrived, "usable", ""), dest=0, tag=2)
+    small = np.zeros(SMALL, np.uint8)
+    comm.Recv(small, 0, TAG + 1)
+    assert (small == 7).all() and (buf == 3).all()
+
+
+def sender(comm: cma.mpi.Comm, transport: str) -> None:
+    payload = np.full(SIZE, 3, np.uint8)
+    world.recv(source=1, tag=1)
+    request = comm.Isend(payload, 1, TAG)
+    sent = 0.0
+    deadline = time.monotonic() + HANG
+    while not world.iprobe(source=1, tag=2):  # (the send may never complete: rank 1 broke)
+        assert time.monotonic() < deadline, "rank 1 never reported"
+        if not sent and world.iprobe(source=1, tag=3):  # its copy is half done
+            world.recv(source=1, tag=3)
+            sent = time.monotonic()
+            os.kill(pids[1], signal.SIGINT)
+        request.Test()
+    arrived, state, detail = world.recv(source=1, tag=2)
+    assert sent, "rank 1's copy never paused for the signal"
+    latency = arrived - sent
+    if state == "usable":
+        request.Wait()
+        comm.Send(np.full(SMALL, 7, np.uint8), 1, TAG + 1)
+    else:
+        assert "KeyboardInterrupt" in detail, detail
+    assert latency < BOUND, f"{transport}: KeyboardInterrupt {latency:.3f} s after SIGINT"
+    print(f"{transport}: KeyboardInterrupt {latency * 1000:.1f} ms after SIGINT, then {state}: "
+          f"{detail}", flush=True)
+
+
+for transport in sys.argv[1:]:
+    comm = cma.mpi.Comm(world.Dup(), transport=transport)  # (Free frees the duplicate)
+    if world.rank == 0:
+        sender(comm, transport)
+    else:
+        receiver(comm)
+    comm.Free()
+print(f"OK {world.rank}", flush=True)

@@ -500,6 +500,9 @@ def assert_same_object(got, want):
 
 @pytest.mark.parametrize("name", list(OBJECTS))
 def test_object_round_trip(peer, name):
+    if name == "many-arrays" and peer.transport == "shm":
+        pytest.skip("the case is for more buffers than a copy call's IOV_MAX iovecs, which "
+                    "shm's pipeline (staging fragments) has not; 2.3 GB each way, 25 s (CI's time)")
     obj = OBJECTS[name]
     comm = peer.comm
     peer.start(op_echo_object, 30)

@@ -28,6 +28,7 @@ import numpy as np
 import cma
 
 SIZES = [(0, 0), (1, 64), (65, 4096), (4097, 65536), (65537, 1 << 20), ((1 << 20) + 1, 3 << 20)]
+# the issue's range goes to 8 MiB (--max-size 8M): the top band then reaches it
 SIZE_WEIGHTS = [2, 30, 30, 20, 12, 2]
 
 
@@ -40,7 +41,8 @@ def payload(src: int, dst: int, seq: int, nbytes: int) -> np.ndarray:
 Message = tuple[int, int, int, int, str, str, int, bool]  # src, dst, seq, nbytes, form, mode, tag, wild
 
 
-def schedule(rng: random.Random, size: int, seq: list[int]) -> list[Message]:
+def schedule(rng: random.Random, size: int, seq: list[int], sizes: list[tuple[int, int]] = SIZES
+             ) -> list[Message]:
     """One round's messages, in sending order; every rank draws the same."""
     messages = []
     for src in range(size):
@@ -48,7 +50,7 @@ def schedule(rng: random.Random, size: int, seq: list[int]) -> list[Message]:
             if src == dst:
                 continue
             for _ in range(rng.choice([0, 1, 1, 2, 3])):
-                low, high = rng.choices(SIZES, SIZE_WEIGHTS)[0]
+                low, high = rng.choices(sizes, SIZE_WEIGHTS)[0]
                 form = "object" if rng.random() < 0.15 else "buffer"
                 mode = rng.choice(["Send", "Isend", "Isend", "Ssend", "Bsend"])
                 number = seq[src * size + dst]
@@ -117,7 +119,10 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=2026)
     parser.add_argument("--fd-slack", type=int, default=0)
     parser.add_argument("--rss-slack-mib", type=float, default=64.0)
+    parser.add_argument("--max-size", type=int, default=SIZES[-1][1],
+                        help="largest message in bytes (the top size band's end; default 3 MiB)")
     args = parser.parse_args()
+    sizes = [*SIZES[:-1], (SIZES[-1][0], max(args.max_size, SIZES[-1][0]))]
     comm = cma.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
     rng = random.Random(args.seed)
@@ -126,7 +131,7 @@ def main() -> None:
     baseline = None
     started = time.perf_counter()
     while sum(seq) < args.messages:
-        count, nbytes = run_round(comm, schedule(rng, size, seq))
+        count, nbytes = run_round(comm, schedule(rng, size, seq, sizes))
         received += count
         verified += nbytes
         rounds += 1
@@ -140,7 +145,8 @@ def main() -> None:
     if rss > baseline[1] + args.rss_slack_mib * (1 << 20):
         raise AssertionError(f"rank {rank}: resident memory grew from {baseline[1] >> 20} "
                              f"to {rss >> 20} MiB")
-    mine = {"received": received, "bytes": verified, "fds": fds, "rss_mib": rss / (1 << 20)}
+    mine = {"received": received, "bytes": verified, "fds": fds, "rss_mib": rss / (1 << 20),
+            "rss_growth_mib": (rss - baseline[1]) / (1 << 20)}
     if rank == 0:
         others = [comm.recv(source=r, tag=99) for r in range(1, size)]
         everyone = [mine, *others]
@@ -148,7 +154,9 @@ def main() -> None:
             "ranks": size, "rounds": rounds, "messages": sum(r["received"] for r in everyone),
             "bytes": sum(r["bytes"] for r in everyone), "seconds": time.perf_counter() - started,
             "fds_max": max(r["fds"] for r in everyone),
-            "rss_mib_max": max(r["rss_mib"] for r in everyone), "transport": comm.transport,
+            "rss_mib_max": max(r["rss_mib"] for r in everyone),
+            "rss_growth_mib_max": max(r["rss_growth_mib"] for r in everyone),
+            "transport": comm.transport,
         }), flush=True)
     else:
         comm.send(mine, dest=0, tag=99)

@@ -280,6 +280,17 @@ def _no_fd_closed_twice(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         pytest.fail("cma closed an fd that was not open:\n" + "\n".join(seen))
 
 
+def open_fds() -> dict[int, str]:
+    """This process's open fds and what each is (its /proc/self/fd link)."""
+    found = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            found[int(name)] = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            pass  # the directory fd listdir used
+    return found
+
+
 def mem_available() -> int:
     with open("/proc/meminfo") as f:
         for line in f:

@@ -27,6 +27,7 @@ from conftest import (
     QUEUED_SENDS,
     SMALL_RING,
     TRANSPORTS,
+    open_fds,
     send_more_than_the_ring_holds,
     stop_process,
     wait_asleep_in_poll,
@@ -45,16 +46,6 @@ TAG = 5
 HANG = 60  # seconds: only a hang takes this long
 BOUND = 1.0  # seconds from the death to PeerGone: issue #23's promise (measured: docs/reliability.md)
 DEATH_NOTE = -1  # in a victim: the pipe it writes the time of its own SIGKILL to
-
-
-def open_fds() -> dict[int, str]:
-    found = {}
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            found[int(name)] = os.readlink(f"/proc/self/fd/{name}")
-        except OSError:
-            pass  # the directory fd listdir used
-    return found
 
 
 def kill_self() -> None:

@@ -17,7 +17,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import TRANSPORTS, stop_process
+from conftest import TRANSPORTS, open_fds, stop_process
 
 import cma
 from cma.errors import TransportUnavailable
@@ -41,16 +41,6 @@ def inherited_fds() -> set[tuple[int, str]]:
     out = subprocess.run([sys.executable, "-c", LIST_FDS], close_fds=False, check=True,
                          capture_output=True, text=True, timeout=30).stdout
     return set(eval(out))  # noqa: S307 - a list of (int, str) we printed ourselves
-
-
-def open_fds() -> dict[int, str]:
-    found = {}
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            found[int(name)] = os.readlink(f"/proc/self/fd/{name}")
-        except OSError:
-            pass
-    return found
 
 
 def gone_since(before: dict[int, str]) -> dict[int, str]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import signal
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -28,6 +29,13 @@ from cma.comm import _shared_fds
 from cma.errors import FdAlreadyClosed
 from cma.transports import REGISTRY
 from cma.world import WorldFds
+
+# A shell starts a background job (`cmd &` without job control, as a CI script may) with
+# SIGINT ignored, and Python then keeps it ignored: the interrupt tests' children (forked,
+# or exec'd, which keeps an ignored signal) would sleep through their SIGINT and fail
+# after their timeouts. The tests need Python's own handler, as an interactive run has.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # The teaching transports (ptrace) make one system call per 8 bytes (~3 MB/s here), so the
 # matrix's messages of many MiB would take minutes each; test_transport_ptrace.py covers them.

@@ -13,6 +13,8 @@ import hashlib
 import multiprocessing as mp
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 import traceback
@@ -372,3 +374,22 @@ def test_interrupt_during_a_copy_under_way(rank1, transport):
     assert rank.proc.exitcode == 0
     assert latency < INTERRUPT_BOUND, f"KeyboardInterrupt {latency:.3f} s after the signal"
     print(f"{transport}: KeyboardInterrupt {latency * 1000:.1f} ms after SIGINT, then {state}")
+
+
+@pytest.mark.timeout(120)
+def test_the_interrupt_tests_pass_when_started_with_sigint_ignored():
+    """A CI script's background job (`cmd &` without job control) starts with SIGINT
+    ignored; the interrupt tests' children must still get their KeyboardInterrupt
+    (conftest.py restores Python's handler). Before, each such run failed after 20 s."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    pytest_args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                   os.path.join(here, "test_interrupts.py")
+                   + "::test_interrupted_receive_is_withdrawn[eager-Recv-shm]"]
+    # (a C-level SIG_IGN survives exec, as a shell's `&` hands it on)
+    ignore_then_run = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+                       "os.execv(sys.executable, sys.argv[1:])")
+    result = subprocess.run([sys.executable, "-c", ignore_then_run, *pytest_args],
+                            capture_output=True, text=True, timeout=100,
+                            cwd=os.path.dirname(os.path.dirname(here)))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    assert "1 passed" in result.stdout, result.stdout[-3000:]

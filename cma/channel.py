@@ -250,8 +250,9 @@ class Outbox:
     def put_eager(self, tag: int, payload: memoryview, n: int) -> int:
         """The hot path: one EAGER packet of at most eager_limit bytes.
 
-        Returns RING_FULL (nothing published) when the ring is full, else the receiver's
-        sleeping flag: non-zero means the caller must ring its doorbell.
+        Returns RING_FULL (nothing published) when the ring is full or the tag does not fit
+        a packet's word, else the receiver's sleeping flag: non-zero means the caller must
+        ring its doorbell.
         """
         need = (PACKET_ROUND + n) & PACKET_MASK
         h = self.head
@@ -267,7 +268,7 @@ class Outbox:
         try:
             EAGER_HEADER.pack_into(self.data, pos, EAGER, tag, n)
         except struct.error:
-            return -1  # a tag beyond int64, left unpublished for the general path to refuse
+            return RING_FULL  # a tag beyond int64, left unpublished for the general path to refuse
         self.eager_count += 1
         self.head = self.ctl[HEAD] = h + need
         return self.peer_sleeping[0]
@@ -380,7 +381,7 @@ class Inbox:
             except ValueError:
                 # A length running past the end of the ring (a corrupt peer): the slice
                 # came out short and nothing was copied; take() names the fault.
-                return -1
+                return NOT_EAGER
             self.eager_bytes += n
         self.eager_count += 1
         self.last_tag = t

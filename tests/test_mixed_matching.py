@@ -7,9 +7,10 @@ unexpected, in arrival order), as cma's engine and MPI are. Receives are posted 
 cma.mpi.Comm posts them: one that ``Wildcards.must_wait`` says must wait joins the queue,
 the others go straight to their channel; passes of ``Wildcards.matches`` (with the hook's
 cma-only passes too) probe the channels and take what they find, as
-``Comm._match_wildcards`` does; messages may also arrive between the probes of one pass, as
-they do in a real process. Whatever hypothesis makes of the order of sends, posts and
-passes, the outcome must obey MPI's rules as the reference model checks them
+``MixedRank.match_wildcards`` (cma/mpi/mixedio.py) does; messages may also arrive
+between the probes of one pass, as they do in a real process. Whatever hypothesis makes
+of the order of sends, posts and passes, the outcome must obey MPI's rules as the
+reference model checks them
 (``matching_model.violations``: what a receive admits, once each, non-overtaking per
 sender, posted order, progress), since which channel a wildcard hears first is as open as
 which sender's message arrives first.

@@ -22,25 +22,30 @@ Two things need care when a rank has peers of both kinds ("mixed"):
 * progress: MPI progresses only inside MPI calls and cma only inside cma calls, and
   either may need this rank's help to finish a transfer (MPI rendezvous, cma's shm
   pipeline). The hook runs cma inside MPI's waits; waiting for cma, mixed ranks poll
-  both in cma's wait loop (``Comm._progress_until``: ``Progress.wait_until`` with MPI's
+  both in cma's wait loop (``MixedRank.progress_until``: ``Progress.wait_until`` with MPI's
   pass as its ``outside``), spinning briefly and then sleeping with a growing pause.
 * ANY_SOURCE: a wildcard receive is matched lazily, by probing both channels and
-  receiving exactly the message found (``mixed``). To keep MPI's order of posted
-  receives, a receive posted after an unmatched wildcard receive that could take the
-  same messages waits behind it (``mixed.Wildcards``), and probes do not report messages
-  such a waiting receive owns.
+  receiving exactly the message found (``mixed`` decides, ``mixedio`` probes and
+  receives). To keep MPI's order of posted receives, a receive posted after an
+  unmatched wildcard receive that could take the same messages waits behind it
+  (``mixed.Wildcards``), and probes do not report messages such a waiting receive owns.
 
 Node membership comes from ``Split_type(COMM_TYPE_SHARED)``, narrowed by
 ``CMA_MPI_NODES`` / ``CMA_MPI_RANKS_PER_NODE`` to pretend to be several nodes. The
-node's lowest rank creates the world and hands its fds to the others over an abstract
-Unix socket (SO_PEERCRED checked), the socket's name travelling in an MPI bcast.
-``CMA_MPI_DISABLE=1`` sends everything through MPI. docs/mpi.md is the user's guide.
+node's lowest rank creates the world and serves its fds from its ``World``'s fd server
+(cma.world's, the one every attached rank runs: an abstract Unix socket, SO_PEERCRED
+checked both ways) to the node's announced pids, the world's id travelling in an MPI
+bcast. ``CMA_MPI_DISABLE=1`` sends everything through MPI. docs/mpi.md is the user's
+guide.
 
 The modules: ``comm`` (the communicator: dispatch; its ``Message``), ``node`` (the
-node's cma communicator), ``requests`` (and the hook's use), ``persistent``
-(``Prequest``), ``libmpi`` (the MPI library's progress hook, through ctypes), ``specs``
-(buffer specs), ``bootstrap``, ``mixed`` (wildcards across both channels), ``errors``,
-``mpiapi`` (what is taken from mpi4py) and ``shared`` (``cma.shared_array`` per node).
+node's cma communicator), ``mixedio`` (a mixed rank's waits and wildcard receives:
+``MixedRank``, which ``comm`` builds only on such a rank), ``requests`` (and the hook's
+use), ``persistent`` (``Prequest``), ``libmpi`` (the MPI library's progress hook,
+through ctypes), ``specs`` (buffer specs), ``datatypes`` (derived datatypes as blocks),
+``bootstrap``, ``mixed`` (wildcards across both channels), ``hierarchy`` (collectives
+over several nodes), ``errors``, ``mpiapi`` (what is taken from mpi4py) and ``shared``
+(``cma.shared_array`` per node).
 """
 
 from __future__ import annotations

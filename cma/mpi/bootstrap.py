@@ -135,8 +135,7 @@ def bootstrap(comm: Comm, transport: str, options: dict[str, Any]
                     fds, world = handed
                     try:
                         cma = NodeComm(comm, fds, node.Get_rank(), transport,
-                                       ranks=[r for r, _ in members],
-                                       mixed=len(members) < comm.Get_size(), world=world, **options)
+                                       ranks=[r for r, _ in members], world=world, **options)
                     except BaseException:
                         _release(fds, world)
                         raise

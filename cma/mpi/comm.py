@@ -18,17 +18,15 @@ from ..comm import Message as CmaMessage
 from ..comm import Status as CmaStatus
 from ..errors import CmaError, InvalidRank, InvalidTag, PeerGone, TruncationError
 from ..protocol import ANY_SOURCE as CMA_ANY_SOURCE
-from ..protocol import SendOp
 from ..transports.xmap import View
 from ..wire import PROC_NULL as CMA_PROC_NULL
 from .bootstrap import BARRIER_CMA, BARRIER_MPI, BARRIER_NONBLOCKING, ENV_DISABLE, bootstrap, env_flag
 from .errors import PeerGoneError, TruncateError
 from .hierarchy import HIERARCHICAL, Hierarchy
-from .mixed import Found, Wildcards
+from .mixedio import MixedRank
 from .mpiapi import (
     ANY_SOURCE,
     ANY_TAG,
-    BYTE,
     SAME_WILDCARDS,
     fill,
     mpi_barrier,
@@ -55,14 +53,9 @@ from .mpiapi import (
     mpi_sendrecv_obj,
 )
 from .node import NodeComm
-from .requests import SERVED, Request, start_request
+from .requests import SERVED
 from .specs import snapshot
 
-# Mixed ranks wait in both engines: they spin this long, then sleep in short pauses
-# (progress.OUTSIDE_PAUSE_*). 100 us is cma.Comm's first spin, kept here when cma.Comm's
-# grew to 1 ms; not measured for mixed ranks, whose every turn polls MPI too (docs/mpi.md,
-# "Mixed ranks").
-SPIN_SECONDS = float(os.environ.get("CMA_SPIN_US", "100")) * 1e-6
 # methods an all-on-node Comm takes from its cma communicator
 HANDED_OUT = ("Send", "Recv", "Isend", "Irecv")
 
@@ -78,8 +71,7 @@ class Comm(MPI.Intracomm):
     # __dict__: when every rank is on this node, an instance's HANDED_OUT methods are its
     # cma communicator's own bound methods (see NodeComm), found before the class's.
     __slots__ = ("_cma", "_cma_send", "_cma_recv", "_fast", "_local", "_ranks", "_mixed",
-                 "_wildcards", "_matching_wildcards", "_cstatus", "_yield", "_barrier",
-                 "_transport", "_options", "_levels", "__dict__")
+                 "_cstatus", "_barrier", "_transport", "_options", "_levels", "__dict__")
     _cma: NodeComm | None
     _cma_send: Callable[..., None]  # bound methods of _cma: one lookup less per message
     _cma_recv: Callable[..., None]
@@ -88,11 +80,10 @@ class Comm(MPI.Intracomm):
     _fast: dict[int, int]
     _local: dict[int, int]  # rank of the wrapped comm -> cma rank, for this node's ranks
     _ranks: list[int]  # cma rank -> rank of the wrapped comm
-    _mixed: bool  # this rank has peers on this node and on others
-    _wildcards: Wildcards[Request]  # receives waiting behind a wildcard receive (mixed ranks)
-    _matching_wildcards: bool  # inside _match_wildcards
+    # this rank has peers on this node and on others: its waits in both engines and its
+    # wildcard receives (None on any other rank, whose paths never look further)
+    _mixed: MixedRank | None
     _cstatus: CmaStatus  # reused: one thread uses a communicator at a time
-    _yield: bool  # more ranks than cores on this machine: yield while spinning
     _barrier: int
     _transport: str
     _options: dict[str, Any]
@@ -107,11 +98,8 @@ class Comm(MPI.Intracomm):
         self._fast = {}
         self._local = {}
         self._ranks = []
-        self._mixed = False
-        self._wildcards = Wildcards(lambda source: source in self._local)
-        self._matching_wildcards = False
+        self._mixed = None
         self._cstatus = CmaStatus()
-        self._yield = False
         self._barrier = BARRIER_MPI
         self._transport = transport
         self._options = options
@@ -136,15 +124,15 @@ class Comm(MPI.Intracomm):
         self._cma_recv = cma.Recv
         self._ranks = [rank for rank, _ in members]
         self._local = {rank: i for i, rank in enumerate(self._ranks)}
-        self._mixed = len(members) < self.Get_size()
-        if self._mixed:
+        if len(members) < self.Get_size():
+            self._mixed = cma._mixed = MixedRank(self, cma, self._local, self._ranks,
+                                                 machine > (os.cpu_count() or 1))
             SERVED.serve(cma)  # MPI's waits keep this node's rings moving from now on
         else:
             self._fast = {**self._local, ANY_SOURCE: CMA_ANY_SOURCE}
             for name in HANDED_OUT if SAME_WILDCARDS else ():
                 if getattr(type(self), name) is getattr(Comm, name):  # not overridden
                     self.__dict__[name] = getattr(cma, name)
-        self._yield = machine > (os.cpu_count() or 1)
 
     # -- what the wrapper adds
 
@@ -215,7 +203,8 @@ class Comm(MPI.Intracomm):
         (docs/mpi.md)."""
         peer = self._fast.get(source)
         if peer is None:
-            if self._waits_in_cma(source, tag):
+            mixed = self._mixed
+            if mixed is not None and mixed.waits_in_cma(source, tag):
                 self._irecv(buf, source, tag, False).Wait(status)
             else:
                 mpi_recv(self, buf, source, tag, status)
@@ -296,8 +285,9 @@ class Comm(MPI.Intracomm):
 
         ``ANY_SOURCE`` on a mixed rank raises ``NotImplementedError``."""
         peer = self._fast.get(source)
-        if peer is None and (self._mixed and source == ANY_SOURCE or source not in self._local):
-            if self._mixed and source == ANY_SOURCE:
+        if peer is None and (self._mixed is not None and source == ANY_SOURCE
+                             or source not in self._local):
+            if self._mixed is not None and source == ANY_SOURCE:
                 raise NotImplementedError(
                     "cma.mpi.Comm.Recv_init(ANY_SOURCE) on a rank with peers on its node and "
                     "elsewhere: not available (post an Irecv for each start instead)")
@@ -333,7 +323,8 @@ class Comm(MPI.Intracomm):
 
     def _mprobe(self, source: int, tag: int, status: MPI.Status | None, is_object: bool
                 ) -> MPI.Message:
-        if not self._mixed and source not in self._fast:
+        mixed = self._mixed
+        if mixed is None and source not in self._fast:
             return (mpi_mprobe_obj if is_object else mpi_mprobe)(self, source, tag, status)
         found: list[MPI.Message] = []
 
@@ -343,8 +334,8 @@ class Comm(MPI.Intracomm):
                 found.append(message)
             return message is not None
 
-        if self._mixed:
-            self._progress_until(probe, self._local.get(source))
+        if mixed is not None:
+            mixed.progress_until(probe, self._local.get(source))
         else:
             cma = self._cma
             assert cma is not None
@@ -358,12 +349,13 @@ class Comm(MPI.Intracomm):
     def _improbe(self, source: int, tag: int, status: MPI.Status | None, is_object: bool
                  ) -> MPI.Message | None:
         cma = self._cma
-        if self._mixed:
+        mixed = self._mixed
+        if mixed is not None:
             st = MPI.Status()
-            if not self._iprobe_mixed(source, tag, st):
+            if not mixed.iprobe(source, tag, st):
                 return None
             source, tag = st.Get_source(), st.Get_tag()  # exactly that message
-        peer = self._fast.get(source) if not self._mixed else self._local.get(source)
+        peer = self._fast.get(source) if mixed is None else self._local.get(source)
         if peer is None or cma is None:
             return (mpi_improbe_obj if is_object else mpi_improbe)(self, source, tag, status)
         cs = self._cstatus
@@ -398,7 +390,7 @@ class Comm(MPI.Intracomm):
         """mpi4py's ``recv`` of an object: through cma from a rank on this node, MPI from the others.
 
         On-node any size; off-node mpi4py's own, whose default buffer is bounded."""
-        if source in self._fast or self._waits_in_cma(source, tag):
+        if source in self._fast or self._mixed is not None and self._mixed.waits_in_cma(source, tag):
             return self._irecv(buf, source, tag, True).wait(status)
         return mpi_recv_obj(self, buf, source, tag, status)
 
@@ -457,8 +449,9 @@ class Comm(MPI.Intracomm):
 
         A mixed rank's ``ANY_SOURCE`` probes cma, then MPI; a message that a receive posted
         earlier will take is not reported."""
-        if self._mixed:
-            return self._iprobe_mixed(source, tag, status)
+        mixed = self._mixed
+        if mixed is not None:
+            return mixed.iprobe(source, tag, status)
         peer = self._fast.get(source)
         if peer is None:
             return mpi_iprobe(self, source, tag, status)
@@ -467,9 +460,9 @@ class Comm(MPI.Intracomm):
     def Probe(self, source: int = ANY_SOURCE, tag: int = ANY_TAG,
               status: MPI.Status | None = None) -> Literal[True]:
         """mpi4py's ``Probe``: waits until ``Iprobe`` would return True (a mixed rank polls both)."""
-        if self._mixed:
-            self._progress_until(lambda: self._iprobe_mixed(source, tag, status),
-                                 self._local.get(source))
+        mixed = self._mixed
+        if mixed is not None:
+            mixed.progress_until(lambda: mixed.iprobe(source, tag, status), self._local.get(source))
             return True
         peer = self._fast.get(source)
         if peer is None:
@@ -497,10 +490,11 @@ class Comm(MPI.Intracomm):
                 self._fail(exc)
         elif self._barrier == BARRIER_NONBLOCKING:
             request = mpi_ibarrier(self)
-            if self._cma is None:
+            mixed = self._mixed  # (cma peers and a barrier across nodes: a mixed rank)
+            if mixed is None:
                 request.Wait()
             else:
-                self._progress_until(request.Test, None)
+                mixed.progress_until(request.Test, None)
         else:
             mpi_barrier(self)
 
@@ -536,7 +530,7 @@ class Comm(MPI.Intracomm):
             self._cma = None
         self._fast = {}
         self._local = {}
-        self._mixed = False
+        self._mixed = None
         for name in HANDED_OUT:
             self.__dict__.pop(name, None)
         self._barrier = BARRIER_MPI
@@ -556,147 +550,20 @@ class Comm(MPI.Intracomm):
 
     def _irecv(self, buf: Any, source: int, tag: int, is_object: bool) -> MPI.Request:
         peer = self._fast.get(source)
-        if peer is None and self._mixed and self._wildcards.must_wait(source, tag):
-            cma = self._cma
-            assert cma is not None
-            req = start_request(cma, None, is_object, (buf, source, tag))
-            self._wildcards.add(req, source, tag)
-            self._match_wildcards()
-            return req
         if peer is None:
+            mixed = self._mixed
+            if mixed is not None and mixed.wildcards.must_wait(source, tag):
+                return mixed.irecv_wildcard(buf, source, tag, is_object)
             peer = self._local.get(source)
-        if peer is None:
-            return mpi_irecv_obj(self, buf, source, tag) if is_object \
-                else mpi_irecv(self, buf, source, tag)
+            if peer is None:
+                return mpi_irecv_obj(self, buf, source, tag) if is_object \
+                    else mpi_irecv(self, buf, source, tag)
         cma = self._cma
         assert cma is not None
         try:
             return cma.irecv(None, peer, tag) if is_object \
                 else cma.Irecv(buf, peer, tag)  # type: ignore[return-value]
         except CmaError as exc:
-            self._fail(exc)
-
-    # -- internals: mixed ranks (peers on this node and on others)
-
-    def _waits_in_cma(self, source: int, tag: int) -> bool:
-        """Whether a receive on a mixed rank goes through cma's matching or the deferred
-        wildcards (else it is MPI's alone, and MPI's wait keeps cma moving)."""
-        return self._mixed and (source in self._local or self._wildcards.must_wait(source, tag))
-
-    def _match_wildcards(self, probe_mpi: bool = True) -> None:
-        """Match the receives waiting behind a wildcard, in the order they were posted
-        (``Wildcards.matches`` decides which takes what; here the probes and receives).
-        ``probe_mpi=False``: cma's messages only (from the progress hook, inside MPI).
-        """
-        if self._matching_wildcards:
-            return  # (MPI's probe below runs the hook, which would match the same receives)
-        self._matching_wildcards = True
-        try:
-            for req, on_cma, source, tag in self._wildcards.matches(self._probe, probe_mpi):
-                self._take(req, on_cma, source, tag)
-        finally:
-            self._matching_wildcards = False
-
-    def _probe(self, on_cma: bool, source: int, tag: int) -> Found:
-        """(source, tag) of the first message for (source, tag) on one channel, or None."""
-        if on_cma:
-            peer = self._local.get(source)
-            if not self._iprobe_cma(CMA_ANY_SOURCE if peer is None else peer, tag, None):
-                return None
-            return self._ranks[self._cstatus.source], self._cstatus.tag
-        st = MPI.Status()
-        if not mpi_iprobe(self, source, tag, st):
-            return None
-        return st.Get_source(), st.Get_tag()
-
-    def _take(self, req: Request, on_cma: bool, source: int, tag: int) -> None:
-        """Receive for ``req`` the message a probe found (from ``source`` with ``tag``)."""
-        if on_cma:
-            cma = self._cma
-            assert cma is not None
-            cma.bind(req, self._local[source], tag)
-            return
-        assert req._spec is not None
-        buf = req._spec[0]
-        message = (mpi_improbe_obj if req._object else mpi_improbe)(self, source, tag)
-        assert message is not None  # probed just now, and only this thread receives
-        req._spec = None
-        # (MPI's receive, blocking: the message is here or on its way, and the hook keeps
-        # cma moving meanwhile)
-        st = MPI.Status()
-        value = None
-        if req._object:
-            value = message.recv(st)
-        else:
-            message.Recv(buf, st)
-        req._finish_elsewhere((st.Get_source(), st.Get_tag(), st.Get_elements(BYTE)), value)
-
-    def _withdraw(self, req: Request) -> bool:
-        """Cancel a wildcard receive still waiting to be matched."""
-        return self._wildcards.remove(req)
-
-    def _settle(self, req: Request, posted_only: bool = False) -> None:
-        """Drive both engines until ``req`` is over (``posted_only``: until it is posted)."""
-        op = req._op
-        peer = None if op is None else op.dest if isinstance(op, SendOp) else op.source
-        if posted_only:
-            self._progress_until(lambda: req._op is not None or req._over, None)
-        else:
-            self._progress_until(lambda: req._over or req._done_in_cma(),
-                                 peer if peer is not None and peer >= 0 else None)
-
-    def _step(self) -> None:
-        """Move both engines once (mixed ranks)."""
-        cma = self._cma
-        if cma is not None:
-            cma.progress()
-        self._step_mpi()
-
-    def _step_mpi(self) -> None:
-        """Move MPI once, and the wildcard receives waiting on both engines; raise what
-        MPI's progress hook caught while running cma (mixed ranks).
-
-        Passed to ``Progress.wait_until`` as itself, not wrapped: a Ctrl-C landing in
-        this frame (in MPI's probe) then counts as landing in the idle wait, which it is
-        for cma; one landing deeper (matching wildcards) breaks the communicator.
-        """
-        mpi_iprobe(self, ANY_SOURCE, ANY_TAG)  # MPI progresses inside its calls
-        if self._wildcards:
-            self._match_wildcards()
-        SERVED.raise_pending()
-
-    def _iprobe_mixed(self, source: int, tag: int, status: MPI.Status | None) -> bool:
-        if self._wildcards:
-            self._match_wildcards()
-        peer = self._local.get(source)
-        st = MPI.Status()
-        if peer is not None:
-            found = self._iprobe_cma(peer, tag, st)
-        elif source == ANY_SOURCE:
-            found = self._iprobe_cma(CMA_ANY_SOURCE, tag, st) or mpi_iprobe(self, source, tag, st)
-        else:
-            found = mpi_iprobe(self, source, tag, st)
-        if not found or self._wildcards.owner(st.Get_source(), st.Get_tag()) is not None:
-            return False  # a receive posted earlier takes that message
-        if status is not None:
-            fill(status, st.Get_source(), st.Get_tag(), st.Get_elements(BYTE))
-        return True
-
-    def _progress_until(self, done: Callable[[], bool], peer: int | None) -> None:
-        """Drive cma and MPI until ``done()``: cma's one wait loop (``Progress.wait_until``)
-        with MPI's pass as its ``outside`` engine.
-
-        ``peer`` is the cma rank whose exit makes waiting pointless (None: none is, since
-        an off-node rank may still answer).
-        """
-        cma = self._cma
-        assert cma is not None  # (only ranks with on-node peers wait in cma)
-        try:
-            (cma._progress or cma._attach()).wait_until(done, peer, SPIN_SECONDS, self._yield,
-                                                        outside=self._step_mpi)
-        except PeerGone as exc:
-            if isinstance(exc, MPI.Exception):
-                raise  # (converted already)
             self._fail(exc)
 
 

@@ -4,9 +4,9 @@ A receive that could take a message from either channel (cma for this node's ran
 for the others) cannot be posted to either engine: it waits here, with every receive
 posted after it that could take the same messages, until a probe of one channel finds
 a message for it. Sans-IO, as ``cma.protocol`` is: ``Wildcards`` decides, the caller
-probes and receives (``cma.mpi.Comm._match_wildcards``), and tests/test_mixed_matching.py drives
-it with no MPI at all, checked against the reference model of MPI matching that the
-engine's matching tests use too (tests/matching_model.py).
+probes and receives (``cma.mpi.mixedio.MixedRank.match_wildcards``), and
+tests/test_mixed_matching.py drives it with no MPI at all, checked against the reference
+model of MPI matching that the engine's matching tests use too (tests/matching_model.py).
 """
 
 from __future__ import annotations

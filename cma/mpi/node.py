@@ -26,6 +26,7 @@ from .specs import NO_BYTES
 
 if TYPE_CHECKING:
     from .comm import Comm
+    from .mixedio import MixedRank
 
 # How often a request that MPI waits for (inside MPI's progress loop, where cma never
 # sleeps on its doorbell) checks whether its peer is still alive: as often as a sleeping
@@ -49,7 +50,7 @@ class NodeComm(CmaComm):
 
     make_request = staticmethod(node_request)  # type: ignore[assignment]
 
-    def __init__(self, mpi: Comm, *args: Any, ranks: Sequence[int], mixed: bool,
+    def __init__(self, mpi: Comm, *args: Any, ranks: Sequence[int],
                  world: World | None = None, **options: Any) -> None:
         """``world``: this rank's World, made before attaching (node rank 0's, whose fd
         server handed the world to the others); attach makes one otherwise."""
@@ -57,7 +58,9 @@ class NodeComm(CmaComm):
         self._world = world
         self._mpi = mpi  # the wrapper: its _fail runs the error handler, raises its exception
         self._ranks = list(ranks)  # cma rank -> rank of the wrapped communicator
-        self._mixed = mixed  # peers elsewhere too: waits must keep MPI moving
+        # peers elsewhere too: waits must keep MPI moving (set by cma.mpi.Comm, which
+        # makes it; None on any other rank)
+        self._mixed: MixedRank | None = None
         self._mpi_scratch = CmaStatus()
         self._pending: dict[SendOp | RecvOp, Request] = {}
         # persistent requests, by tag (MPI.Request defines == but no hash): weakly, so
@@ -235,8 +238,9 @@ class NodeComm(CmaComm):
 
     def settle(self, req: Request) -> None:
         """Wait inside cma (and MPI, on a mixed rank) until ``req``'s operation is over."""
-        if self._mixed or req._op is None:
-            self._mpi._settle(req)
+        mixed = self._mixed
+        if mixed is not None:  # (every request not posted yet, a wildcard's, is a mixed rank's)
+            mixed.settle(req)
             return
         progress = self._progress or self._attach()
         for op in (req._op, req._also):
@@ -246,8 +250,9 @@ class NodeComm(CmaComm):
 
     def settle_any(self, reqs: list[Request]) -> None:
         """Wait until one of ``reqs`` (all this communicator's) is over."""
-        if self._mixed:
-            self._mpi._progress_until(lambda: any(r._test_in_cma() for r in reqs), None)
+        mixed = self._mixed
+        if mixed is not None:
+            mixed.progress_until(lambda: any(r._test_in_cma() for r in reqs), None)
             return
         (self._progress or self._attach()).wait_until(
             lambda: any(r._done_in_cma() for r in reqs), None)
@@ -255,22 +260,25 @@ class NodeComm(CmaComm):
 
     def step(self, req: Request) -> None:
         """Move everything once (``req`` is one of ours that is not over)."""
-        if self._mixed:
-            self._mpi._step()
+        mixed = self._mixed
+        if mixed is not None:
+            mixed.step()
         else:
             self.progress()
 
     def post_waiting(self, req: Request) -> None:
         """MPI is about to wait for ``req``: it must be posted and the hook armed."""
-        if req._op is None:
-            self._mpi._settle(req, posted_only=True)
+        if req._op is None:  # (a mixed rank's wildcard)
+            assert self._mixed is not None
+            self._mixed.settle(req, posted_only=True)
         SERVED.serve(self)
 
     def cancel(self, req: Request) -> bool:
         """Withdraw a receive nothing has matched yet; whether it was withdrawn."""
         op = req._op
-        if op is None:
-            return self._mpi._withdraw(req)
+        if op is None:  # (a mixed rank's wildcard)
+            assert self._mixed is not None
+            return self._mixed.withdraw(req)
         posted = self._matcher.posted
         if isinstance(op, RecvOp) and not op.done and op in posted:
             posted.remove(op)
@@ -284,9 +292,10 @@ class NodeComm(CmaComm):
         if self._closed:
             return False
         self.progress()
-        if self._mixed:
-            if self._mpi._wildcards:
-                self._mpi._match_wildcards(probe_mpi=False)
+        mixed = self._mixed
+        if mixed is not None:
+            if mixed.wildcards:
+                mixed.match_wildcards(probe_mpi=False)
                 self._warn_deferred()
             else:
                 self._deferred_since = 0.0
@@ -302,7 +311,7 @@ class NodeComm(CmaComm):
             else:
                 preq.poll()
         progress = self._progress
-        return self._mixed or bool(self._pending) or bool(self._persistent) or \
+        return mixed is not None or bool(self._pending) or bool(self._persistent) or \
             progress is not None and progress.in_flight()
 
     def _warn_deferred(self) -> None:
@@ -368,16 +377,18 @@ class NodeComm(CmaComm):
 
     def settle_op(self, op: SendOp | RecvOp) -> None:
         """Wait until ``op`` is done (in both engines on a mixed rank)."""
-        if self._mixed:
+        mixed = self._mixed
+        if mixed is not None:
             peer = op.dest if isinstance(op, SendOp) else op.source
-            self._mpi._progress_until(lambda: op.done, peer if peer >= 0 else None)
+            mixed.progress_until(lambda: op.done, peer if peer >= 0 else None)
         else:
             (self._progress or self._attach()).wait(op)
 
     def step_all(self) -> None:
         """Move everything once: cma's progress (and MPI's, on a mixed rank)."""
-        if self._mixed:
-            self._mpi._step()
+        mixed = self._mixed
+        if mixed is not None:
+            mixed.step()
         else:
             self.progress()
 

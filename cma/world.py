@@ -480,21 +480,22 @@ class World:
                 "process: each end of a communicator is used by one process"
             ) from exc
         server.listen(max(4, self.size))
+        # poll, not epoll: close()'s shutdown of the listener did not wake an epoll wait
+        # (every close then waited out its 5 s join); poll wakes at once. Registered here,
+        # not on the thread: a close() before the thread ran left it a closed socket.
+        selector = selectors.PollSelector()
+        selector.register(server, selectors.EVENT_READ)
         self._server = server
         self._server_pid = os.getpid()
-        self._server_thread = threading.Thread(target=self._serve, name="cma-fd-server", daemon=True)
+        self._server_thread = threading.Thread(target=self._serve, args=(server, selector),
+                                               name="cma-fd-server", daemon=True)
         self._server_thread.start()
 
-    def _serve(self) -> None:
+    def _serve(self, server: socket.socket, selector: selectors.BaseSelector) -> None:
         """Answer fd requests, never waiting on one client: a silent or slow one is dropped
         after REQUEST_SECONDS while others are served, and bad ones are refused quietly."""
-        server = self._server
-        assert server is not None
         waiting: dict[socket.socket, float] = {}  # accepted connection -> when it is dropped
-        # poll, not epoll: close()'s shutdown of the listener did not wake an epoll wait
-        # here (every close then waited out its 5 s join); poll wakes at once
-        with selectors.PollSelector() as selector:
-            selector.register(server, selectors.EVENT_READ)
+        with selector:
             while True:
                 now = time.monotonic()
                 for conn in [c for c, drop_at in waiting.items() if drop_at <= now]:

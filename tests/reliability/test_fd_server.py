@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import selectors
 import socket
 import threading
 import time
@@ -250,3 +251,27 @@ def test_more_fds_than_one_message_carries_are_handed_over_whole() -> None:
     finally:
         world.close()
         fds.close()
+
+
+class SlowPollSelector(selectors.PollSelector):
+    """A PollSelector made after a pause that lets other threads run first."""
+
+    def __init__(self) -> None:
+        time.sleep(0.01)
+        super().__init__()
+
+
+def test_a_world_closed_as_its_server_starts_leaves_the_thread_no_error(monkeypatch) -> None:
+    """close() right after serve(), before the server thread has set itself up: the thread
+    found its socket closed (fd -1) and died with ValueError 'Invalid file descriptor: -1',
+    seen among a full run's warnings. A slow selector opens the window every time."""
+    monkeypatch.setattr(cma.world.selectors, "PollSelector", SlowPollSelector)
+    errors: list[BaseException | None] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: errors.append(args.exc_value))
+    for _ in range(5):
+        fds = cma.world.WorldFds.create(2)
+        world = cma.world.World(fds, 0)
+        world.serve()
+        world.close()
+        fds.close()
+    assert errors == []

@@ -18,6 +18,7 @@ import pickle
 import select
 import signal
 import socket
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
@@ -45,6 +46,10 @@ def pause_copies_for_a_signal(comm: Any, notify: Callable[[], None]) -> None:
 
     def pausing(copy: Callable[..., Any]) -> Callable[..., Any]:
         def paused(*args: Any, **kwargs: Any) -> Any:
+            # Only the main thread's calls: a split copy's pool thread paused here outlived
+            # the interrupt, and the child's close() waited for it (a 60 s hang under load)
+            if threading.current_thread() is not threading.main_thread():
+                return copy(*args, **kwargs)
             calls.append(copy)
             if len(calls) == 2:
                 notify()

@@ -72,7 +72,10 @@ def not_applicable() -> dict[str, str]:
 @pytest.mark.parametrize("module", run_matrix.MODULES)
 def test_plugin_passes_what_plain_passes(module: str, config: run_matrix.Config,
                                          not_applicable: dict[str, str]) -> None:
-    plain, plugin = (run_matrix.run_module(module, NP, mode, config) for mode in run_matrix.MODES)
+    # (the tests that cannot apply wait for ever with the plugin: run_matrix.py's full
+    # matrix shows that; here they would cost STALL_TIMEOUT each)
+    plain = run_matrix.run_module(module, NP, "plain", config)
+    plugin = run_matrix.run_module(module, NP, "plugin", config, leave_out=not_applicable)
     failing = [d for d in run_matrix.differences(plain, plugin, not_applicable) if not d.not_applicable]
     problems = [f"{run.mode}: {problem}" for run in (plain, plugin) for problem in run.problems]
     summary = "; ".join(f"{run.mode} {run_matrix.counts_text(run)}" for run in (plain, plugin))

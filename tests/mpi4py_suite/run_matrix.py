@@ -427,10 +427,11 @@ def check_plugin(run: ModuleRun) -> None:
 
 
 def run_module(module: str, n: int, mode: str, config: Config,
-               say: Callable[[str], None] = lambda _: None) -> ModuleRun:
-    """Every test of ``module`` on ``n`` ranks, each job leaving out the tests already settled."""
+               say: Callable[[str], None] = lambda _: None, leave_out: Iterable[str] = ()) -> ModuleRun:
+    """Every test of ``module`` on ``n`` ranks (but ``leave_out``'s), each job leaving out
+    the tests already settled."""
     run = ModuleRun(module, n, mode)
-    settled: list[str] = []
+    settled: list[str] = list(leave_out)
     while True:
         out = config.workdir / f"{module}-n{n}-{mode}-{len(run.jobs)}.json"
         exclude = out.with_suffix(".exclude")

@@ -12,12 +12,14 @@ the matcher, which this object mutates in place (a peer not connected has no ent
 
 from __future__ import annotations
 
+import functools
 import os
 import time
+from _thread import get_ident
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, cast
+from typing import Any, Concatenate, ParamSpec, TypeVar, cast
 
 import numpy as np
 
@@ -28,6 +30,7 @@ from .errors import (
     Cancelled,
     CmaError,
     CommBroken,
+    ConcurrentUse,
     PeerGone,
     ProtocolError,
     TransportFault,
@@ -39,6 +42,7 @@ from .protocol import (
     PULL,
     PUSH,
     Action,
+    Arrival,
     Complete,
     Deliver,
     Engine,
@@ -94,6 +98,43 @@ OUTSIDE_PAUSE_MAX_MS = 1
 Packet = tuple[int, int, int, bytes]  # kind, tag, aux, payload
 
 
+def claim(comm: Any) -> int:
+    """Mark ``comm`` as in a call of this thread; what its ``_busy`` word held, to put back
+    (0 free, 1 a fast path, else a thread's ident: a call nested in this thread's own passes).
+
+    ConcurrentUse if another thread is inside. The word is tested and set with no call or
+    taken jump in between, so the GIL cannot switch threads there (docs/reliability.md,
+    "Two threads on one communicator")."""
+    me = get_ident()
+    held: int = comm._busy
+    if not held:
+        comm._busy = me
+    elif held != me:
+        raise ConcurrentUse(
+            f"rank {comm.rank}'s communicator used by two threads at once: another thread "
+            "is inside a call on it (this call did nothing). A communicator is for one "
+            "thread at a time: use one per thread (a cma.Pipe per pair of threads) or a "
+            "lock of your own around calls")
+    return held
+
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def exclusive(method: Callable[Concatenate[Progress, _P], _R]) -> Callable[Concatenate[Progress, _P], _R]:
+    """A Progress entry that other modules call: it claims the communicator (``claim``)."""
+    @functools.wraps(method)
+    def claimed(self: Progress, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        comm = self.owner
+        held = claim(comm)
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            comm._busy = held
+    return claimed
+
+
 def _region(mv: memoryview) -> Region:
     return Region(_linux.buffer_address(mv), mv.nbytes)
 
@@ -109,10 +150,13 @@ class Progress:
                  fast_outboxes: dict[int, Outbox], fast_inboxes: dict[int, Inbox],
                  inbox_peer: dict[Inbox, int], counts: EagerCounts,
                  ring: Callable[[int], None],
-                 completed: Callable[[SendOp | RecvOp], None] | None, overlap: bool) -> None:
+                 completed: Callable[[SendOp | RecvOp], None] | None, overlap: bool,
+                 owner: Any) -> None:
         """``matcher``, ``fast_outboxes``, ``fast_inboxes`` and ``inbox_peer`` are the
         communicator's, filled here; ``ring(peer)`` rings a peer's doorbell, and
-        ``completed(op)``, if given, is told of every operation the engine completes."""
+        ``completed(op)``, if given, is told of every operation the engine completes.
+        ``owner``: the communicator, whose ``_busy`` word the entries claim (``exclusive``)."""
+        self.owner = owner
         self.world = world
         self.rank = rank = world.rank
         self.size = size = world.size
@@ -165,6 +209,7 @@ class Progress:
 
     # -- peers connected on first use
 
+    @exclusive
     def connect(self, peer: int) -> None:
         """Connect ``peer`` (connect.py, ``World.open_pair``) unless it is: the first
         operation that names a peer does, and so does a peer that connected to this rank."""
@@ -211,6 +256,7 @@ class Progress:
 
     # -- operations the communicator starts
 
+    @exclusive
     def send(self, segments: list[memoryview], dest: int, tag: int, is_object: bool,
              eager: bool = True, sync: bool = False) -> SendOp:
         """Start a send in the engine (connecting ``dest`` first if need be) and run its actions."""
@@ -220,6 +266,7 @@ class Progress:
         self.run(actions)
         return op
 
+    @exclusive
     def post_recv(self, source: int, tag: int, buffer: memoryview | None, view: bool = False
                   ) -> RecvOp:
         """Post a receive in the engine (connecting ``source`` first if need be) and run its actions."""
@@ -453,7 +500,7 @@ class Progress:
 
     # -- progress
 
-    def poll(self) -> bool:
+    def _poll(self) -> bool:
         """One pass over everything that can move without blocking; True if anything did."""
         moved = False
         engine = self.engine
@@ -482,6 +529,26 @@ class Progress:
                 self._announce_given_back()
             moved = True
         return moved
+
+    poll = exclusive(_poll)  # (the waits call _poll: a claim per pass would cost ~0.2 us)
+
+    @exclusive
+    def drain_expected(self, peer: int) -> None:
+        """``drain(peer, True)`` for ``Comm.Irecv``'s fast path."""
+        self.drain(peer, True)
+
+    @exclusive
+    def mprobe(self, source: int, tag: int) -> Arrival | None:
+        """A pass of progress, then the engine's matched probe (``Comm.Improbe``)."""
+        self._poll()
+        return self.engine.mprobe(source, tag)
+
+    @exclusive
+    def mrecv(self, arrival: Arrival, buffer: memoryview | None) -> RecvOp:
+        """Receive a matched probe's message (``Comm.Mrecv`` and co)."""
+        op, actions = self.engine.mrecv(arrival, buffer)
+        self.run(actions)
+        return op
 
     def drain(self, peer: int, only_expected: bool) -> bool:
         """Hand the packets that arrived from ``peer`` to the engine; True if there were any.
@@ -588,6 +655,7 @@ class Progress:
         spin = max(SPIN_SECONDS, op.nbytes / SLOWEST_COPY_BYTES_PER_S) if large else SPIN_SECONDS
         self.wait_until(lambda: op.done, None if peer == ANY_SOURCE else peer, spin, large)
 
+    @exclusive
     def wait_until(self, done: Callable[[], bool], peer: int | None,
                    spin: float = SPIN_SECONDS, yield_cpu: bool = False,
                    outside: Callable[[], object] | None = None) -> None:
@@ -625,7 +693,7 @@ class Progress:
                 outside()
             # Once asleep, a pass runs only if there is work: a Ctrl-C landing inside an
             # empty pass (every SLEEP_MS) would otherwise break the communicator (#23).
-            if (not slept or self._has_work()) and self.poll():
+            if (not slept or self._has_work()) and self._poll():
                 deadline = 0.0
                 slept = False
                 pause = OUTSIDE_PAUSE_MIN
@@ -683,7 +751,7 @@ class Progress:
         world.set_sleeping(1)
         try:
             # (accept: a peer's hint may have been lost, cleared here as it was set)
-            if (not idle or self._has_work()) and (self.poll() or self.accept()) \
+            if (not idle or self._has_work()) and (self._poll() or self.accept()) \
                     or done is not None and done():
                 return
             gone = world.sleep(timeout_ms)
@@ -714,6 +782,7 @@ class Progress:
             return []
         return [r for r in self.world.connected_to_me() if r not in self.outboxes and r not in self.dead]
 
+    @exclusive
     def withdraw(self, op: SendOp | RecvOp) -> None:
         """Take a receive whose caller gave up waiting (an exception left its Wait) out of
         matching, if nothing matched it yet: the next receive gets the message instead.
@@ -743,6 +812,7 @@ class Progress:
 
     # -- peers that exit
 
+    @exclusive
     def notice_exits(self) -> None:
         """Bury the peers whose pidfds report an exit, without sleeping (a wait inside
         another library's loop, which never sleeps in ``doze``)."""
@@ -771,7 +841,7 @@ class Progress:
     def bury(self, gone: list[int]) -> None:
         """Take what the exited ranks left in the rings, then mark them dead."""
         world = self.world
-        while self.poll():
+        while self._poll():
             pass
         for r in gone:
             self.dead.add(r)
@@ -832,14 +902,15 @@ class _BrokenEngine:
 # Where a wait holds nothing half done: its loop's own steps, its sleep and what these
 # call directly (the done() predicate, a comprehension), the read-only look for work,
 # but not a pass of progress.
-_IDLE_CODE = frozenset({Progress.wait_until.__code__, Progress._wait_loop.__code__,
+_IDLE_CODE = frozenset({cast(Any, Progress.wait_until).__wrapped__.__code__,
+                        Progress._wait_loop.__code__,
                         Progress.doze.__code__, Progress.exit_error.__code__,
                         Progress._has_work.__code__, Progress._newly_connected.__code__,
                         World.connected_to_me.__code__, Inbox.ready.__code__,
                         Inbox._position.__code__, BackgroundPulls.__bool__.__code__,
                         World.sleep.__code__, World.set_sleeping.__code__,
                         _linux.EpollSet.wait.__code__})
-_BUSY_CODE = frozenset({Progress.poll.__code__, Progress.bury.__code__})
+_BUSY_CODE = frozenset({Progress._poll.__code__, Progress.bury.__code__})
 
 
 def _raised_while_idle(exc: BaseException) -> bool:

@@ -398,6 +398,7 @@ class Collectives:
         _fast_inboxes: dict[int, Inbox]
         _matcher: Matcher
         _eager_limit: int
+        _busy: int
 
         def _ring(self, peer: int) -> None: ...
         def _attach(self) -> Progress: ...
@@ -416,10 +417,14 @@ class Collectives:
             return self.start_send(self._pickle(obj), dest, tag, True)
         view = _bytes(data)
         box = self._fast_outboxes.get(dest)
-        if box is not None and view.nbytes <= self._eager_limit:
+        if box is not None and view.nbytes <= self._eager_limit and not self._busy:
             # Send's fast path: straight into the ring. The engine's path would first copy
             # the payload into a packet (3 copies per eager message instead of 2: guide.md).
-            sleeping = box.put_eager(tag, view, view.nbytes)
+            self._busy = 1  # (as in Send: another thread's call now raises ConcurrentUse)
+            try:
+                sleeping = box.put_eager(tag, view, view.nbytes)
+            finally:
+                self._busy = 0
             if sleeping != RING_FULL:
                 if sleeping:
                     self._ring(dest)
@@ -454,14 +459,18 @@ class Collectives:
         Recv's fast path takes a message, when nothing else waits in matching; else posted."""
         inbox = self._fast_inboxes.get(source)
         matcher = self._matcher
-        if inbox is not None and not matcher.posted and not matcher.unexpected:
+        view = _bytes(data)
+        if inbox is not None and not matcher.posted and not matcher.unexpected and not self._busy:
             # (Recv's loop; kept inline there, where one call more costs every message)
-            view = _bytes(data)
-            n = inbox.take_eager(view, tag)
-            spins = FAST_SPINS
-            while n == RING_EMPTY and spins:
-                spins -= 1
+            self._busy = 1
+            try:
                 n = inbox.take_eager(view, tag)
+                spins = FAST_SPINS
+                while n == RING_EMPTY and spins:
+                    spins -= 1
+                    n = inbox.take_eager(view, tag)
+            finally:
+                self._busy = 0
             if n >= 0:
                 return
         self._coll_wait(self._coll_recv(data, source, tag))

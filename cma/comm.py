@@ -9,7 +9,8 @@ Two paths:
 * everything else goes to the ``Progress`` built at attach (progress.py), which runs
   the protocol engine's actions and every wait; connect time is in connect.py.
 
-A communicator is used by one thread at a time (like MPI_THREAD_SERIALIZED).
+A communicator is used by one thread at a time (like MPI_THREAD_SERIALIZED); a second
+thread's call while one is inside raises ConcurrentUse (see ``_busy``).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from .errors import (
     NotTransferable,
     ProtocolError,
 )
-from .progress import Progress
+from .progress import Progress, claim
 from .protocol import Arrival, Matcher, RecvOp, SendOp, completed_recv
 from .requests import Message, Request, Status, null_recv
 from .stats import EagerCounts
@@ -165,6 +166,11 @@ class Comm(Collectives):
         self._fds = fds
         self.rank = rank
         self.size = fds.size
+        # Who is inside a call: 0 none, 1 a fast path, else the thread in a general path
+        # (progress.claim). A fast path tests it last and sets it with no thread switch
+        # possible in between; finding it set, it takes the general path, which raises
+        # ConcurrentUse in another thread (cost: docs/reliability.md, "Two threads").
+        self._busy = 0
         self._transport_name = transport
         self._transport_options = transport_options
         self._user_thresholds = dict(thresholds or {})  # what a pickled copy must rebuild from
@@ -255,6 +261,13 @@ class Comm(Collectives):
 
     def _attach(self) -> Progress:
         """Connect to every rank (each attaches too) and build this rank's Progress."""
+        held = claim(self)  # (a second thread would connect this rank a second time)
+        try:
+            return self._connect_world()
+        finally:
+            self._busy = held
+
+    def _connect_world(self) -> Progress:
         if self._closed:
             raise CommClosed(f"rank {self.rank}'s communicator is closed: make a new world "
                              "(cma.Pipe, cma-run) to talk again")
@@ -271,7 +284,7 @@ class Comm(Collectives):
             # (Comm's own hook does nothing: not calling it saves a frame per message)
             None if type(self).operation_completed is Comm.operation_completed
             else self.operation_completed,
-            overlap=bool(self._transport_options.get("overlap")))
+            overlap=bool(self._transport_options.get("overlap")), owner=self)
         _attached_comms.add(self)
         return self._progress
 
@@ -318,8 +331,13 @@ class Comm(Collectives):
             mv = self.buffer_view(buf, send_view)
         n = mv.nbytes
         outbox = self._fast_outboxes.get(dest)
-        if outbox is not None and n <= self._eager_limit and type(tag) is int and tag >= 0:
-            sleeping = outbox.put_eager(tag, mv, n)
+        if outbox is not None and n <= self._eager_limit and type(tag) is int and tag >= 0 \
+                and not self._busy:
+            self._busy = 1
+            try:
+                sleeping = outbox.put_eager(tag, mv, n)
+            finally:
+                self._busy = 0
             if sleeping == 0:
                 return
             if sleeping > 0:
@@ -344,12 +362,16 @@ class Comm(Collectives):
         matcher = self._matcher
         inbox = self._fast_inboxes.get(self._only_peer if source == ANY_SOURCE else source)
         if inbox is not None and type(tag) is int and tag >= ANY_TAG and not matcher.posted \
-                and not matcher.unexpected:
-            n = inbox.take_eager(mv, tag)
-            spins = FAST_SPINS
-            while n == RING_EMPTY and spins:
-                spins -= 1
+                and not matcher.unexpected and not self._busy:
+            self._busy = 1
+            try:
                 n = inbox.take_eager(mv, tag)
+                spins = FAST_SPINS
+                while n == RING_EMPTY and spins:
+                    spins -= 1
+                    n = inbox.take_eager(mv, tag)
+            finally:
+                self._busy = 0
             if n >= 0:
                 if status is not None:
                     status.source = self._inbox_peer[inbox]
@@ -510,8 +532,12 @@ class Comm(Collectives):
             # never blocks. Send's hot path is written out here again: calling Send cost
             # ~75 ns (a frame and a second view lookup) of a ~715 ns Isend.
             outbox = self._fast_outboxes.get(dest)
-            if outbox is not None and type(tag) is int and tag >= 0:
-                sleeping = outbox.put_eager(tag, mv, n)
+            if outbox is not None and type(tag) is int and tag >= 0 and not self._busy:
+                self._busy = 1
+                try:
+                    sleeping = outbox.put_eager(tag, mv, n)
+                finally:
+                    self._busy = 0
                 if sleeping >= 0:
                     if sleeping:
                         self._ring(dest)
@@ -544,11 +570,15 @@ class Comm(Collectives):
             if matcher.posted and progress is not None:  # (None: closed, its ring ends dropped)
                 # Receives posted earlier match first: let them take what has arrived
                 # for them (a window of Irecvs then finds its messages waiting, below).
-                progress.drain(peer, True)
-            if not matcher.posted and not matcher.unexpected:
+                progress.drain_expected(peer)
+            if not matcher.posted and not matcher.unexpected and not self._busy:
                 # Already at the head of the ring with nothing ahead of it in matching
                 # order: complete now, as Recv would, instead of posting to the engine.
-                n = inbox.take_eager(mv, tag)
+                self._busy = 1
+                try:
+                    n = inbox.take_eager(mv, tag)
+                finally:
+                    self._busy = 0
                 if n >= 0:
                     return self.make_request(self, completed_recv(source, tag, mv, peer, inbox.last_tag, n))
         return self.general_irecv(mv, source, tag)
@@ -579,12 +609,7 @@ class Comm(Collectives):
         tag = self._check_tag(tag, wildcard=True)
         if source == PROC_NULL:
             return self.make_request(self, null_recv())
-        # (post_recv written out: a window of Irecvs posts each one here)
-        if source not in progress.outboxes:
-            progress.connect(source)
-        op, actions = progress.engine.recv(source, tag, mv)
-        progress.run(actions)
-        return self.make_request(self, op)
+        return self.make_request(self, progress.post_recv(source, tag, mv))
 
     # -- views (no copy: the sender's heap memory, mapped)
 
@@ -781,8 +806,7 @@ class Comm(Collectives):
             if status is not None:
                 status._fill(PROC_NULL, ANY_TAG, 0)
             return Message(self, None)
-        progress.poll()
-        arrival = progress.engine.mprobe(source, tag)
+        arrival = progress.mprobe(source, tag)
         if arrival is None:
             return None
         if status is not None:
@@ -805,9 +829,7 @@ class Comm(Collectives):
         if arrival is None:
             return self.make_request(self, null_recv(), is_object=is_object)
         mv = None if is_object else self.buffer_view(buf, recv_view)
-        progress = self._progress or self._attach()
-        op, actions = progress.engine.mrecv(arrival, mv)
-        progress.run(actions)
+        op = (self._progress or self._attach()).mrecv(arrival, mv)
         return self.make_request(self, op, is_object=is_object)
 
     def Probe(self, source: int = ANY_SOURCE, tag: int = ANY_TAG,
@@ -887,6 +909,7 @@ class Comm(Collectives):
         waiting."""
         if self._closed:
             return
+        held = claim(self)  # (unmapping the rings under another thread's call could crash it)
         self._closed = True
         self._send_obj = self._recv_obj = self._send_base = self._recv_base = _NOTHING
         self._send_spec_view = self._recv_spec_view = memoryview(b"")
@@ -899,6 +922,7 @@ class Comm(Collectives):
                 self._world = None
             self._progress = None
             self._fds.close()
+            self._busy = held
 
     def Free(self) -> None:
         """``close()`` under mpi4py's name (``MPI.Comm.Free``)."""
@@ -1044,6 +1068,7 @@ def _after_fork_in_child() -> None:
     # The rank stays the parent's: a child writing into its rings would corrupt them.
     # Breaking costs the fast paths nothing, unlike a pid test per call.
     for comm in list(_attached_comms):
+        comm._busy = 0  # (the thread inside a call at the fork is not in the child)
         progress = comm._progress
         if progress is not None and not progress.broken:
             progress.break_down(

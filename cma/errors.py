@@ -90,6 +90,12 @@ class CommClosed(CmaError):
     """The communicator was closed; make a new world (cma.Pipe, cma-run) to talk again."""
 
 
+class ConcurrentUse(CmaError, RuntimeError):
+    """A second thread called into a communicator while another thread was inside a call
+    on it. Refused before anything was touched: the other thread's call goes on, and the
+    communicator stays usable. Use one communicator per thread, or a lock of your own."""
+
+
 class CommBroken(CmaError, RuntimeError):
     """The communicator cannot be used any more: an exception interrupted it half way
     through bookkeeping it shares with its peers. Close it and make a new world."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import time
+from _thread import get_ident
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -28,6 +29,7 @@ from .errors import (
     Cancelled,
     CmaError,
     CommBroken,
+    ConcurrentUse,
     PeerGone,
     ProtocolError,
     TransportFault,
@@ -39,6 +41,7 @@ from .protocol import (
     PULL,
     PUSH,
     Action,
+    Arrival,
     Complete,
     Deliver,
     Engine,
@@ -94,6 +97,27 @@ OUTSIDE_PAUSE_MAX_MS = 1
 Packet = tuple[int, int, int, bytes]  # kind, tag, aux, payload
 
 
+def claim(comm: Any) -> int:
+    """Mark ``comm`` as in a call of this thread; what its ``_busy`` word held, to put back
+    (0 free, 1 a fast path, else a thread's ident: a call nested in this thread's own passes).
+
+    ConcurrentUse if another thread is inside. The word is tested and set with no call or
+    taken jump in between, so the GIL cannot switch threads there (docs/reliability.md,
+    "Two threads on one communicator"). The entries of Progress that other modules call
+    claim it, inline (a decorator's call cost ~0.5 us more here); the rest run inside them."""
+    me = get_ident()
+    held: int = comm._busy
+    if not held:
+        comm._busy = me
+    elif held != me:
+        raise ConcurrentUse(
+            f"rank {comm.rank}'s communicator used by two threads at once: another thread "
+            "is inside a call on it (this call did nothing). A communicator is for one "
+            "thread at a time: use one per thread (a cma.Pipe per pair of threads) or a "
+            "lock of your own around calls")
+    return held
+
+
 def _region(mv: memoryview) -> Region:
     return Region(_linux.buffer_address(mv), mv.nbytes)
 
@@ -109,10 +133,13 @@ class Progress:
                  fast_outboxes: dict[int, Outbox], fast_inboxes: dict[int, Inbox],
                  inbox_peer: dict[Inbox, int], counts: EagerCounts,
                  ring: Callable[[int], None],
-                 completed: Callable[[SendOp | RecvOp], None] | None, overlap: bool) -> None:
+                 completed: Callable[[SendOp | RecvOp], None] | None, overlap: bool,
+                 owner: Any) -> None:
         """``matcher``, ``fast_outboxes``, ``fast_inboxes`` and ``inbox_peer`` are the
         communicator's, filled here; ``ring(peer)`` rings a peer's doorbell, and
-        ``completed(op)``, if given, is told of every operation the engine completes."""
+        ``completed(op)``, if given, is told of every operation the engine completes.
+        ``owner``: the communicator, whose ``_busy`` word the entries claim (``claim``)."""
+        self.owner = owner
         self.world = world
         self.rank = rank = world.rank
         self.size = size = world.size
@@ -168,6 +195,14 @@ class Progress:
     def connect(self, peer: int) -> None:
         """Connect ``peer`` (connect.py, ``World.open_pair``) unless it is: the first
         operation that names a peer does, and so does a peer that connected to this rank."""
+        owner = self.owner
+        held = claim(owner)
+        try:
+            self._connect(peer)
+        finally:
+            owner._busy = held
+
+    def _connect(self, peer: int) -> None:
         if peer in self.outboxes or peer == self.rank or peer < 0:
             return
         try:
@@ -204,7 +239,7 @@ class Progress:
         new = self._newly_connected()
         for peer in new:
             try:
-                self.connect(peer)
+                self._connect(peer)
             except PeerGone:
                 self.dead.add(peer)  # connected to this rank and exited since
         return bool(new)
@@ -214,20 +249,30 @@ class Progress:
     def send(self, segments: list[memoryview], dest: int, tag: int, is_object: bool,
              eager: bool = True, sync: bool = False) -> SendOp:
         """Start a send in the engine (connecting ``dest`` first if need be) and run its actions."""
-        if dest not in self.outboxes:
-            self.connect(dest)
-        op, actions = self.engine.send(dest, tag, segments, is_object, eager=eager, sync=sync)
-        self.run(actions)
-        return op
+        owner = self.owner
+        held = claim(owner)
+        try:
+            if dest not in self.outboxes:
+                self._connect(dest)
+            op, actions = self.engine.send(dest, tag, segments, is_object, eager=eager, sync=sync)
+            self.run(actions)
+            return op
+        finally:
+            owner._busy = held
 
     def post_recv(self, source: int, tag: int, buffer: memoryview | None, view: bool = False
                   ) -> RecvOp:
         """Post a receive in the engine (connecting ``source`` first if need be) and run its actions."""
-        if source not in self.outboxes:
-            self.connect(source)  # (its exit must end the wait; ANY_SOURCE: none)
-        op, actions = self.engine.recv(source, tag, buffer, view)
-        self.run(actions)
-        return op
+        owner = self.owner
+        held = claim(owner)
+        try:
+            if source not in self.outboxes:
+                self._connect(source)  # (its exit must end the wait; ANY_SOURCE: none)
+            op, actions = self.engine.recv(source, tag, buffer, view)
+            self.run(actions)
+            return op
+        finally:
+            owner._busy = held
 
     def in_flight(self) -> bool:
         """Whether this rank holds data its peers wait for that moves only when it runs
@@ -453,7 +498,7 @@ class Progress:
 
     # -- progress
 
-    def poll(self) -> bool:
+    def _poll(self) -> bool:
         """One pass over everything that can move without blocking; True if anything did."""
         moved = False
         engine = self.engine
@@ -482,6 +527,45 @@ class Progress:
                 self._announce_given_back()
             moved = True
         return moved
+
+    def poll(self) -> bool:
+        """``_poll`` for other modules, the communicator claimed (a wait's passes are not)."""
+        owner = self.owner
+        held = claim(owner)
+        try:
+            return self._poll()
+        finally:
+            owner._busy = held
+
+    def drain_expected(self, peer: int) -> None:
+        """``drain(peer, True)`` for ``Comm.Irecv``'s fast path."""
+        owner = self.owner
+        held = claim(owner)
+        try:
+            self.drain(peer, True)
+        finally:
+            owner._busy = held
+
+    def mprobe(self, source: int, tag: int) -> Arrival | None:
+        """A pass of progress, then the engine's matched probe (``Comm.Improbe``)."""
+        owner = self.owner
+        held = claim(owner)
+        try:
+            self._poll()
+            return self.engine.mprobe(source, tag)
+        finally:
+            owner._busy = held
+
+    def mrecv(self, arrival: Arrival, buffer: memoryview | None) -> RecvOp:
+        """Receive a matched probe's message (``Comm.Mrecv`` and co)."""
+        owner = self.owner
+        held = claim(owner)
+        try:
+            op, actions = self.engine.mrecv(arrival, buffer)
+            self.run(actions)
+            return op
+        finally:
+            owner._busy = held
 
     def drain(self, peer: int, only_expected: bool) -> bool:
         """Hand the packets that arrived from ``peer`` to the engine; True if there were any.
@@ -602,6 +686,8 @@ class Progress:
         ``done`` is then called once a pass, and once more only to return (mprobe's takes
         the message it finds).
         """
+        owner = self.owner
+        held = claim(owner)
         try:
             self._wait_loop(done, peer, spin, yield_cpu, outside)
         except CmaError:
@@ -612,6 +698,8 @@ class Progress:
                                 "was handling its peers' packets; what it shares with them may "
                                 "be half updated")
             raise
+        finally:
+            owner._busy = held
 
     def _wait_loop(self, done: Callable[[], bool], peer: int | None, spin: float,
                    yield_cpu: bool, outside: Callable[[], object] | None) -> None:
@@ -625,7 +713,7 @@ class Progress:
                 outside()
             # Once asleep, a pass runs only if there is work: a Ctrl-C landing inside an
             # empty pass (every SLEEP_MS) would otherwise break the communicator (#23).
-            if (not slept or self._has_work()) and self.poll():
+            if (not slept or self._has_work()) and self._poll():
                 deadline = 0.0
                 slept = False
                 pause = OUTSIDE_PAUSE_MIN
@@ -683,7 +771,7 @@ class Progress:
         world.set_sleeping(1)
         try:
             # (accept: a peer's hint may have been lost, cleared here as it was set)
-            if (not idle or self._has_work()) and (self.poll() or self.accept()) \
+            if (not idle or self._has_work()) and (self._poll() or self.accept()) \
                     or done is not None and done():
                 return
             gone = world.sleep(timeout_ms)
@@ -724,13 +812,18 @@ class Progress:
         """
         if self.broken or not isinstance(op, RecvOp):
             return
-        posted = self.matcher.posted
-        if op in posted:
-            posted.remove(op)
-            op.error = Cancelled(
-                f"this receive (source {op.source}, tag {op.tag}) was withdrawn when an exception "
-                "left its Wait; nothing was received into its buffer")
-            op.done = True
+        owner = self.owner
+        held = claim(owner)
+        try:
+            posted = self.matcher.posted
+            if op in posted:
+                posted.remove(op)
+                op.error = Cancelled(
+                    f"this receive (source {op.source}, tag {op.tag}) was withdrawn when an "
+                    "exception left its Wait; nothing was received into its buffer")
+                op.done = True
+        finally:
+            owner._busy = held
 
     def break_down(self, reason: str) -> None:
         """Make every later operation raise CommBroken(reason); close() still releases all."""
@@ -746,11 +839,16 @@ class Progress:
     def notice_exits(self) -> None:
         """Bury the peers whose pidfds report an exit, without sleeping (a wait inside
         another library's loop, which never sleeps in ``doze``)."""
-        # (a sleep of 0 ms: it drains a rung doorbell too, which loses no wake-up, since
-        # every sleeper polls its rings once its flag is up)
-        gone = self.world.sleep(0)
-        if gone:
-            self.bury(gone)
+        owner = self.owner
+        held = claim(owner)
+        try:
+            # (a sleep of 0 ms: it drains a rung doorbell too, which loses no wake-up, since
+            # every sleeper polls its rings once its flag is up)
+            gone = self.world.sleep(0)
+            if gone:
+                self.bury(gone)
+        finally:
+            owner._busy = held
 
     def exit_error(self, peer: int | None) -> PeerGone | None:
         """The error of a wait for ``peer`` (None or ANY_SOURCE: any rank may answer) now
@@ -771,7 +869,7 @@ class Progress:
     def bury(self, gone: list[int]) -> None:
         """Take what the exited ranks left in the rings, then mark them dead."""
         world = self.world
-        while self.poll():
+        while self._poll():
             pass
         for r in gone:
             self.dead.add(r)
@@ -839,7 +937,7 @@ _IDLE_CODE = frozenset({Progress.wait_until.__code__, Progress._wait_loop.__code
                         Inbox._position.__code__, BackgroundPulls.__bool__.__code__,
                         World.sleep.__code__, World.set_sleeping.__code__,
                         _linux.EpollSet.wait.__code__})
-_BUSY_CODE = frozenset({Progress.poll.__code__, Progress.bury.__code__})
+_BUSY_CODE = frozenset({Progress._poll.__code__, Progress.bury.__code__})
 
 
 def _raised_while_idle(exc: BaseException) -> bool:

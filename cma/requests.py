@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from .errors import CmaError
+from .errors import CmaError, ConcurrentUse
 from .protocol import Arrival, RecvOp, SendOp
 from .wire import ANY_SOURCE, ANY_TAG, PROC_NULL, UNDEFINED
 
@@ -108,6 +108,8 @@ class Request:
                 progress = self._comm._progress or self._comm._attach()
                 try:
                     progress.wait(op)
+                except ConcurrentUse:
+                    raise  # (nothing was done: the request stays as it was, for a later Wait)
                 except BaseException:
                     progress.withdraw(op)  # the caller gives up on it (a Ctrl-C, say)
                     raise

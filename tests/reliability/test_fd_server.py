@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import re
+import secrets
 import selectors
 import socket
 import threading
@@ -156,6 +158,31 @@ def test_another_uid_is_handed_no_fd() -> None:
         assert reply.startswith(b"refused: not a process of this world")
     finally:
         peer.stop()
+
+
+def test_socket_names_are_drawn_at_random_per_world(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A world's fd servers listen at ``\\0cma-ID-RANK``, ID 64 bits from ``secrets``: nobody
+    can bind a world's address before the world exists. (Not a secret: /proc/net/unix lists
+    abstract names to every user. What keeps others out is SO_PEERCRED, tested above.)"""
+    drawn: list[int] = []
+    draw = secrets.token_hex
+
+    def token_hex(nbytes: int) -> str:
+        drawn.append(nbytes)
+        return draw(nbytes)
+
+    monkeypatch.setattr(cma.world.secrets, "token_hex", token_hex)
+    ids = set()
+    for _ in range(32):
+        fds = cma.world.WorldFds.create(2)
+        try:
+            assert re.fullmatch("[0-9a-f]{16}", fds.world_id), fds.world_id
+            assert cma.world.fd_server_address(fds.world_id, 1) == f"\0cma-{fds.world_id}-1"
+            ids.add(fds.world_id)
+        finally:
+            fds.close()
+    assert drawn == [8] * 32  # each id: 8 bytes of the OS's CSPRNG
+    assert len(ids) == 32
 
 
 def _attached(comm: cma.Comm) -> None:

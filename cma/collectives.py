@@ -459,9 +459,9 @@ class Collectives:
         Recv's fast path takes a message, when nothing else waits in matching; else posted."""
         inbox = self._fast_inboxes.get(source)
         matcher = self._matcher
-        view = _bytes(data)
         if inbox is not None and not matcher.posted and not matcher.unexpected and not self._busy:
             # (Recv's loop; kept inline there, where one call more costs every message)
+            view = _bytes(data)
             self._busy = 1
             try:
                 n = inbox.take_eager(view, tag)

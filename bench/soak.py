@@ -12,8 +12,8 @@ with Send, Isend, Ssend or Bsend, received by Irecv from the named source or fro
 ANY_SOURCE. The receiver checks every byte against what the sender must have written,
 and the status's source, tag and count. Each rank reads its open fds after the first round
 and its resident memory after ``--warmup-messages`` (by default a tenth of the run, at
-most 2,000: glibc's allocator keeps what the largest buffers took early on, docs/
-reliability.md "Soak"), and both again at the end: a growth beyond ``--fd-slack`` fds or
+most 2,000: glibc's allocator keeps what the largest buffers took early on; see
+docs/reliability.md, "Soak"), and both again at the end: a growth beyond ``--fd-slack`` fds or
 ``--rss-slack-mib`` raises. Rank 0 prints one JSON line with the totals.
 """
 

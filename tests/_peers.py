@@ -53,7 +53,11 @@ def pause_copies_for_a_signal(comm: Any, notify: Callable[[], None]) -> None:
             calls.append(copy)
             if len(calls) == 2:
                 notify()
-                time.sleep(REPLY_TIMEOUT)
+                # Short sleeps: a signal that lands between notify() and the sleep's system
+                # call is raised only once a sleep ends (CI hung 60 s in one 60 s sleep)
+                deadline = time.monotonic() + REPLY_TIMEOUT
+                while time.monotonic() < deadline:
+                    time.sleep(0.01)
                 raise AssertionError(f"no signal ended the pause within {REPLY_TIMEOUT} s")
             return copy(*args, **kwargs)
         return paused

@@ -53,6 +53,10 @@
 #                 scale.json and scale.png (bench/scale.py). ~10 minutes.
 #   1k. collectives - cma.mpi's Bcast, Reduce, Allreduce, Allgather and Alltoall against
 #                 mpi4py + MPICH's, 8 B .. 16 MiB, --quick, into collectives-2.txt. ~1 minute.
+#   1l. copy-floor - bench/copy_floor.py: the same ping-pong with as little Python as
+#                 possible around the copies (one process_vm_readv; the ring's double copy,
+#                 whole and in pieces), 16 KiB .. 2 MiB, into copy-floor.txt: what cma's
+#                 paths could reach at best on this machine (mpi.md quotes it).
 #   2. bw       - window of 64 Isends + ack, 4 KiB .. 4 MiB, --quick.
 #                 Writes bw.txt, bw.json, bw.png.
 #   3. latency --cold - a never-touched receive buffer each iteration,
@@ -113,6 +117,8 @@ if [ ${#launch[@]} -gt 0 ]; then
         echo
     done > docs/figures/collectives-2.txt
 fi
+
+python bench/copy_floor.py --pieces 64K,256K --rounds 3 > docs/figures/copy-floor.txt
 
 python -m cma.bench bw --transport all --min-size 4K --max-size 4M --quick "${guard[@]}" \
     --json docs/figures/bw.json --plot docs/figures/bw.png \

@@ -13,9 +13,11 @@ library it reports:
 - shared memory per rank, mapped and resident (shared mappings in /proc/self/smaps),
   mean over ranks, after a first barrier and after the traffic below;
 - fds per rank after the traffic, mean over ranks;
-- an 8 B and a 1 MiB all-to-all (pairwise Sendrecv rounds) and a 64 KiB ring exchange:
+- an 8 B and a large all-to-all (pairwise Sendrecv rounds; ``--alltoall-bytes`` per pair,
+  1 MiB by default: each rank holds two buffers of N times that, 32 GiB in all at 128
+  ranks) and a 64 KiB ring exchange:
   seconds per iteration, the slowest rank;
-- shm growth: the machine's Shmem (/proc/meminfo) after the 1 MiB all-to-all minus before.
+- shm growth: the machine's Shmem (/proc/meminfo) after the large all-to-all minus before.
 
 Run (from the repository root, with cma-ipc, mpi4py and an ``mpiexec`` installed)::
 
@@ -38,18 +40,20 @@ import time
 from pathlib import Path
 from typing import Any
 
+from cma.bench.sizes import parse_size
+
 RANK_PROGRAM = Path(__file__).with_name("scale_rank.py")
 MiB = 1 << 20
 
 
 def iterations(ranks: int) -> tuple[int, int]:
-    """(1 MiB all-to-all, small patterns) iterations: fewer as N grows, so a run stays minutes."""
+    """(large all-to-all, small patterns) iterations: fewer as N grows, so a run stays minutes."""
     return max(1, 8 // ranks), max(2, 256 // ranks)
 
 
-def command(lib: str, ranks: int) -> list[str]:
+def command(lib: str, ranks: int, block: int) -> list[str]:
     big, small = iterations(ranks)
-    program = [sys.executable, str(RANK_PROGRAM), lib, str(big), str(small)]
+    program = [sys.executable, str(RANK_PROGRAM), lib, str(big), str(small), str(block)]
     if lib == "cma":
         return [sys.executable, "-m", "cma.run", "-n", str(ranks), *program]
     mpiexec = shutil.which("mpiexec")
@@ -58,10 +62,10 @@ def command(lib: str, ranks: int) -> list[str]:
     return [mpiexec, "-n", str(ranks), *program]
 
 
-def run(lib: str, ranks: int, timeout: float) -> dict[str, Any]:
+def run(lib: str, ranks: int, timeout: float, block: int) -> dict[str, Any]:
     started = time.perf_counter()
     try:
-        done = subprocess.run(command(lib, ranks), capture_output=True, text=True, timeout=timeout,
+        done = subprocess.run(command(lib, ranks, block), capture_output=True, text=True, timeout=timeout,
                               start_new_session=True)
     except subprocess.TimeoutExpired:
         return {"lib": lib, "ranks": ranks, "failed": f"timed out after {timeout:.0f} s"}
@@ -72,6 +76,7 @@ def run(lib: str, ranks: int, timeout: float) -> dict[str, Any]:
         return {"lib": lib, "ranks": ranks, "failed": f"exit {done.returncode}: {tail}"}
     result: dict[str, Any] = json.loads(lines[-1])
     result["wall_s"] = wall
+    result["alltoall_bytes"] = block
     return result
 
 
@@ -95,7 +100,7 @@ def summary(result: dict[str, Any]) -> dict[str, float]:
         "resident_after_MiB": mean("resident_after") / MiB,
         "fds": mean("fds_after"),
         "alltoall_8B_ms": slowest("alltoall_8B_s") * 1e3,
-        "alltoall_1MiB_ms": slowest("alltoall_1MiB_s") * 1e3,
+        "alltoall_big_ms": slowest("alltoall_big_s") * 1e3,
         "ring_64KiB_ms": slowest("ring_64KiB_s") * 1e3,
         "shm_growth_MiB": per_rank[0]["shmem_growth"] / MiB,
     }
@@ -106,7 +111,7 @@ COLUMNS = [("ready_s", "ready s", "{:.2f}"), ("attach_s", "attach s", "{:.3f}"),
            ("mapped_attached_MiB", "mapped attached", "{:.1f}"), ("mapped_MiB", "mapped MiB", "{:.0f}"),
            ("resident_MiB", "resident MiB", "{:.1f}"), ("mapped_after_MiB", "mapped after", "{:.0f}"),
            ("resident_after_MiB", "resident after", "{:.1f}"), ("fds", "fds", "{:.0f}"),
-           ("alltoall_8B_ms", "a2a 8B ms", "{:.2f}"), ("alltoall_1MiB_ms", "a2a 1MiB ms", "{:.1f}"),
+           ("alltoall_8B_ms", "a2a 8B ms", "{:.2f}"), ("alltoall_big_ms", "a2a big ms", "{:.1f}"),
            ("shm_growth_MiB", "shm growth MiB", "{:.0f}"), ("ring_64KiB_ms", "ring 64KiB ms", "{:.3f}")]
 
 
@@ -141,8 +146,8 @@ def plot(results: list[dict[str, Any]], path: str) -> None:
         axes[0].plot(ns, [f["resident_after_MiB"] for f in figs], style, alpha=0.5,
                      label=f"{label}, resident after traffic")
         axes[1].plot(ns, [f["ready_s"] for f in figs], style, label=label)
-        axes[2].plot(ns, [f["alltoall_1MiB_ms"] for f in figs], style, label=label)
-    titles = ["shared memory per rank (MiB)", "ready (s)", "1 MiB all-to-all (ms)"]
+        axes[2].plot(ns, [f["alltoall_big_ms"] for f in figs], style, label=label)
+    titles = ["shared memory per rank (MiB)", "ready (s)", "large all-to-all (ms)"]
     for ax, title in zip(axes, titles, strict=True):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
@@ -159,17 +164,21 @@ def main() -> None:
     parser.add_argument("--libs", nargs="+", default=["cma", "mpi"], choices=["cma", "mpi"])
     parser.add_argument("--timeout", type=float, default=900.0)
     parser.add_argument("--json", help="write every rank's figures here")
-    parser.add_argument("--plot", help="write a PNG of memory, ready time and 1 MiB all-to-all")
+    parser.add_argument("--alltoall-bytes", type=parse_size, default=MiB,
+                        help="bytes per pair in the large all-to-all (default 1 MiB; 'a2a big' "
+                             "in the table)")
+    parser.add_argument("--plot", help="write a PNG of memory, ready time and large all-to-all")
     args = parser.parse_args()
     results = []
     for index, ranks in enumerate(args.ranks):
         order = args.libs if index % 2 == 0 else args.libs[::-1]
         for lib in order:
-            results.append(run(lib, ranks, args.timeout))
+            results.append(run(lib, ranks, args.timeout, args.alltoall_bytes))
             print(f"# N={ranks} {lib}: " + ("FAILED " + results[-1]["failed"] if "failed" in results[-1]
                   else f"{results[-1]['wall_s']:.1f} s"), file=sys.stderr, flush=True)
     results.sort(key=lambda r: (r["ranks"], r["lib"]))
-    print(f"# {' '.join(sys.argv)}  (load average at the end: {os.getloadavg()[0]:.2f})")
+    print(f"# {' '.join(sys.argv)}  (a2a big: {args.alltoall_bytes} bytes per pair; "
+          f"load average at the end: {os.getloadavg()[0]:.2f})")
     print(table(results))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))

@@ -1,7 +1,7 @@
 """One rank of bench/scale.py: the same program under ``cma-run`` (``cma``) and ``mpiexec`` (``mpi``).
 
 It times how long the library takes to be ready, reads its own shared mappings and fds,
-then times an 8 B and a 1 MiB all-to-all (pairwise ``Sendrecv`` rounds, as a code without
+then times an 8 B and a large (1 MiB unless told) all-to-all (pairwise ``Sendrecv`` rounds, as a code without
 a collective library would write it) and a ring exchange, and sends its figures to rank 0,
 which prints them as one JSON line. Run it through bench/scale.py, which starts it.
 """
@@ -62,6 +62,7 @@ def timed(comm: Any, iters: int, body: Any) -> float:
 
 def main() -> None:
     lib, big_iters, small_iters = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    block = int(sys.argv[4])  # bytes per pair in the large all-to-all
     started = time.perf_counter()
     if lib == "cma":
         import cma
@@ -87,15 +88,15 @@ def main() -> None:
     small = np.zeros((size, 8), np.uint8), np.zeros((size, 8), np.uint8)
     figures["alltoall_8B_s"] = timed(comm, small_iters, lambda: alltoall(comm, *small, rank, size))
 
-    big = np.ones((size, 1 << 20), np.uint8), np.zeros((size, 1 << 20), np.uint8)
+    big = np.ones((size, block), np.uint8), np.zeros((size, block), np.uint8)
     comm.Barrier()
     before = machine_shmem() if rank == 0 else 0
-    figures["alltoall_1MiB_s"] = timed(comm, big_iters, lambda: alltoall(comm, *big, rank, size))
+    figures["alltoall_big_s"] = timed(comm, big_iters, lambda: alltoall(comm, *big, rank, size))
     comm.Barrier()
     if rank == 0:
         figures["shmem_growth"] = machine_shmem() - before
     if not (big[1][(rank - 1) % size] == 1).all():
-        raise RuntimeError("1 MiB all-to-all delivered wrong bytes")
+        raise RuntimeError("the large all-to-all delivered wrong bytes")
 
     ring = np.ones(64 << 10, np.uint8), np.zeros(64 << 10, np.uint8)
     right, left = (rank + 1) % size, (rank - 1) % size

@@ -84,15 +84,15 @@ def _mover(ctl: memoryview, shared: mmap.mmap | None, me: int, nbytes: int, way:
     dst = np.zeros(nbytes, np.uint8)
     peer = 1 - me
     marks = dst.data  # (through a memoryview, clearing both bytes takes ~70 ns, half NumPy's time)
-    ctl[ADDRESS + me] = _linux.local_address(src.data)
-    while not ctl[ADDRESS + peer]:
-        pass
     count = [0, 0]  # messages sent, messages received
 
     def wait_for(word: int, value: int) -> None:
         while ctl[word] < value:
             if ctl[FAILED]:
                 raise RuntimeError(f"rank {peer} failed")
+
+    ctl[ADDRESS + me] = _linux.local_address(src.data)
+    wait_for(ADDRESS + peer, 1)  # (an address is never below 1)
 
     if way == "single":
         remote = _linux.iovec_array([ctl[ADDRESS + peer]], [nbytes])

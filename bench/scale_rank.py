@@ -1,9 +1,10 @@
 """One rank of bench/scale.py: the same program under ``cma-run`` (``cma``) and ``mpiexec`` (``mpi``).
 
 It times how long the library takes to be ready, reads its own shared mappings and fds,
-then times an 8 B and a large (1 MiB unless told) all-to-all (pairwise ``Sendrecv`` rounds, as a code without
-a collective library would write it) and a ring exchange, and sends its figures to rank 0,
-which prints them as one JSON line. Run it through bench/scale.py, which starts it.
+then times an 8 B and a large (1 MiB unless told) all-to-all (pairwise ``Sendrecv``
+rounds, as a code without a collective library would write it) and a ring exchange, and
+sends its figures to rank 0, which prints them as one JSON line. Run it through
+bench/scale.py, which starts it.
 """
 
 from __future__ import annotations

@@ -446,23 +446,25 @@ class Progress:
             if dest not in self.dead and not self.broken:
                 self.transmit(dest, UNMAP, 0, len(segments), encode_unmap(segments))
 
+    def confirm_pid(self, peer: int) -> None:
+        """PeerGone unless ``peer``'s pid still names the process that attached as it: once
+        that process is reaped, its pid may belong to an unrelated one."""
+        pidfd = self.world.pidfds[peer]
+        if pidfd < 0 or not _linux.pid_still_held(pidfd):
+            raise PeerGone(f"rank {peer} (pid {self.world.pid_of(peer)}) exited; its pid may "
+                           "belong to another process now, so nothing is copied from or to it")
+
     def _checked(self, copy: Callable[[PeerLink, Any, Any], None], peer: int
                  ) -> Callable[[PeerLink, Any, Any], None]:
-        """``copy`` (by pid) between two checks that ``peer`` is the process that attached:
-        once it exited, its pid may belong to an unrelated process. Before: nothing is
-        read from or written to such a process unless the peer dies during the copy;
-        after: what was read then is not handed on as the peer's."""
-        pidfds = self.world.pidfds
-
-        def confirm(link: PeerLink) -> None:
-            if pidfds[peer] < 0 or not _linux.process_alive(pidfds[peer]):
-                raise PeerGone(f"rank {peer} (pid {link.pid}) exited; its pid may belong to "
-                               "another process now, so nothing is copied from or to it")
+        """``copy`` (by pid) between two ``confirm_pid``: before, nothing is read from or
+        written to another process unless the peer dies during the copy; after, what was
+        read then is not handed on as the peer's."""
+        confirm = self.confirm_pid
 
         def checked(link: PeerLink, first: Any, second: Any) -> None:
-            confirm(link)
+            confirm(peer)
             copy(link, first, second)
-            confirm(link)
+            confirm(peer)
         return checked
 
     def _wake_self(self, _: Future[None]) -> None:

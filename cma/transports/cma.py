@@ -84,11 +84,17 @@ class CmaTransport(Transport):
     def read(self, peer: Peer, remote: Sequence[Region], local: Sequence[memoryview]) -> None:
         """Pull with ``process_vm_readv`` (one kernel copy), cut between threads from 4 MiB when
         ``threads`` > 1."""
+        if len(local) == 1 and len(remote) == 1 and self._copy_one(peer.pid, local[0], remote[0],
+                                                                   False):
+            return
         what = f"cma read from rank {peer.rank} (pid {peer.pid})"
         self._transfer(peer, local, remote, write=False, what=what)
 
     def write(self, peer: Peer, local: Sequence[memoryview], remote: Sequence[Region]) -> None:
         """Push with ``process_vm_writev`` (one kernel copy), cut between threads as ``read`` is."""
+        if len(local) == 1 and len(remote) == 1 and self._copy_one(peer.pid, local[0], remote[0],
+                                                                   True):
+            return
         what = f"cma write to rank {peer.rank} (pid {peer.pid})"
         self._transfer(peer, local, remote, write=True, what=what)
 
@@ -96,13 +102,30 @@ class CmaTransport(Transport):
         """Stop the copy threads."""
         self._split.close()
 
+    def _copy_one(self, pid: int, local: memoryview, region: Region, write: bool) -> bool:
+        """One buffer to or from one region in one call, without ``Transfer``'s set-up
+        (a third of a direct rendezvous's Python: docs/architecture.md, "Direct
+        rendezvous"); False when the general path must copy it (or explain a failure)."""
+        n = local.nbytes
+        if not (0 < n == region.nbytes and n <= CALL_BYTES and local.c_contiguous
+                and (write or not local.readonly)
+                and (self._split.threads == 1 or n < SPLIT_THRESHOLD)):
+            return False
+        try:
+            moved = _linux.process_vm_copy(pid, _linux.iovec(_linux.local_address(local), n),
+                                           _linux.iovec(region.addr, n), write=write, what="")
+        except CmaError:
+            return False  # (the general path meets the error again and says where)
+        self.stats.count_copy(kernel=moved, syscalls=1)
+        return moved == n  # (short: a page the kernel could not pin; copied again whole)
+
     def _transfer(
         self, peer: Peer, buffers: Sequence[memoryview], regions: Sequence[Region], *,
         write: bool, what: str
     ) -> None:
+        pid = peer.pid
         # a write reads the local buffers, so only a read needs them writable
         transfer = Transfer(buffers, regions, writable=not write, what=what)
-        pid = peer.pid
         iovec_array, local_address = _linux.iovec_array, _linux.local_address
 
         def batch(views: list[memoryview], lens: list[int], addrs: list[int],

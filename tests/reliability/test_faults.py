@@ -11,6 +11,7 @@ whoever killed), not hang, and be left with exactly the fds it had before.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import multiprocessing as mp
 import os
@@ -417,6 +418,31 @@ def test_a_new_process_with_a_dead_peers_pid_is_not_the_peer(transport: str) -> 
             os.waitpid(impostor[0], 0)
         os.close(ready_r)
         os.close(ready_w)
+
+
+def test_a_pid_is_held_until_its_process_is_reaped() -> None:
+    """pid_still_held, the check around copies by pid: true while the process runs and
+    while it is a zombie (its pid cannot be reused yet), false once it is reaped."""
+    release_r, release_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(release_w)
+        os.read(release_r, 1)
+        os._exit(0)
+    os.close(release_r)
+    pidfd = os.pidfd_open(pid)
+    try:
+        assert cma._linux.pid_still_held(pidfd)
+        os.close(release_w)
+        assert select.select([pidfd], [], [], HANG)[0], "the child did not exit"
+        assert not cma._linux.process_alive(pidfd)  # it exited...
+        assert cma._linux.pid_still_held(pidfd)  # ...and holds its pid until reaped
+        os.waitpid(pid, 0)
+        assert not cma._linux.pid_still_held(pidfd)
+    finally:
+        os.close(pidfd)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
 
 
 # ------------------------------------------------------------------ large copies

@@ -391,6 +391,38 @@ class Inbox:
             self.ctl[TAIL] = tail
         return n
 
+    def head_of(self, kind: int, nbytes: int) -> int:
+        """Where the oldest packet starts, in ``words``, if it is of ``kind`` with a payload of
+        ``nbytes`` bytes lying in the ring: its four header words (kind, tag, nbytes, aux),
+        then its payload. -1 otherwise. ``consume(nbytes)`` takes it out of the ring."""
+        pos = self._position()
+        if pos < 0:
+            return -1
+        w = pos >> 3
+        if self.words[w] != kind or self.words[w + 2] != nbytes \
+                or pos + HEADER_BYTES + nbytes > self.size \
+                or self.ctl[HEAD] - self.tail < packet_bytes(nbytes):
+            return -1
+        return w
+
+    def consume(self, nbytes: int) -> None:
+        """Take the oldest packet, of ``nbytes`` bytes of payload, out of the ring."""
+        self._consume(packet_bytes(nbytes))
+
+    def take_if(self, kind: int, aux: int) -> int:
+        """If the oldest packet is an empty one of ``kind`` holding ``aux`` (the FIN a
+        direct rendezvous waits for), consume it: 0. RING_EMPTY: the ring is empty;
+        NOT_EAGER: another packet is oldest."""
+        pos = self._position()
+        if pos < 0:
+            return RING_EMPTY
+        w = pos >> 3
+        words = self.words
+        if words[w] != kind or words[w + 3] != aux or words[w + 2]:
+            return NOT_EAGER
+        self._consume(PACKET_ROUND & PACKET_MASK)
+        return 0
+
     def head_tag(self) -> int:
         """The tag of the oldest packet (the ring must be ready), left in the ring."""
         return self.words[(self._position() >> 3) + 1]

@@ -27,9 +27,10 @@ import numpy as np
 
 from . import _linux, heap
 from ._exporters import cai_array, dlpack_array
-from .channel import FAST_SPINS, RING_EMPTY, ChannelConfig, Inbox, Outbox
+from .channel import FAST_SPINS, NOT_EAGER, RING_EMPTY, ChannelConfig, Inbox, Outbox
 from .collectives import Collectives
-from .connect import AUTO, Connection, check_transport_name
+from .connect import AUTO, NEVER, Connection, check_transport_name
+from .direct import DIRECT_FROM, DirectRendezvous
 from .errors import (
     BufferError,
     CommClosed,
@@ -152,8 +153,9 @@ class Comm(Collectives):
     is docs/architecture.md, "What cma.Comm lets a subclass change"): ``make_request``,
     ``buffer_view``, ``spec_view``, ``remember_spec``, ``general_send``,
     ``general_recv``, ``general_isend``, ``general_irecv``, ``start_send``,
-    ``start_buffered_send``, ``operation_completed`` and ``load_object``. The fast paths
-    call them on their way out only, so overriding one costs a hot path nothing.
+    ``start_buffered_send``, ``operation_completed``, ``load_object`` and
+    ``waits_alone``. The fast paths call them on their way out only, so overriding one
+    costs a hot path nothing.
     """
 
     # What the non-blocking calls return: a subclass may hand out requests of its own
@@ -175,6 +177,10 @@ class Comm(Collectives):
         self._transport_options = transport_options
         self._user_thresholds = dict(thresholds or {})  # what a pickled copy must rebuild from
         self._eager_limit = fds.config.eager_limit
+        # Blocking sends from this size take the direct rendezvous (set at attach, when
+        # there is one: direct.py)
+        self._direct: DirectRendezvous | None = None
+        self._direct_from = NEVER
         self._closed = False
         self._world: World | None = None
         self._progress: Progress | None = None  # built at attach: packets, copies, waits
@@ -285,6 +291,9 @@ class Comm(Collectives):
             None if type(self).operation_completed is Comm.operation_completed
             else self.operation_completed,
             overlap=bool(self._transport_options.get("overlap")), owner=self)
+        self._direct = self._progress.direct
+        if self._direct is not None:
+            self._direct_from = DIRECT_FROM
         _attached_comms.add(self)
         return self._progress
 
@@ -331,18 +340,29 @@ class Comm(Collectives):
             mv = self.buffer_view(buf, send_view)
         n = mv.nbytes
         outbox = self._fast_outboxes.get(dest)
-        if outbox is not None and n <= self._eager_limit and type(tag) is int and tag >= 0 \
-                and not self._busy:
-            self._busy = 1
-            try:
-                sleeping = outbox.put_eager(tag, mv, n)
-            finally:
-                self._busy = 0
-            if sleeping == 0:
-                return
-            if sleeping > 0:
-                self._ring(dest)
-                return
+        if outbox is not None and type(tag) is int and tag >= 0 and not self._busy:
+            if n >= self._direct_from and mv.__class__ is memoryview:
+                direct = self._direct
+                if direct is not None and direct.can_pull(dest):
+                    self._busy = 1
+                    try:
+                        started = direct.send(outbox, mv, n, dest, tag)
+                    finally:
+                        self._busy = 0
+                    if started is not None:
+                        self.general_send(mv, dest, tag, started)
+                    return
+            if n <= self._eager_limit:
+                self._busy = 1
+                try:
+                    sleeping = outbox.put_eager(tag, mv, n)
+                finally:
+                    self._busy = 0
+                if sleeping == 0:
+                    return
+                if sleeping > 0:
+                    self._ring(dest)
+                    return
         self.general_send(mv, dest, tag)
 
     def Recv(self, buf: Any, source: int = ANY_SOURCE, tag: int = ANY_TAG,
@@ -370,6 +390,8 @@ class Comm(Collectives):
                 while n == RING_EMPTY and spins:
                     spins -= 1
                     n = inbox.take_eager(mv, tag)
+                if n == NOT_EAGER and self._direct is not None and mv.__class__ is memoryview:
+                    n = self._direct.recv(inbox, mv, tag)
             finally:
                 self._busy = 0
             if n >= 0:
@@ -378,7 +400,38 @@ class Comm(Collectives):
                     status.tag = inbox.last_tag
                     status.count = n
                 return
+            if n == RING_EMPTY and self._recv_late(inbox, mv, tag, status):
+                return
         self.general_recv(mv, source, tag, status)
+
+    def _recv_late(self, inbox: Inbox, mv: memoryview, tag: int, status: Status | None) -> bool:
+        """Recv's fast path once more, for a message that comes after its spin: sleep until
+        the peer's next packet (``Progress.await_head``) and take it as the fast path does
+        if it can; False (nothing taken) otherwise, and ``Recv`` waits in the engine."""
+        progress = self._progress
+        if progress is None or tag > TAG_MAX or not self.waits_alone() \
+                or not progress.await_head(inbox):
+            return False  # (a tag out of range: the general path refuses it)
+        self._busy = 1
+        try:
+            n = inbox.take_eager(mv, tag)
+            if n == NOT_EAGER and self._direct is not None and mv.__class__ is memoryview:
+                n = self._direct.recv(inbox, mv, tag)
+        finally:
+            self._busy = 0
+        if n < 0:
+            return False
+        if status is not None:
+            status.source = self._inbox_peer[inbox]
+            status.tag = inbox.last_tag
+            status.count = n
+        return True
+
+    def waits_alone(self) -> bool:
+        """Hook: whether this rank's waits need move nothing but cma (``Recv`` may then sleep
+        until its peer's next packet without the engine); cma.mpi's mixed ranks must keep
+        MPI moving too."""
+        return True
 
     def Sendrecv(self, sendbuf: Any, dest: int, sendtag: int = 0, recvbuf: Any = None,
                  source: int = ANY_SOURCE, recvtag: int = ANY_TAG,
@@ -481,10 +534,16 @@ class Comm(Collectives):
     # The general paths of Send and Recv, apart so that a subclass can adapt what they
     # raise and fill (cma.mpi's node communicator) without a frame on the hot paths.
 
-    def general_send(self, mv: memoryview, dest: Any, tag: Any) -> None:
-        """Hook: ``Send``'s general path (arguments checked here, rendezvous, full ring).
+    def general_send(self, mv: memoryview, dest: Any, tag: Any, started: SendOp | None = None
+                     ) -> None:
+        """Hook: ``Send``'s general path (arguments checked here, rendezvous, full ring);
+        ``started``: the send's direct rendezvous (direct.py) is under way, to wait for.
 
         A subclass may translate errors; it must do the send exactly once."""
+        if started is not None:
+            assert self._progress is not None
+            self._progress.wait(started)
+            return
         # (a bytearray's fast path comes here before attaching)
         progress = self._progress or self._attach()
         dest = self._check_dest(dest)

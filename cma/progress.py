@@ -25,6 +25,7 @@ import numpy as np
 from . import _linux, heap
 from .channel import Inbox, Outbox
 from .connect import Connection
+from .direct import DirectRendezvous
 from .errors import (
     Cancelled,
     CmaError,
@@ -186,6 +187,9 @@ class Progress:
         self.closing = False
         # a peer that connects to this rank sets this word: then poll maps the pair
         self.connects = world.connects
+        # Blocking Send/Recv's direct rendezvous (direct.py), except where pulls run in the
+        # background (overlap) or a send buffer in the heap is offered for mapping (xmap)
+        self.direct = DirectRendezvous(self) if not overlap and self.xmap is None else None
         for peer in self.peers:
             if connection.links[peer] is not None:  # (a world of two: connected at attach)
                 self._add(peer)
@@ -757,6 +761,40 @@ class Progress:
                     if done():
                         return
                     raise error
+
+    def await_head(self, inbox: Inbox) -> bool:
+        """Wait until a packet is at the head of ``inbox``, leaving it there for a fast path
+        to take (a blocking Recv's, whose spin found the ring empty): spin, then sleep on
+        the doorbell. False, at once or later, when this rank has anything else to do (a
+        packet from another peer, a queue, a stream, a pull, a peer connecting or exiting):
+        the caller then waits in the engine, which does it all. Taking a late message as
+        the fast path does spares it the engine's handling (docs/architecture.md, "Direct
+        rendezvous", has the cost)."""
+        owner = self.owner
+        held = claim(owner)
+        try:
+            world = self.world
+            deadline = time.perf_counter() + SPIN_SECONDS
+            while not inbox.ready():
+                if self._has_work() or self.dead or self.broken:
+                    return inbox.ready()  # (the work found may be its packet, come since)
+                if time.perf_counter() < deadline:
+                    continue
+                for box in self.inboxes.values():
+                    box.publish_tail()  # (a sender may wait for room in a ring)
+                world.set_sleeping(1)
+                try:
+                    if self._has_work():
+                        return inbox.ready()
+                    gone = world.sleep(SLEEP_MS)
+                    self.counts.control_syscalls += 1
+                finally:
+                    world.set_sleeping(0)
+                if gone:  # (not buried here: the engine's wait finds the pidfds still ready)
+                    return inbox.ready()
+            return True
+        finally:
+            owner._busy = held
 
     def doze(self, timeout_ms: int, done: Callable[[], bool] | None = None,
              idle: bool = False) -> None:

@@ -11,8 +11,17 @@ from collections import deque
 
 import pytest
 
-from cma.channel import EAGER, ChannelConfig, Inbox, Outbox, packet_bytes
-from cma.protocol import ANY_TAG
+from cma.channel import (
+    EAGER,
+    HEAD,
+    NOT_EAGER,
+    RING_EMPTY,
+    ChannelConfig,
+    Inbox,
+    Outbox,
+    packet_bytes,
+)
+from cma.protocol import ANY_TAG, FIN, RTS
 
 CONFIG = ChannelConfig(eager_limit=16 << 10, ring_bytes=64 << 10, frag_size=4096, stage_slots=1)
 BIG = CONFIG.eager_limit
@@ -167,3 +176,36 @@ def test_a_taken_payload_stays_intact_until_released(ring, seed):
         inbox.release()
         for _ in range(fillers):
             assert take(inbox)[1] == filler
+
+
+def test_head_of_finds_a_packet_of_that_kind_and_size_and_consume_takes_it(ring):
+    out, inbox = ring
+    assert inbox.head_of(RTS, 40) == -1  # empty
+    payload = bytes(range(40))
+    assert out.put(RTS, 5, 300_000, payload)
+    assert inbox.head_of(RTS, 48) == -1 and inbox.head_of(FIN, 40) == -1
+    at = inbox.head_of(RTS, 40)
+    assert at >= 0
+    assert list(inbox.words[at : at + 4]) == [RTS, 5, 40, 300_000]
+    assert bytes(inbox.words[at + 4 : at + 9]) == payload
+    inbox.consume(40)
+    assert inbox.head_of(RTS, 40) == -1 and not inbox.ready()
+
+
+def test_head_of_refuses_a_packet_whose_head_runs_past_what_was_published(ring):
+    out, inbox = ring
+    assert out.put(RTS, 5, 300_000, bytes(40))
+    inbox.ctl[HEAD] = inbox.tail + 64  # (a corrupt peer's head: the packet takes 128 bytes)
+    assert inbox.head_of(RTS, 40) == -1
+
+
+def test_take_if_takes_only_the_empty_packet_named(ring):
+    out, inbox = ring
+    assert inbox.take_if(FIN, 3) == RING_EMPTY
+    assert out.put(FIN, 0, 4, b"")
+    assert inbox.take_if(FIN, 3) == NOT_EAGER  # another message's FIN: left in place
+    assert inbox.take_if(RTS, 4) == NOT_EAGER
+    assert inbox.take_if(FIN, 4) == 0
+    assert inbox.take_if(FIN, 4) == RING_EMPTY
+    assert out.put(FIN, 0, 5, b"x")
+    assert inbox.take_if(FIN, 5) == NOT_EAGER  # (a FIN has no payload)

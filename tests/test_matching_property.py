@@ -35,6 +35,7 @@ from matching_model import BySource
 
 import cma
 from cma import ANY_SOURCE, ANY_TAG
+from cma.direct import DIRECT_FROM
 from cma.errors import TruncationError
 
 CONFIGS = [pytest.param(cma.ChannelConfig(), id="default"),
@@ -108,9 +109,10 @@ def make_plan(seed: int, senders: int, config: cma.ChannelConfig) -> Plan:
                 stream = pickle.dumps(obj, protocol=5)  # what cma sends: bytes stay in band
                 messages.append(Message(source, tag, "isend", obj, len(stream), digest(stream)))
             else:
-                # A rendezvous Send would wait for rank 0, which may be waiting for a later
-                # message of this sender: blocking Sends are eager ones only.
-                eager = data.nbytes <= config.eager_limit
+                # A Send that waits for rank 0 (a rendezvous, or the direct one from
+                # DIRECT_FROM) would wait while rank 0 may be waiting for a later message of
+                # this sender: blocking Sends are the ones that return at once only.
+                eager = data.nbytes <= config.eager_limit and data.nbytes < DIRECT_FROM
                 how = "Send" if eager and rng.random() < 0.5 else "Isend"
                 messages.append(Message(source, tag, how, data, data.nbytes, digest(data)))
         cuts = sorted(rng.sample(range(1, len(messages)), len(messages) // 6))

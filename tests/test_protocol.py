@@ -20,7 +20,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cma.errors import TruncationError
+from cma.errors import ProtocolError, TruncationError
 from cma.protocol import (
     ANY_SOURCE,
     ANY_TAG,
@@ -52,8 +52,10 @@ from cma.protocol import (
     Transmit,
     completed_recv,
     decode_cts,
+    decode_one_region_rts,
     decode_rts,
     encode_cts,
+    encode_one_region_rts,
     encode_rts,
     slice_regions,
     slice_views,
@@ -625,6 +627,75 @@ def test_eager_limit_zero_sends_everything_but_empty_by_rendezvous():
     net.send(0, 1, 0, b"")
     net.send(0, 1, 0, b"x")
     assert [t.kind for t in net.kinds(0, Transmit)] == [EAGER, RTS]
+
+
+# ------------------------------------------------------------------ the direct rendezvous's RTS
+
+
+def test_a_one_region_rts_is_the_rts_encode_rts_writes():
+    """The direct rendezvous writes the engine's own packet, so either side may take the
+    general path."""
+    addr, n = 0x7F00_1234_5000, 300_000
+    assert encode_one_region_rts(9, ALL, addr, n) == encode_rts(9, ALL, [n], [Region(addr, n)])
+    rts = decode_rts(encode_one_region_rts(9, ALL, addr, n))
+    assert (rts.msgid, rts.offers, rts.sizes, rts.regions) == (9, ALL, [n], [Region(addr, n)])
+
+
+def words_of(packet: bytes) -> memoryview:
+    return memoryview(packet).cast("q")
+
+
+def test_a_one_region_rts_decodes_to_its_msgid_offers_and_region():
+    packet = encode_one_region_rts(9, ALL, 0x1000, 4096)
+    assert decode_one_region_rts(words_of(packet), 4096) == (9, ALL, Region(0x1000, 4096))
+
+
+@pytest.mark.parametrize("words, nbytes", [
+    ((9, ALL, 2, 4096, 0x1000), 4096),  # two buffers claimed
+    ((9, ALL, 1, 4096, 0x1000), 4095),  # not the size the header says
+    ((9, PUSH | PIPELINE, 1, 4096, 0x1000), 4096),  # no pull offered
+    ((9, ALL | 0x40, 1, 4096, 0x1000), 4096),  # an offer this rank does not know (XMAP's bit too)
+    ((9, ALL, 1, -1, 0x1000), -1),  # a negative size
+    ((9, ALL, 1, 4096, -4096), 4096),  # below address 0
+    ((9, ALL, 1, 4096, (1 << 56) - 4095), 4096),  # past the end of any address space
+])
+def test_anything_but_a_pullable_one_region_rts_is_left_to_decode_rts(words, nbytes):
+    assert decode_one_region_rts(words, nbytes) is None
+
+
+@pytest.mark.parametrize("push", [False, True])
+def test_a_send_whose_rts_the_io_layer_wrote_completes_in_the_engine(push):
+    """Adopted after the I/O layer wrote its RTS (a direct send that stopped waiting), a send
+    completes on the receiver's FIN (RGET) or pushes on its CTS (RPUT), as the engine's own."""
+    net = Net(policies=[pull_policy(1), pull_policy(0, push=push)])
+    data = payload(5000, 4)
+    segment = net.mem.buffer(data)
+    sender = net.engines[0]
+    msgid = sender.new_msgid()
+    region = net.mem.region_of(segment)
+    rts = encode_one_region_rts(msgid, ALL, region.addr, region.nbytes)
+    net.wire[(0, 1)].append(Transmit(1, RTS, 2, 5000, rts))
+    op = SendOp(1, 2, [segment], 5000, False, msgid)
+    sender.adopt_send(op)
+    rop = net.recv(1, 0, 2, 8000)
+    net.pump()
+    assert received(rop) == data and rop.mechanism == "cma"
+    assert op.done and net.completed[0] == [op] and not sender.sends
+    assert bool(net.kinds(0, Push)) == push
+
+
+def test_a_send_whose_rts_was_written_without_adoption_gets_a_protocol_error_at_its_fin():
+    """Why a direct send is adopted whenever it stops waiting for its FIN: the engine
+    refuses a FIN for a message it does not know."""
+    net = Net(policies=[pull_policy(1), pull_policy(0)])
+    segment = net.mem.buffer(payload(5000, 5))
+    region = net.mem.region_of(segment)
+    msgid = net.engines[0].new_msgid()
+    net.wire[(0, 1)].append(
+        Transmit(1, RTS, 2, 5000, encode_one_region_rts(msgid, ALL, region.addr, 5000)))
+    net.recv(1, 0, 2, 8000)
+    with pytest.raises(ProtocolError, match="a FIN for message"):
+        net.pump()
 
 
 # ------------------------------------------------------------------ rendezvous flows

@@ -75,6 +75,10 @@ class NodeComm(CmaComm):
         self._typed_spec: list[Any] = []
         self._typed: Typed | None = None
 
+    def waits_alone(self) -> bool:
+        """Hook (``cma.Comm.waits_alone``): not on a mixed rank, whose waits keep MPI moving."""
+        return self._mixed is None
+
     def comm_rank(self, rank: int) -> int:
         """The wrapped MPI communicator's rank of cma rank ``rank``."""
         return self._ranks[rank]
@@ -140,10 +144,11 @@ class NodeComm(CmaComm):
         data = op.segments[0] if op.segments else b""
         return MPI.pickle.loads(data) if len(data) else None
 
-    def general_send(self, mv: memoryview, dest: Any, tag: Any) -> None:
+    def general_send(self, mv: memoryview, dest: Any, tag: Any, started: SendOp | None = None
+                     ) -> None:
         """Hook (``cma.Comm.general_send``): cma's errors raised as mpi4py's; keeps MPI's hook armed."""
         try:
-            super().general_send(mv, dest, tag)
+            super().general_send(mv, dest, tag, started)
         except CmaError as exc:
             self._mpi._fail(exc)
         self._keep_moving()

@@ -57,6 +57,9 @@
 #                 possible around the copies (one process_vm_readv; the ring's double copy,
 #                 whole and in pieces), 16 KiB .. 2 MiB, into copy-floor.txt: what cma's
 #                 paths could reach at best on this machine (mpi.md quotes it).
+#   1m. direct  - bench/direct_ab.py: the direct rendezvous against the eager ring in one
+#                 pair, blocks alternating, 64 KiB .. 2 MiB, into direct-ab.txt
+#                 (architecture.md, "Direct rendezvous": where DIRECT_FROM comes from).
 #   2. bw       - window of 64 Isends + ack, 4 KiB .. 4 MiB, --quick.
 #                 Writes bw.txt, bw.json, bw.png.
 #   3. latency --cold - a never-touched receive buffer each iteration,
@@ -119,6 +122,7 @@ if [ ${#launch[@]} -gt 0 ]; then
 fi
 
 python bench/copy_floor.py --pieces 64K,256K --rounds 3 > docs/figures/copy-floor.txt
+python bench/direct_ab.py > docs/figures/direct-ab.txt
 
 python -m cma.bench bw --transport all --min-size 4K --max-size 4M --quick "${guard[@]}" \
     --json docs/figures/bw.json --plot docs/figures/bw.png \

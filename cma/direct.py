@@ -1,0 +1,203 @@
+"""The direct rendezvous: a blocking ``Send`` of ``DIRECT_FROM`` bytes or more and the
+blocking ``Recv`` that takes it, without the engine.
+
+The sender writes an RTS offering its buffer by region (every transfer mode offered, as
+the engine's RTS) straight into the ring and spins for the receiver's FIN. A receiver
+whose ``Recv`` finds that RTS at the head of the ring, matching and fitting, pulls it
+with one copy (``process_vm_readv``) and answers FIN, also without the engine. Anything
+else takes the general path with nothing lost: the receiver leaves the RTS in the ring
+for its engine (which may answer it with a CTS), and the sender, seeing another packet
+or tired of spinning, hands its send to its engine (``Engine.adopt_send``) and waits
+there. The packets are the engine's own, so either side may be on either path.
+
+Why: the engine's RGET costs ~130 us of Python per message here, against a 10-120 us
+copy from 64 KiB to 1 MiB, so the ring's two copies were faster up to the 2 MiB eager
+limit (docs/architecture.md, "Direct rendezvous", has the runs).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+from . import _linux
+from .channel import FAST_SPINS, NOT_EAGER, RING_EMPTY, Inbox, Outbox
+from .connect import NEVER
+from .errors import CmaError
+from .protocol import (
+    ONE_REGION_RTS,
+    PULL,
+    SendOp,
+    decode_one_region_rts,
+    encode_one_region_rts,
+)
+from .transports import REGISTRY
+from .wire import ANY_TAG, FIN, RTS
+
+if TYPE_CHECKING:
+    from .progress import Progress
+
+ENV_DIRECT_FROM = "CMA_DIRECT_FROM"
+
+
+def direct_from(setting: str) -> int:
+    """``CMA_DIRECT_FROM``: a size in bytes, "off", or "" for the default (256 KiB)."""
+    if setting == "":
+        return 256 << 10
+    if setting == "off":
+        return NEVER
+    try:
+        value = int(setting)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"{ENV_DIRECT_FROM}={setting!r}: give a size in bytes or 'off'")
+    return value
+
+
+# The smallest message a blocking Send offers directly. Below it the eager ring's two
+# copies took less time than one copy plus the handshake on 2026-11-28's host; on a host
+# whose ring copies stay in cache (2026-11-24's: 1 MiB in 60 us, MPICH's one copy 96)
+# the ring may win further up, hence the setting (docs/architecture.md, "Direct
+# rendezvous").
+DIRECT_FROM = direct_from(os.environ.get(ENV_DIRECT_FROM, ""))
+
+
+class DirectRendezvous:
+    """Both halves of the direct rendezvous for one attached rank (its ``Progress``)."""
+
+    def __init__(self, progress: Progress) -> None:
+        self.progress = progress
+        self.rank = progress.rank
+        self.world = progress.world
+        self.inboxes = progress.inboxes
+        self.links = progress.links
+        self.transports = progress.transports
+        self.policy = progress.connection.policy
+        self.eager_limit = progress.config.eager_limit
+        self.offers = progress.engine.offers
+        self.ring = progress.ring
+        # A sender spins only with a core to itself (a spinning sender would hold back
+        # the receiver it waits for); otherwise its engine waits, yielding the CPU.
+        self.spins = 0 if progress.oversubscribed else FAST_SPINS
+        names = progress.connection.names
+        # the reach bits (World.reach) of the transports that pull
+        self.pull_bits = sum(1 << i for i, name in enumerate(names)
+                             if "pull" in REGISTRY.classes[name].styles)
+        self.pullers: dict[int, bool] = {}  # per peer: whether it can pull from this rank
+        self.pull_via: dict[int, str] = {}  # per peer: _pull_via's answer
+        self.fast_outboxes = progress.fast_outboxes
+
+    def can_pull(self, peer: int) -> bool:
+        """Whether ``peer`` has published that a transport of its reaches this rank's memory
+        to read it (until it has, it is asked again)."""
+        known = self.pullers.get(peer)
+        if known is None:
+            world = self.world
+            if not world.reach_published(peer, self.rank):
+                return False
+            known = self.pullers[peer] = bool(world.reach(peer, self.rank) & self.pull_bits)
+        return known
+
+    def send(self, outbox: Outbox, mv: memoryview, n: int, dest: int, tag: int) -> SendOp | None:
+        """Offer ``mv`` (``n`` bytes, C-contiguous) to ``dest`` and spin until it has copied
+        it: None. Otherwise the send, handed to the engine, for the caller to wait on."""
+        progress = self.progress
+        engine = progress.engine
+        msgid = engine.new_msgid()
+        rts = encode_one_region_rts(msgid, self.offers, _linux.local_address(mv), n)
+        if not outbox.put(RTS, tag, n, rts):
+            progress.transmit(dest, RTS, tag, n, rts)  # (queued behind a full ring)
+            return self._adopt(dest, tag, mv, n, msgid)
+        got = RING_EMPTY
+        try:
+            if outbox.peer_sleeping[0]:
+                self.ring(dest)
+            inbox = self.inboxes[dest]
+            spins = self.spins
+            while spins:
+                got = inbox.take_if(FIN, msgid)
+                if got != RING_EMPTY:
+                    break
+                spins -= 1
+        except BaseException:
+            self._adopt(dest, tag, mv, n, msgid)  # (its FIN comes later, to the engine)
+            raise
+        return None if got == 0 else self._adopt(dest, tag, mv, n, msgid)
+
+    def _adopt(self, dest: int, tag: int, mv: memoryview, n: int, msgid: int) -> SendOp:
+        op = SendOp(dest, tag, [mv], n, False, msgid)
+        self.progress.engine.adopt_send(op)
+        return op
+
+    def recv(self, inbox: Inbox, mv: memoryview, tag: int) -> int:
+        """If the packet at the head of ``inbox`` is an RTS for this receive (``tag``) that
+        fits ``mv`` and that the policy pulls: copy it into ``mv``, FIN the sender and
+        return its size (its tag in ``inbox.last_tag``). NOT_EAGER, the packet left in
+        the ring, when the general path must take it; it also raises what it meets."""
+        at = inbox.head_of(RTS, ONE_REGION_RTS.size)
+        if at < 0:
+            return NOT_EAGER
+        words = inbox.words
+        t = words[at + 1]
+        nbytes = words[at + 3]
+        if t != tag and (tag != ANY_TAG or t < 0) or nbytes > mv.nbytes:
+            return NOT_EAGER
+        offer = decode_one_region_rts(words[at + 4 : at + 9], nbytes)
+        if offer is None:
+            return NOT_EAGER
+        msgid, offers, region = offer
+        peer = inbox.peer
+        if nbytes <= self.eager_limit:
+            name = self.pull_via.get(peer)
+            if name is None:
+                name = self.pull_via[peer] = self._pull_via(peer, offers)
+        else:
+            mode, name = self.policy.choose(peer, nbytes, offers)
+            if mode != PULL:
+                name = ""
+        if not name:
+            return NOT_EAGER
+        transport = self.transports[name]
+        link = self.links[peer]
+        assert link is not None
+        local = mv if nbytes == mv.nbytes else mv[:nbytes]
+        progress = self.progress
+        try:
+            if transport.by_pid:
+                progress.confirm_pid(peer)
+                transport.read(link, (region,), (local,))
+                progress.confirm_pid(peer)
+            else:
+                transport.read(link, (region,), (local,))
+        except CmaError:
+            # (left in the ring: the general path copies again and raises what it meets
+            # there, as the caller's hooks translate it, cma.mpi's into mpi4py's)
+            return NOT_EAGER
+        except BaseException as exc:
+            progress.break_down(f"{type(exc).__name__} interrupted rank {self.rank} while it "
+                                f"copied a message from rank {peer}; that message is half "
+                                "received and its sender waits")
+            raise
+        try:
+            inbox.consume(ONE_REGION_RTS.size)
+            outbox = self.fast_outboxes.get(peer)
+            if outbox is None or not outbox.put(FIN, 0, msgid, b""):
+                progress.transmit(peer, FIN, 0, msgid, b"")  # (queued behind others)
+            elif outbox.peer_sleeping[0]:
+                self.ring(peer)
+        except BaseException as exc:
+            progress.break_down(f"{type(exc).__name__} interrupted rank {self.rank} while it "
+                                f"told rank {peer} that its message was received")
+            raise
+        stats = transport.stats
+        stats.messages += 1
+        stats.bytes += nbytes
+        inbox.last_tag = t
+        return nbytes
+
+    def _pull_via(self, peer: int, offers: int) -> str:
+        """The transport that pulls a rendezvous within the eager limit from ``peer`` (the
+        policy's choice, the same for every such message), or "" if none pulls."""
+        mode, name = self.policy.choose(peer, self.eager_limit, offers, ring_full=True)
+        return name if mode == PULL else ""

@@ -1,0 +1,414 @@
+"""The direct rendezvous (cma/direct.py): a blocking Send from DIRECT_FROM bytes offers its
+buffer by region, and a blocking Recv that finds that offer at the head of its ring pulls
+it with one copy, neither through the engine. Every way off that path (a posted receive,
+a buffer too small, a transport that does not pull, a dead peer, an interrupt) must end
+as the engine's rendezvous would.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from conftest import JOIN_TIMEOUT, TRANSPORTS, run_pair, stop_process
+
+import cma
+from cma import direct
+from cma.channel import Inbox
+from cma.connect import NEVER
+from cma.errors import CommBroken, ConcurrentUse, PeerGone, TruncationError
+from cma.transports import REGISTRY
+from cma.wire import RTS
+
+SIZES = [direct.DIRECT_FROM, 1 << 20, cma.ChannelConfig().eager_limit]
+TAG = 7
+# the transports whose receiver pulls (the direct path); shm only stages
+PULLING = [name for name in TRANSPORTS if name == "auto" or "pull" in REGISTRY.classes[name].styles]
+
+
+def pattern(nbytes: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
+
+
+def counting_direct_receives(comm: cma.Comm) -> list[int]:
+    """Count, in this process, the receives the direct path completed (their sizes)."""
+    taken: list[int] = []
+    original = direct.DirectRendezvous.recv
+
+    def recv(self: direct.DirectRendezvous, inbox: Inbox, mv: memoryview, tag: int) -> int:
+        n = original(self, inbox, mv, tag)
+        if n >= 0:
+            taken.append(n)
+        return n
+
+    direct.DirectRendezvous.recv = recv  # type: ignore[method-assign]
+    return taken
+
+
+def op_recv_direct(comm: cma.Comm, nbytes: int, seed: int, tag: int) -> dict[str, Any]:
+    """Say "ready", then Recv one message and report what came and how. (The sender waits
+    for "ready": otherwise the command's own receive could take its offer into the
+    engine's unexpected queue, which Recv then takes through the engine.)"""
+    taken = counting_direct_receives(comm)
+    comm.send("ready", dest=0, tag=TAG + 2)
+    comm.reset_stats()
+    buf = np.zeros(nbytes, np.uint8)
+    status = cma.Status()
+    comm.Recv(buf, source=0, tag=tag, status=status)
+    return {"same": bool((buf == pattern(nbytes, seed)).all()), "direct": list(taken),
+            "source": status.source, "tag": status.tag, "count": status.count,
+            "stats": comm.stats()}
+
+
+@pytest.mark.parametrize("nbytes", SIZES)
+def test_a_blocking_send_is_pulled_with_one_copy(peer, transport, nbytes):
+    """From DIRECT_FROM up to the eager limit a blocking Send to a receiver in Recv is
+    pulled by a transport (cma: one kernel copy), not copied through the ring twice; the
+    status is right."""
+    peer.start(op_recv_direct, nbytes, 1, cma.ANY_TAG)
+    assert peer.comm.recv(source=1, tag=TAG + 2) == "ready"
+    outbox = peer.comm._progress.outboxes[1]
+    eager_sent = outbox.eager_count
+    peer.comm.Send(pattern(nbytes, 1), dest=1, tag=TAG)
+    eager_sent = outbox.eager_count - eager_sent
+    got = peer.result()
+    assert got["same"]
+    assert (got["source"], got["tag"], got["count"]) == (0, TAG, nbytes)
+    if transport not in PULLING:
+        assert got["direct"] == [] and got["stats"]["eager"]["messages"] == 1
+        return
+    assert got["direct"] == [nbytes], "the receive did not take the direct path"
+    pulled = {name: s for name, s in got["stats"].items() if name != "eager" and s["messages"]}
+    assert len(pulled) == 1, pulled
+    (name, stats), = pulled.items()
+    copies = REGISTRY.classes[name].copies  # (vmfd: /proc/PID/mem reads through a kernel page)
+    assert stats["bytes"] == nbytes
+    assert (stats["user_copies"], stats["kernel_copies"]) == (copies.user, copies.kernel)
+    assert got["stats"]["eager"]["messages"] == 0
+    assert eager_sent == 0
+
+
+def op_post_then_recv(comm: cma.Comm, nbytes: int, seed: int) -> bool:
+    """An Irecv posted before the message comes, then waited on: the engine takes it."""
+    buf = np.zeros(nbytes, np.uint8)
+    req = comm.Irecv(buf, source=0, tag=TAG)
+    comm.send("posted", dest=0, tag=TAG + 1)
+    req.Wait()
+    return bool((buf == pattern(nbytes, seed)).all())
+
+
+def test_a_posted_receive_takes_the_offer_through_the_engine(peer):
+    nbytes = direct.DIRECT_FROM
+    peer.start(op_post_then_recv, nbytes, 2)
+    assert peer.comm.recv(source=1, tag=TAG + 1) == "posted"
+    peer.comm.Send(pattern(nbytes, 2), dest=1, tag=TAG)
+    assert peer.result()
+
+
+def op_recv_too_small(comm: cma.Comm, nbytes: int) -> str:
+    try:
+        comm.Recv(np.zeros(nbytes // 2, np.uint8), source=0, tag=TAG)
+    except TruncationError as exc:
+        return f"{exc.nbytes} {exc.capacity}"
+    return "no error"
+
+
+def test_an_offer_larger_than_the_buffer_truncates_and_frees_the_sender(peer):
+    nbytes = direct.DIRECT_FROM
+    peer.start(op_recv_too_small, nbytes)
+    peer.comm.Send(pattern(nbytes, 3), dest=1, tag=TAG)  # returns: the message was consumed
+    assert peer.result() == f"{nbytes} {nbytes // 2}"
+
+
+def op_recv_other_tag_first(comm: cma.Comm, nbytes: int) -> bool:
+    """The offer (tag TAG) waits at the head of the ring while a Recv for TAG + 1 runs."""
+    big = np.zeros(nbytes, np.uint8)
+    small = np.zeros(8, np.uint8)
+    req = comm.Irecv(big, source=0, tag=TAG)  # (so the sender's later eager one can come)
+    comm.Recv(small, source=0, tag=TAG + 1)
+    req.Wait()
+    return bool((big == pattern(nbytes, 4)).all()) and bool((small == 9).all())
+
+
+def test_an_offer_for_another_tag_is_left_to_the_engine(peer):
+    nbytes = direct.DIRECT_FROM
+    peer.start(op_recv_other_tag_first, nbytes)
+    peer.comm.Isend(np.full(8, 9, np.uint8), dest=1, tag=TAG + 1).Wait()
+    peer.comm.Send(pattern(nbytes, 4), dest=1, tag=TAG)
+    assert peer.result()
+
+
+def test_below_direct_from_a_send_stays_eager(peer, transport):
+    """A message just under DIRECT_FROM still goes through the ring (Send returns at once)."""
+    nbytes = direct.DIRECT_FROM - 1
+    peer.start(op_recv_direct, nbytes, 5, TAG)
+    assert peer.comm.recv(source=1, tag=TAG + 2) == "ready"
+    peer.comm.Send(pattern(nbytes, 5), dest=1, tag=TAG)
+    got = peer.result()
+    assert got["same"] and got["direct"] == []
+    assert got["stats"]["eager"]["messages"] == 1
+
+
+# ------------------------------------------------------------------ faults
+
+
+def _sender_dies_while_offering(comm: cma.Comm, ready: Any) -> None:
+    comm.attach()
+    comm.Barrier()
+    os.write(ready, b"x")
+    comm.Send(pattern(direct.DIRECT_FROM, 6), dest=0, tag=TAG)  # killed while waiting here
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", PULLING)
+def test_a_sender_killed_while_its_offer_waits_leaves_peergone(transport):
+    """The receiver finds the offer of a process that was killed and reaped: PeerGone, and
+    nothing copied into its buffer."""
+    a, b = cma.Pipe(transport)
+    ready_r, ready_w = os.pipe()
+    proc = mp.get_context("fork").Process(target=_sender_dies_while_offering,
+                                          args=(b, ready_w), daemon=True)
+    try:
+        proc.start()
+        b.close()
+        a.Barrier()
+        assert os.read(ready_r, 1) == b"x"
+        inbox = a._progress.inboxes[1]
+        deadline = time.monotonic() + JOIN_TIMEOUT
+        while inbox.head_of(RTS, direct.ONE_REGION_RTS.size) < 0:
+            assert time.monotonic() < deadline, "the offer never came"
+            time.sleep(0.001)
+        proc.kill()
+        proc.join(JOIN_TIMEOUT)
+        buf = np.zeros(direct.DIRECT_FROM, np.uint8)
+        with pytest.raises(PeerGone, match="rank 1"):
+            a.Recv(buf, source=1, tag=TAG)
+        assert not buf.any()
+    finally:
+        stop_process(proc)
+        a.close()
+        os.close(ready_r)
+        os.close(ready_w)
+
+
+def _receiver_exits_without_receiving(comm: cma.Comm) -> str:
+    comm.Barrier()
+    while not comm.Iprobe(source=0, tag=TAG):  # the offer is here: leave without taking it
+        time.sleep(0.001)
+    os._exit(0)
+
+
+def _send_to_a_receiver_that_exits(comm: cma.Comm) -> str:
+    comm.Barrier()
+    try:
+        comm.Send(pattern(direct.DIRECT_FROM, 7), dest=1, tag=TAG)
+    except PeerGone as exc:
+        return f"PeerGone: {exc}"
+    return "returned"
+
+
+@pytest.mark.timeout(60)
+def test_a_receiver_that_exits_ends_the_senders_wait_with_peergone():
+    ctx = mp.get_context("fork")
+    a, b = cma.Pipe("auto")
+    out_r, out_w = ctx.Pipe(duplex=False)
+
+    def rank0() -> None:
+        out_w.send(_send_to_a_receiver_that_exits(a))
+
+    sender = ctx.Process(target=rank0, daemon=True)
+    receiver = ctx.Process(target=_receiver_exits_without_receiving, args=(b,), daemon=True)
+    try:
+        sender.start()
+        receiver.start()
+        a.close()
+        b.close()
+        assert out_r.poll(JOIN_TIMEOUT), "the sender still waits for a receiver that exited"
+        assert out_r.recv().startswith("PeerGone: ")
+    finally:
+        stop_process(sender)
+        stop_process(receiver)
+
+
+def _interrupted_in_the_senders_spin(comm: cma.Comm) -> str:
+    """The first wait for the FIN raises KeyboardInterrupt (as a Ctrl-C there would): the
+    send is the engine's from then on, so the FIN that comes later is no protocol error
+    and the communicator stays usable."""
+    comm.attach()
+    original = Inbox.take_if
+
+    def interrupted(self: Inbox, kind: int, aux: int) -> int:
+        Inbox.take_if = original  # type: ignore[method-assign]
+        raise KeyboardInterrupt
+
+    Inbox.take_if = interrupted  # type: ignore[method-assign]
+    try:
+        comm.Send(pattern(direct.DIRECT_FROM, 8), dest=1, tag=TAG)
+    except KeyboardInterrupt:
+        pass
+    else:
+        return "no interrupt"
+    comm.Send(np.full(16, 1, np.uint8), dest=1, tag=TAG + 1)  # (the general path drains the FIN)
+    comm.Barrier()
+    return "usable"
+
+
+def _receive_both(comm: cma.Comm) -> bool:
+    big = np.zeros(direct.DIRECT_FROM, np.uint8)
+    small = np.zeros(16, np.uint8)
+    comm.Recv(big, source=0, tag=TAG)
+    comm.Recv(small, source=0, tag=TAG + 1)
+    comm.Barrier()
+    return bool((big == pattern(direct.DIRECT_FROM, 8)).all()) and bool((small == 1).all())
+
+
+@pytest.mark.timeout(60)
+def test_an_interrupt_in_the_senders_wait_hands_the_send_to_the_engine():
+    assert run_pair("auto", None, _interrupted_in_the_senders_spin, _receive_both) == [
+        "usable", True]
+
+
+def _interrupted_in_the_receivers_copy(comm: cma.Comm) -> str:
+    comm.attach()
+    transport = comm._progress.transports["cma"]
+
+    def interrupted(*args: Any) -> None:
+        raise KeyboardInterrupt
+
+    transport.read = interrupted
+    try:
+        comm.Recv(np.zeros(direct.DIRECT_FROM, np.uint8), source=0, tag=TAG)
+    except KeyboardInterrupt:
+        pass
+    else:
+        return "no interrupt"
+    try:
+        comm.Iprobe(source=0, tag=TAG)
+    except CommBroken as exc:
+        return str(exc)
+    return "usable"
+
+
+def _send_to_an_interrupted_receiver(comm: cma.Comm) -> str:
+    try:
+        comm.Send(pattern(direct.DIRECT_FROM, 9), dest=1, tag=TAG)
+    except PeerGone:
+        return "PeerGone"  # (the receiver closed its broken communicator and exited)
+    return "returned"
+
+
+@pytest.mark.timeout(60)
+def test_an_interrupt_in_the_receivers_copy_breaks_the_communicator():
+    """A copy cut short leaves a message half received that its sender waits for: the
+    communicator refuses further use, naming the interrupt, as the engine's pull does."""
+    sent, broken = run_pair("cma", None, _send_to_an_interrupted_receiver,
+                            _interrupted_in_the_receivers_copy)
+    assert "KeyboardInterrupt" in broken and "unusable" in broken, broken
+    assert sent == "PeerGone"
+
+
+def op_recv_once_released(comm: cma.Comm, nbytes: int, seed: int, path: str) -> bool:
+    """Recv once ``path`` exists (the test's other thread has done its check by then)."""
+    deadline = time.monotonic() + JOIN_TIMEOUT
+    while not os.path.exists(path):
+        assert time.monotonic() < deadline, "never released"
+        time.sleep(0.001)
+    buf = np.zeros(nbytes, np.uint8)
+    comm.Recv(buf, source=0, tag=TAG)
+    return bool((buf == pattern(nbytes, seed)).all())
+
+
+def test_a_second_thread_during_the_senders_wait_gets_concurrentuse(peer, transport, tmp_path):
+    if transport not in PULLING:
+        pytest.skip("shm sends eagerly: its Send does not wait for the receiver")
+    nbytes = direct.DIRECT_FROM
+    release = tmp_path / "release"
+    peer.start(op_recv_once_released, nbytes, 10, str(release))
+    entered = threading.Event()
+    outcome: list[BaseException | None] = []
+    original = Inbox.take_if
+
+    def take_if(self: Inbox, kind: int, aux: int) -> int:
+        entered.set()
+        return original(self, kind, aux)
+
+    def send() -> None:
+        try:
+            peer.comm.Send(pattern(nbytes, 10), dest=1, tag=TAG)
+            outcome.append(None)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            outcome.append(exc)
+
+    Inbox.take_if = take_if  # type: ignore[method-assign]
+    sender = threading.Thread(target=send)
+    try:
+        sender.start()
+        assert entered.wait(JOIN_TIMEOUT)
+        with pytest.raises(ConcurrentUse):
+            peer.comm.Iprobe(source=1, tag=TAG)
+    finally:
+        Inbox.take_if = original  # type: ignore[method-assign]
+        release.touch()
+        sender.join(JOIN_TIMEOUT)
+    assert outcome == [None]
+    assert peer.result()
+
+
+@pytest.mark.timeout(120)
+def test_the_ab_bench_compares_the_two_paths_it_names() -> None:
+    """bench/direct_ab.py, whose run docs/architecture.md quotes: each path's blocks moved
+    the receiver's messages the way the path says (pulled, or through the ring)."""
+    script = Path(__file__).resolve().parents[1] / "bench" / "direct_ab.py"
+    result = subprocess.run([sys.executable, str(script), "--sizes", "64K,512K", "--block", "20",
+                             "--blocks", "2"], capture_output=True, text=True, timeout=100)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = result.stdout.splitlines()[2:]
+    assert [row.split()[0] for row in rows] == ["65536", "524288"], result.stdout
+    for row in rows:
+        assert "'direct': {'cma': 21}" in row and "'eager': {'eager': 42}" in row, row
+
+
+@pytest.mark.parametrize("setting, expected", [("", 256 << 10), ("off", NEVER), ("1048576", 1 << 20),
+                                               ("0", 0)])
+def test_the_setting_names_the_smallest_direct_message(setting, expected):
+    assert direct.direct_from(setting) == expected
+
+
+@pytest.mark.parametrize("setting", ["-1", "256K", "on"])
+def test_a_setting_that_is_no_size_is_refused(setting):
+    with pytest.raises(ValueError, match="CMA_DIRECT_FROM"):
+        direct.direct_from(setting)
+
+
+def op_direct_from(comm: cma.Comm) -> int:
+    return comm._direct_from
+
+
+@pytest.mark.timeout(60)
+def test_cma_direct_from_off_keeps_blocking_sends_in_the_ring():
+    """Where the ring's copies are the faster (a host whose caches keep them warm), the
+    setting turns the direct rendezvous off: a blocking Send within the eager limit is
+    eager again, and returns at once."""
+    code = (
+        "import numpy as np, cma, multiprocessing as mp\n"
+        "a, b = cma.Pipe()\n"
+        "def child(b):\n"
+        "    b.Recv(np.zeros(1 << 20, np.uint8), source=0, tag=1)\n"
+        "    b.send(b.stats()['eager']['messages'], dest=0, tag=2)\n"
+        "    b.close()\n"
+        "p = mp.get_context('fork').Process(target=child, args=(b,)); p.start(); b.close()\n"
+        "a.Send(np.ones(1 << 20, np.uint8), dest=1, tag=1)\n"
+        "print(a.recv(source=1, tag=2)); a.close(); p.join(10)\n")
+    env = {**os.environ, direct.ENV_DIRECT_FROM: "off"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=50, env=env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["1"]  # (the child's one eager message: the 1 MiB one)

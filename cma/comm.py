@@ -340,10 +340,13 @@ class Comm(Collectives):
             mv = self.buffer_view(buf, send_view)
         n = mv.nbytes
         outbox = self._fast_outboxes.get(dest)
-        if outbox is not None and type(tag) is int and tag >= 0 and not self._busy:
-            if n >= self._direct_from and mv.__class__ is memoryview:
-                direct = self._direct
-                if direct is not None and direct.can_pull(dest):
+        # (each branch tests _busy last, right before setting it: a taken jump between the
+        # two would let another thread in, as on Python 3.10)
+        if outbox is not None and type(tag) is int and tag >= 0:
+            direct = self._direct
+            if n >= self._direct_from and mv.__class__ is memoryview and direct is not None \
+                    and direct.can_pull(dest):
+                if not self._busy:
                     self._busy = 1
                     try:
                         started = direct.send(outbox, mv, n, dest, tag)
@@ -352,7 +355,7 @@ class Comm(Collectives):
                     if started is not None:
                         self.general_send(mv, dest, tag, started)
                     return
-            if n <= self._eager_limit:
+            elif n <= self._eager_limit and not self._busy:
                 self._busy = 1
                 try:
                     sleeping = outbox.put_eager(tag, mv, n)
@@ -412,13 +415,16 @@ class Comm(Collectives):
         if progress is None or tag > TAG_MAX or not self.waits_alone() \
                 or not progress.await_head(inbox):
             return False  # (a tag out of range: the general path refuses it)
-        self._busy = 1
-        try:
-            n = inbox.take_eager(mv, tag)
-            if n == NOT_EAGER and self._direct is not None and mv.__class__ is memoryview:
-                n = self._direct.recv(inbox, mv, tag)
-        finally:
-            self._busy = 0
+        if not self._busy:  # (tested right before it is set: see Send)
+            self._busy = 1
+            try:
+                n = inbox.take_eager(mv, tag)
+                if n == NOT_EAGER and self._direct is not None and mv.__class__ is memoryview:
+                    n = self._direct.recv(inbox, mv, tag)
+            finally:
+                self._busy = 0
+        else:
+            n = NOT_EAGER  # (another thread is inside: the general path refuses this call)
         if n < 0:
             return False
         if status is not None:

@@ -264,7 +264,7 @@ def pid_still_held(pidfd: int) -> bool:
         signal.pidfd_send_signal(pidfd, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
+    except OSError:  # EPERM; EINVAL across pid namespaces; ENOSYS under some seccomp filters
         return process_alive(pidfd)
     return True
 

@@ -153,8 +153,8 @@ class Comm(Collectives):
     is docs/architecture.md, "What cma.Comm lets a subclass change"): ``make_request``,
     ``buffer_view``, ``spec_view``, ``remember_spec``, ``general_send``,
     ``general_recv``, ``general_isend``, ``general_irecv``, ``start_send``,
-    ``start_buffered_send``, ``operation_completed``, ``load_object`` and
-    ``waits_alone``. The fast paths call them on their way out only, so overriding one
+    ``start_buffered_send``, ``operation_completed``, ``load_object``, ``waits_alone``
+    and ``packets_queued``. The fast paths call them on their way out only, so overriding one
     costs a hot path nothing.
     """
 
@@ -328,8 +328,10 @@ class Comm(Collectives):
         """Blocking send of a buffer (``MPI.Comm.Send``).
 
         Returns at once for a message within the eager limit (copied into the ring, or
-        queued when the ring is full); a larger one returns once the transfer no longer
-        needs ``buf``, which needs the receiver to have matched it."""
+        queued when the ring is full) and below 256 KiB (``direct.DIRECT_FROM``); a
+        larger one returns once the transfer no longer needs ``buf``, which needs the
+        receiver to have matched it (from 256 KiB, where the receiver can read this
+        process, once it has copied it: the direct rendezvous)."""
         if buf is self._send_obj:
             mv = self._send_view
         elif buf.__class__ is list and buf and buf[0] is self._send_base and buf == self._send_spec:
@@ -345,7 +347,7 @@ class Comm(Collectives):
         if outbox is not None and type(tag) is int and tag >= 0:
             direct = self._direct
             if n >= self._direct_from and mv.__class__ is memoryview and direct is not None \
-                    and direct.can_pull(dest):
+                    and tag <= TAG_MAX and direct.can_pull(dest):
                 if not self._busy:
                     self._busy = 1
                     try:
@@ -432,6 +434,11 @@ class Comm(Collectives):
             status.tag = inbox.last_tag
             status.count = n
         return True
+
+    def packets_queued(self) -> None:
+        """Hook: a fast path left a packet queued behind a full ring (a direct receive's
+        FIN); it goes out during this rank's next call into cma. cma.mpi makes sure a wait
+        inside MPI is such a call."""
 
     def waits_alone(self) -> bool:
         """Hook: whether this rank's waits need move nothing but cma (``Recv`` may then sleep

@@ -1,14 +1,15 @@
 """The direct rendezvous: a blocking ``Send`` of ``DIRECT_FROM`` bytes or more and the
 blocking ``Recv`` that takes it, without the engine.
 
-The sender writes an RTS offering its buffer by region (every transfer mode offered, as
-the engine's RTS) straight into the ring and spins for the receiver's FIN. A receiver
-whose ``Recv`` finds that RTS at the head of the ring, matching and fitting, pulls it
-with one copy (``process_vm_readv``) and answers FIN, also without the engine. Anything
-else takes the general path with nothing lost: the receiver leaves the RTS in the ring
-for its engine (which may answer it with a CTS), and the sender, seeing another packet
-or tired of spinning, hands its send to its engine (``Engine.adopt_send``) and waits
-there. The packets are the engine's own, so either side may be on either path.
+The sender registers its send with its engine (``Engine.direct_send``), writes an RTS
+offering its buffer by region (every transfer mode offered, as the engine's RTS)
+straight into the ring and spins for the receiver's FIN. A receiver whose ``Recv`` finds
+that RTS at the head of the ring, matching and fitting, pulls it with one copy
+(``process_vm_readv``) and answers FIN, also without the engine. Anything else takes the
+general path with nothing lost: the receiver leaves the RTS in the ring for its engine
+(which may answer it with a CTS), and the sender, seeing another packet, tired of
+spinning or interrupted, leaves the rest to its engine, which knows the send already.
+The packets are the engine's own, so either side may be on either path.
 
 Why: the engine's RGET costs ~130 us of Python per message here, against a 10-120 us
 copy from 64 KiB to 1 MiB, so the ring's two copies were faster up to the 2 MiB eager
@@ -52,7 +53,7 @@ def direct_from(setting: str) -> int:
         value = -1
     if value < 0:
         raise ValueError(f"{ENV_DIRECT_FROM}={setting!r}: give a size in bytes or 'off'")
-    return value
+    return max(value, 1)  # (an empty message has no region to offer)
 
 
 # The smallest message a blocking Send offers directly. Below it the eager ring's two
@@ -87,6 +88,7 @@ class DirectRendezvous:
         self.pullers: dict[int, bool] = {}  # per peer: whether it can pull from this rank
         self.pull_via: dict[int, str] = {}  # per peer: _pull_via's answer
         self.fast_outboxes = progress.fast_outboxes
+        self.owner = progress.owner
 
     def can_pull(self, peer: int) -> bool:
         """Whether ``peer`` has published that a transport of its reaches this rank's memory
@@ -100,34 +102,29 @@ class DirectRendezvous:
         return known
 
     def send(self, outbox: Outbox, mv: memoryview, n: int, dest: int, tag: int) -> SendOp | None:
-        """Offer ``mv`` (``n`` bytes, C-contiguous) to ``dest`` and spin until it has copied
-        it: None. Otherwise the send, handed to the engine, for the caller to wait on."""
+        """Offer ``mv`` (``n`` > 0 bytes, C-contiguous) to ``dest`` and spin until it has
+        copied it: None. Otherwise the send, the engine's, for the caller to wait on."""
         progress = self.progress
         engine = progress.engine
-        msgid = engine.new_msgid()
-        rts = encode_one_region_rts(msgid, self.offers, _linux.local_address(mv), n)
+        addr = _linux.local_address(mv)
+        op = engine.direct_send(dest, tag, mv)
+        rts = encode_one_region_rts(op.msgid, self.offers, addr, n)
         if not outbox.put(RTS, tag, n, rts):
             progress.transmit(dest, RTS, tag, n, rts)  # (queued behind a full ring)
-            return self._adopt(dest, tag, mv, n, msgid)
-        got = RING_EMPTY
-        try:
-            if outbox.peer_sleeping[0]:
-                self.ring(dest)
-            inbox = self.inboxes[dest]
-            spins = self.spins
-            while spins:
-                got = inbox.take_if(FIN, msgid)
-                if got != RING_EMPTY:
-                    break
-                spins -= 1
-        except BaseException:
-            self._adopt(dest, tag, mv, n, msgid)  # (its FIN comes later, to the engine)
-            raise
-        return None if got == 0 else self._adopt(dest, tag, mv, n, msgid)
-
-    def _adopt(self, dest: int, tag: int, mv: memoryview, n: int, msgid: int) -> SendOp:
-        op = SendOp(dest, tag, [mv], n, False, msgid)
-        self.progress.engine.adopt_send(op)
+            return op
+        if outbox.peer_sleeping[0]:
+            self.ring(dest)
+        inbox = self.inboxes[dest]
+        msgid = op.msgid
+        spins = self.spins
+        while spins:
+            got = inbox.take_if(FIN, msgid)
+            if got == 0:
+                engine.direct_done(op)
+                return None
+            if got != RING_EMPTY:
+                break  # (another packet first: the engine takes it, and then the FIN)
+            spins -= 1
         return op
 
     def recv(self, inbox: Inbox, mv: memoryview, tag: int) -> int:
@@ -184,6 +181,7 @@ class DirectRendezvous:
             outbox = self.fast_outboxes.get(peer)
             if outbox is None or not outbox.put(FIN, 0, msgid, b""):
                 progress.transmit(peer, FIN, 0, msgid, b"")  # (queued behind others)
+                self.owner.packets_queued()  # (it goes out in a later call: cma.mpi's hook)
             elif outbox.peer_sleeping[0]:
                 self.ring(peer)
         except BaseException as exc:

@@ -763,15 +763,21 @@ class Engine:
         op.awaits_cts = op.awaits_fin = True
         return op, [Transmit(dest, RTS | flag, tag, nbytes, rts)]
 
-    def new_msgid(self) -> int:
-        """An id for a message whose RTS the I/O layer writes itself (the direct rendezvous)."""
-        return next(self._ids)
-
-    def adopt_send(self, op: SendOp) -> None:
-        """Take over ``op``, whose RTS (``op.msgid``, every transfer mode offered) the I/O
-        layer wrote itself: from here on it awaits a CTS or FIN as any rendezvous send."""
+    def direct_send(self, dest: int, tag: int, segment: memoryview) -> SendOp:
+        """A send of ``segment`` whose RTS (one region, every transfer mode offered: the direct
+        rendezvous) the I/O layer writes itself, registered before that RTS goes out: a CTS
+        or FIN for it is then the engine's to take whenever the I/O layer stops waiting,
+        however it stops (an interrupt included)."""
+        op = SendOp(dest, tag, [segment], segment.nbytes, False, next(self._ids))
         op.awaits_cts = op.awaits_fin = True
         self.sends[op.msgid] = op
+        return op
+
+    def direct_done(self, op: SendOp) -> None:
+        """The I/O layer took ``op``'s FIN itself: the send is complete."""
+        del self.sends[op.msgid]
+        op.awaits_cts = op.awaits_fin = False
+        op.done = True
 
     def recv(self, source: int, tag: int, buffer: memoryview | None, view: bool = False
              ) -> tuple[RecvOp, list[Action]]:

@@ -24,7 +24,7 @@ import cma
 from cma import direct
 from cma.channel import Inbox
 from cma.connect import NEVER
-from cma.errors import CommBroken, ConcurrentUse, PeerGone, TruncationError
+from cma.errors import CommBroken, ConcurrentUse, InvalidTag, PeerGone, TruncationError
 from cma.transports import REGISTRY
 from cma.wire import RTS
 
@@ -240,8 +240,8 @@ def test_a_receiver_that_exits_ends_the_senders_wait_with_peergone():
 
 def _interrupted_in_the_senders_spin(comm: cma.Comm) -> str:
     """The first wait for the FIN raises KeyboardInterrupt (as a Ctrl-C there would): the
-    send is the engine's from then on, so the FIN that comes later is no protocol error
-    and the communicator stays usable."""
+    engine knew the send before its RTS went out, so the FIN that comes later is no
+    protocol error and the communicator stays usable."""
     comm.attach()
     original = Inbox.take_if
 
@@ -377,7 +377,7 @@ def test_the_ab_bench_compares_the_two_paths_it_names() -> None:
 
 
 @pytest.mark.parametrize("setting, expected", [("", 256 << 10), ("off", NEVER), ("1048576", 1 << 20),
-                                               ("0", 0)])
+                                               ("0", 1)])
 def test_the_setting_names_the_smallest_direct_message(setting, expected):
     assert direct.direct_from(setting) == expected
 
@@ -412,3 +412,10 @@ def test_cma_direct_from_off_keeps_blocking_sends_in_the_ring():
                             timeout=50, env=env)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.split() == ["1"]  # (the child's one eager message: the 1 MiB one)
+
+
+def test_a_tag_out_of_range_is_refused_before_anything_is_offered(peer):
+    """2**63 does not fit the packet's tag word: InvalidTag, as for an eager message, not
+    a ValueError from the ring."""
+    with pytest.raises(InvalidTag):
+        peer.comm.Send(pattern(direct.DIRECT_FROM, 11), dest=1, tag=2**63)

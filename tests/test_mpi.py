@@ -173,11 +173,12 @@ def test_datatype_layouts() -> None:
     expect_ok(1, "layouts.py", "300")
 
 
-@pytest.mark.parametrize(("n", "kind"), [(2, "buffers"), (3, "buffers"), (2, "objects")])
+@pytest.mark.parametrize(("n", "kind"), [(2, "buffers"), (3, "buffers"), (2, "objects"),
+                                         (2, "fin")])
 def test_queued_messages_move_while_mpi_waits(n: int, kind: str) -> None:
     """Eager sends queued behind a full ring reach the peer while the sender waits in a
     plain MPI call (queued.py; it hung in MPI's Barrier before the hook stayed armed, and
-    for objects before ``send`` armed it)."""
+    for objects before ``send`` armed it); so does a direct receive's FIN."""
     expect_ok(n, "queued.py", kind)
 
 

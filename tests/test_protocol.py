@@ -663,36 +663,48 @@ def test_anything_but_a_pullable_one_region_rts_is_left_to_decode_rts(words, nby
     assert decode_one_region_rts(words, nbytes) is None
 
 
+def direct_rts(net: Net, data: bytes, tag: int = 2) -> SendOp:
+    """What DirectRendezvous.send does: register the send, then write its RTS itself."""
+    segment = net.mem.buffer(data)
+    op = net.engines[0].direct_send(1, tag, segment)
+    region = net.mem.region_of(segment)
+    net.wire[(0, 1)].append(Transmit(1, RTS, tag, len(data),
+                                     encode_one_region_rts(op.msgid, ALL, region.addr, len(data))))
+    return op
+
+
 @pytest.mark.parametrize("push", [False, True])
-def test_a_send_whose_rts_the_io_layer_wrote_completes_in_the_engine(push):
-    """Adopted after the I/O layer wrote its RTS (a direct send that stopped waiting), a send
-    completes on the receiver's FIN (RGET) or pushes on its CTS (RPUT), as the engine's own."""
+def test_a_direct_send_left_to_the_engine_completes_there(push):
+    """A direct send whose sender stopped waiting completes on the receiver's FIN (RGET) or
+    pushes on its CTS (RPUT), as the engine's own sends do."""
     net = Net(policies=[pull_policy(1), pull_policy(0, push=push)])
     data = payload(5000, 4)
-    segment = net.mem.buffer(data)
-    sender = net.engines[0]
-    msgid = sender.new_msgid()
-    region = net.mem.region_of(segment)
-    rts = encode_one_region_rts(msgid, ALL, region.addr, region.nbytes)
-    net.wire[(0, 1)].append(Transmit(1, RTS, 2, 5000, rts))
-    op = SendOp(1, 2, [segment], 5000, False, msgid)
-    sender.adopt_send(op)
+    op = direct_rts(net, data)
+    assert net.engines[0].sends == {op.msgid: op}
     rop = net.recv(1, 0, 2, 8000)
     net.pump()
     assert received(rop) == data and rop.mechanism == "cma"
-    assert op.done and net.completed[0] == [op] and not sender.sends
+    assert op.done and net.completed[0] == [op] and not net.engines[0].sends
     assert bool(net.kinds(0, Push)) == push
 
 
-def test_a_send_whose_rts_was_written_without_adoption_gets_a_protocol_error_at_its_fin():
-    """Why a direct send is adopted whenever it stops waiting for its FIN: the engine
-    refuses a FIN for a message it does not know."""
+def test_a_direct_send_whose_fin_the_io_layer_took_is_done_and_forgotten():
     net = Net(policies=[pull_policy(1), pull_policy(0)])
-    segment = net.mem.buffer(payload(5000, 5))
-    region = net.mem.region_of(segment)
-    msgid = net.engines[0].new_msgid()
-    net.wire[(0, 1)].append(
-        Transmit(1, RTS, 2, 5000, encode_one_region_rts(msgid, ALL, region.addr, 5000)))
+    op = direct_rts(net, payload(5000, 5))
+    net.recv(1, 0, 2, 8000)
+    net.step_packet(0, 1)  # the RTS: the receiver pulls and answers FIN
+    fin = net.wire[(1, 0)].popleft()  # taken by the sender's I/O layer, not its engine
+    assert (fin.kind, fin.aux) == (FIN, op.msgid)
+    net.engines[0].direct_done(op)
+    assert op.done and not net.engines[0].sends and net.completed[0] == []
+
+
+def test_a_fin_for_a_send_the_engine_does_not_know_is_a_protocol_error():
+    """Why a direct send is registered before its RTS goes out: a FIN the engine meets for
+    a message it does not know is refused as a forgery."""
+    net = Net(policies=[pull_policy(1), pull_policy(0)])
+    op = direct_rts(net, payload(5000, 6))
+    del net.engines[0].sends[op.msgid]
     net.recv(1, 0, 2, 8000)
     with pytest.raises(ProtocolError, match="a FIN for message"):
         net.pump()

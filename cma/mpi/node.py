@@ -75,6 +75,11 @@ class NodeComm(CmaComm):
         self._typed_spec: list[Any] = []
         self._typed: Typed | None = None
 
+    def packets_queued(self) -> None:
+        """Hook (``cma.Comm.packets_queued``): MPI's progress hook sends them if this rank
+        next waits inside MPI."""
+        self._keep_moving()
+
     def waits_alone(self) -> bool:
         """Hook (``cma.Comm.waits_alone``): not on a mixed rank, whose waits keep MPI moving."""
         return self._mixed is None

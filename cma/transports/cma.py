@@ -115,6 +115,7 @@ class CmaTransport(Transport):
             moved = _linux.process_vm_copy(pid, _linux.iovec(_linux.local_address(local), n),
                                            _linux.iovec(region.addr, n), write=write, what="")
         except CmaError:
+            self.stats.count_copy(syscalls=1)
             return False  # (the general path meets the error again and says where)
         self.stats.count_copy(kernel=moved, syscalls=1)
         return moved == n  # (short: a page the kernel could not pin; copied again whole)

@@ -9,7 +9,13 @@ waits for ever (osu_bibw hung this way). The other ranks only take part in the B
 
 ``objects`` (argv): the same with pickled objects sent by ``comm.send``, which completes
 once its packet is queued too (cma-bench's statistics message hung so, 1 run in 12, while
-the sender waited in MPI's Barrier of the next step). Prints "OK <rank>" at the end.
+the sender waited in MPI's Barrier of the next step).
+
+``fin`` (argv): the packet queued is the FIN of a direct receive (cma/direct.py). Rank 1
+fills its ring to rank 0 with eager Isends, then receives rank 0's blocking 256 KiB Send
+by the direct path, whose FIN finds that ring full, and goes into a plain MPI Barrier;
+rank 0's Send waits for that FIN (it waited for ever before the direct path armed the
+hook). Prints "OK <rank>" at the end.
 """
 
 from __future__ import annotations
@@ -26,6 +32,31 @@ comm = cma.mpi.Comm(MPI.COMM_WORLD)
 rank = comm.Get_rank()
 COUNT, SIZE = 64, 256 << 10  # 16 MiB in all: twice the ring, each below the queued-copy limit
 objects = sys.argv[1:] == ["objects"]
+FILL = (2 << 20) - 32  # four packets of exactly 2 MiB fill an 8 MiB ring
+
+if sys.argv[1:] == ["fin"]:
+    if rank == 1:
+        fills = [comm.Isend(np.full(FILL, k, np.uint8), 0, 6) for k in range(4)]
+        MPI.COMM_WORLD.Barrier()
+        got = np.empty(SIZE, np.uint8)
+        comm.Recv(got, 0, 5)
+        assert got[0] == got[-1] == 7
+        MPI.COMM_WORLD.Barrier()  # plain MPI: the queued FIN must still go out
+        MPI.Request.Waitall(fills)
+    elif rank == 0:
+        MPI.COMM_WORLD.Barrier()
+        time.sleep(0.05)  # (rank 1 waits in its Recv by now)
+        comm.Send(np.full(SIZE, 7, np.uint8), 1, 5)
+        got = np.empty(FILL, np.uint8)
+        for k in range(4):
+            comm.Recv(got, 1, 6)
+            assert got[0] == got[-1] == k
+        MPI.COMM_WORLD.Barrier()
+    else:
+        MPI.COMM_WORLD.Barrier()
+        MPI.COMM_WORLD.Barrier()
+    print(f"OK {rank}", flush=True)
+    sys.exit(0)
 
 if rank == 0:
     if objects:

@@ -22,6 +22,7 @@ from conftest import wait_asleep_in_poll
 
 import cma
 from cma.comm import _shared_fds
+from cma.direct import DIRECT_FROM
 from cma.errors import ConcurrentUse
 from cma.world import WorldFds
 
@@ -63,10 +64,11 @@ def op_recv(comm: cma.Comm, nbytes: int) -> str:
     return digest(buf)
 
 
-def op_check_race(comm: cma.Comm) -> dict[int, int]:
-    """Receive the race's messages: on tag k, (k, i) with i the next of k's sequence, until
-    STOP_TAG brings the counts sent. Raises on the first message out of place."""
-    buf = np.zeros(2, np.int64)
+def op_check_race(comm: cma.Comm, nbytes: int = 16) -> dict[int, int]:
+    """Receive the race's messages (at most ``nbytes`` each): on tag k, (k, i) with i the
+    next of k's sequence in their first 16 bytes, until STOP_TAG brings the counts sent.
+    Raises on the first message out of place."""
+    buf = np.zeros(nbytes // 8, np.int64)
     status = cma.Status()
     seen = {1: 0, 2: 0}
     while True:
@@ -77,7 +79,7 @@ def op_check_race(comm: cma.Comm) -> dict[int, int]:
             assert seen == sent, f"received {seen}, sent {sent}"
             return seen
         assert tag in seen and buf[0] == tag and buf[1] == seen[tag], \
-            f"message {buf.tolist()} with tag {tag}; expected ({tag}, {seen.get(tag)})"
+            f"message {buf[:2].tolist()} with tag {tag}; expected ({tag}, {seen.get(tag)})"
         seen[tag] += 1
 
 
@@ -198,6 +200,42 @@ def test_two_threads_sending_at_once_lose_and_corrupt_nothing(peer, fast_switche
     assert done == {1: True, 2: True}
     peer.comm.Send(np.array([RACE_SENDS, RACE_SENDS], np.int64), dest=1, tag=STOP_TAG)
     assert peer.result() == {1: RACE_SENDS, 2: RACE_SENDS}
+    assert sum(refused.values()) > 0, "the two threads never met inside a call"
+    round_trip(peer)
+
+
+@pytest.mark.parametrize("transport", ["auto"], scope="module")
+@pytest.mark.timeout(180)
+def test_a_thread_in_direct_sends_and_one_in_eager_sends_corrupt_nothing(peer, fast_switches):
+    """As above, with thread 1's messages large enough for the direct rendezvous (its RTS
+    written into the ring, its FIN taken from the other): a thread switch between the
+    test of the busy word and its setting let the other thread write into the same ring
+    (found by review on Python 3.11 in runs of 60-120 s; on 3.10 the test above failed)."""
+    nbytes = DIRECT_FROM
+    peer.start(op_check_race, nbytes)
+    counts = {1: RACE_SENDS // 40, 2: RACE_SENDS}
+    refused = {1: 0, 2: 0}
+
+    def sender(k: int) -> None:
+        msg = np.zeros((nbytes if k == 1 else 16) // 8, np.int64)
+        msg[0] = k
+        for i in range(counts[k]):
+            msg[1] = i
+            while True:
+                try:
+                    peer.comm.Send(msg, dest=1, tag=k)
+                    break
+                except ConcurrentUse:
+                    refused[k] += 1
+
+    threads = [threading.Thread(target=sender, args=(k,), daemon=True) for k in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(JOIN_TIMEOUT)
+    assert not any(t.is_alive() for t in threads), "a sending thread did not finish"
+    peer.comm.Send(np.array([counts[1], counts[2]], np.int64), dest=1, tag=STOP_TAG)
+    assert peer.result() == counts
     assert sum(refused.values()) > 0, "the two threads never met inside a call"
     round_trip(peer)
 

@@ -107,7 +107,8 @@ class CmaTransport(Transport):
         (a third of a direct rendezvous's Python: docs/architecture.md, "Direct
         rendezvous"); False when the general path must copy it (or explain a failure)."""
         n = local.nbytes
-        if not (0 < n == region.nbytes and n <= CALL_BYTES and local.c_contiguous
+        if not (0 < n == region.nbytes and n <= CALL_BYTES and 0 <= region.addr < 1 << 63
+                and local.c_contiguous
                 and (write or not local.readonly)
                 and (self._split.threads == 1 or n < SPLIT_THRESHOLD)):
             return False

@@ -251,6 +251,14 @@ def pidfd_getfd(pidfd: int, target_fd: int) -> int:
     return int(fd)
 
 
+def is_eventfd(fd: int) -> bool:
+    """Whether ``fd`` is an eventfd (what a doorbell taken by number must be)."""
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[eventfd]"
+    except OSError:
+        return False
+
+
 def process_alive(pidfd: int) -> bool:
     return not wait_readable([pidfd], 0)
 

@@ -2,8 +2,9 @@
 
 One memfd-backed segment holds everything a world of N ranks shares:
 
-    header      per rank: pid, sleeping flag, connect phase, connect hint; then which
-                transports each rank reaches each peer with (the reach matrix)
+    header      per rank: pid, sleeping flag, connect phase, connect hint, doorbell fd
+                number; then which transports each rank reaches each peer with (the
+                reach matrix)
     per ordered pair (i -> j), page aligned:
         control page    head (written by i), tail (by j), staging filled (by i), drained (by j),
                         each on its own cache line so the two sides never write the same line
@@ -81,6 +82,9 @@ LAUNCHED = 3  # the pid of the process started to attach this rank, when its sta
 # set to 1 by any peer that has just connected to this rank (its reach word towards this rank
 # is published), cleared by this rank as it looks: the hint to map that peer's channels
 CONNECTS = 4
+# the number of this rank's doorbell fd in its own process, for peers to take with
+# pidfd_getfd (World.open_pair); -1 (never published) sends them to its fd server
+DOORBELL = 5
 # in a reach word: the rank has probed the peer (a mask of 0 alone would read as "not yet")
 REACH_PUBLISHED = 1 << 62
 

@@ -5,12 +5,13 @@ per rank. Whoever creates the world (``cma.Pipe``, the ``cma-run`` launcher, the
 mpi4py plugin) hands those fds to every rank: by fork inheritance, by pickling for
 ``multiprocessing`` spawn, by ``pass_fds`` and the environment, or over a Unix socket.
 
-Each rank then *attaches* in its own process: it publishes its pid and starts a small
-fd server on an abstract Unix socket (nothing on disk to leak) so verified peers can
-fetch fds it exposes (its doorbell, the vmfd transport's /proc/self/mem; cma.mpi's node
+Each rank then *attaches* in its own process: it publishes its pid and its doorbell's
+fd number and starts a small fd server on an abstract Unix socket (nothing on disk to
+leak) so verified peers can fetch fds it exposes (its doorbell, where ptrace rules keep
+them from taking it by number; the vmfd transport's /proc/self/mem; cma.mpi's node
 rank 0 serves the world's own fds so, before it attaches). It *connects* a peer when it
 first talks to it (``open_pair``): waits until that peer has attached, opens its pidfd,
-maps the pair's two channels, fetches its doorbell, probes the transports against it and
+maps the pair's two channels, takes its doorbell, probes the transports against it and
 publishes what it can reach (``publish_reach``), which also tells the peer to map the
 pair in turn. A world of two ranks connects its pair at attach and waits for the peer's
 probe too, so an explicitly requested transport that cannot work fails there, on both
@@ -32,6 +33,7 @@ from dataclasses import dataclass, field
 from . import _linux
 from .channel import (
     CONNECTS,
+    DOORBELL,
     LAUNCHED,
     PHASE,
     PID,
@@ -298,6 +300,7 @@ class World:
         self._start_server()
         bell = self.fds.doorbells[self.rank]
         self.expose_fd("doorbell", lambda: os.dup(bell))
+        self.header[self._word(self.rank, DOORBELL)] = bell
         self.header[self._word(self.rank, PID)] = os.getpid()
         self.header[self._word(self.rank, PHASE)] = PHASE_PUBLISHED
 
@@ -321,10 +324,27 @@ class World:
         self._watch(peer)
         if self.fds.doorbells[peer] < 0:
             try:
-                self.fds.doorbells[peer] = self.fetch_fd(peer, "doorbell")
+                self.fds.doorbells[peer] = self._take_doorbell(peer)
             except CmaError:
                 if not self.has_closed(peer):
                     raise
+
+    def _take_doorbell(self, peer: int) -> int:
+        """``peer``'s doorbell: taken with pidfd_getfd by the number it published, else
+        (ptrace rules refuse it, the fd taken is no eventfd) fetched from its fd server,
+        which costs a connection and a wake-up of its server thread (14 % of a 64-rank
+        world's first all-peer exchange: docs/architecture.md, "Connect time")."""
+        number = self.header[self._word(peer, DOORBELL)]
+        if 0 <= number < 1 << 31:
+            try:
+                fd = _linux.pidfd_getfd(self.pidfds[peer], number)
+            except OSError:  # EPERM (ptrace rules), ENOSYS (before Linux 5.6), EBADF
+                fd = -1
+            if fd >= 0:
+                if _linux.is_eventfd(fd):
+                    return fd
+                _linux.close_fd(fd)  # (the number names something else: not ours to ring)
+        return self.fetch_fd(peer, "doorbell")
 
     def publish_reach(self, peer: int, mask: int) -> None:
         """Publish what this rank reaches ``peer`` with, and tell ``peer`` to connect back."""

@@ -8,6 +8,7 @@ to die or a fresh communicator start their own short-lived child.
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import hashlib
 import mmap
@@ -1909,3 +1910,62 @@ def test_eager_sends_wake_a_sleeping_receiver_and_only_it(monkeypatch):
     finally:
         stop_process(p, 2.0)
         a.close()
+
+
+def sleeping_receiver(comm, receiving, woken):
+    comm.attach()
+    receiving.set()
+    comm.Recv(np.zeros(16, np.uint8), 0, tag=3)  # asleep in epoll_wait until woken
+    woken.set()
+    comm.close()
+
+
+@pytest.mark.parametrize("way", ["pidfd_getfd", "fd server"])
+def test_a_peers_doorbell_is_taken_by_number_or_fetched_from_its_server(monkeypatch, way):
+    """A rank takes its peer's doorbell with pidfd_getfd by the number the peer published
+    (no fd-server round trip), or, where that is refused, from the peer's fd server;
+    either way it wakes the peer asleep in a receive (whose timed wake-up is a minute)."""
+    monkeypatch.setattr(cma.progress, "SLEEP_MS", 60_000)  # (every patch reaches the fork)
+    if way == "pidfd_getfd":
+        fetch = cma.world.World.fetch_fd
+
+        def no_doorbell_from_the_server(self, rank, name):
+            assert name != "doorbell", "the doorbell came from the fd server"
+            return fetch(self, rank, name)
+
+        monkeypatch.setattr(cma.world.World, "fetch_fd", no_doorbell_from_the_server)
+    else:
+        def refused(pidfd, number):
+            raise PermissionError(errno.EPERM, "refused by ptrace rules")
+
+        monkeypatch.setattr(cma._linux, "pidfd_getfd", refused)
+    ctx = mp.get_context("fork")
+    receiving, woken = ctx.Event(), ctx.Event()
+    a, b = cma.Pipe(transport="shm")
+    p = ctx.Process(target=sleeping_receiver, args=(b, receiving, woken))
+    try:
+        p.start()
+        b.close()
+        a.attach()
+        assert receiving.wait(JOIN_TIMEOUT)
+        wait_asleep_in_poll(p.pid, what="the receiver's Recv")
+        a.Send(np.ones(16, np.uint8), 1, tag=3)
+        assert woken.wait(5), "the receiver asleep in Recv was not woken"
+        p.join(JOIN_TIMEOUT)
+        assert p.exitcode == 0
+    finally:
+        stop_process(p, 2.0)
+        a.close()
+
+
+def test_only_an_eventfd_passes_for_a_doorbell():
+    """What a doorbell taken by number is checked to be (a reused number may name any fd)."""
+    bell = cma._linux.eventfd()
+    r, w = os.pipe()
+    try:
+        assert cma._linux.is_eventfd(bell)
+        assert not cma._linux.is_eventfd(r) and not cma._linux.is_eventfd(w)
+        assert not cma._linux.is_eventfd(-1)
+    finally:
+        for fd in (bell, r, w):
+            os.close(fd)

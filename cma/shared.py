@@ -123,7 +123,7 @@ def _map(node: Comm, world: World, root: int, writable: bool) -> np.ndarray[Any,
     error = None
     try:
         node.connect(root)  # (peers connect on first use: the bcast need not have named it)
-        fd = _take_fd(world, root, name, root_fd)
+        fd = world.take_fd(root, root_fd, name)
         # whole pages around the array (at least one byte, so a 0-size array maps too)
         first = offset - offset % mmap.ALLOCATIONGRANULARITY
         end = offset + max(math.prod(shape) * dtype.itemsize, 1)
@@ -134,16 +134,6 @@ def _map(node: Comm, world: World, root: int, writable: bool) -> np.ndarray[Any,
     _all_succeeded(node, error)
     assert arr is not None  # no error anywhere
     return arr
-
-
-def _take_fd(world: World, root: int, name: str, root_fd: int) -> int:
-    """The root's fd: taken with pidfd_getfd where ptrace rules allow (0.03 ms; the fd
-    server costs a connection and a wake-up of the root's server thread), else fetched
-    from the fd server."""
-    try:
-        return _linux.pidfd_getfd(world.pidfds[root], root_fd)
-    except OSError:  # EPERM (ptrace rules), ENOSYS (before Linux 5.6)
-        return world.fetch_fd(root, name)
 
 
 def _all_succeeded(node: Comm, error: str | None) -> None:

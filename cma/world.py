@@ -209,15 +209,8 @@ class PeerLink:
         return self.world.fetch_fd(self.rank, name)
 
     def take_fd(self, number: int, name: str) -> int:
-        """The peer's fd ``number``, taken with pidfd_getfd where ptrace rules allow (~3 us),
-        else the fd it exposed as ``name``, fetched from its fd server (~50 us)."""
-        pidfd = self.world.pidfds[self.rank]
-        if pidfd >= 0:
-            try:
-                return _linux.pidfd_getfd(pidfd, number)
-            except OSError:  # EPERM (ptrace rules), ENOSYS (before Linux 5.6), EBADF
-                pass
-        return self.fetch_fd(name)
+        """The peer's fd ``number`` (``World.take_fd``)."""
+        return self.world.take_fd(self.rank, number, name)
 
 
 class World:
@@ -330,21 +323,29 @@ class World:
                     raise
 
     def _take_doorbell(self, peer: int) -> int:
-        """``peer``'s doorbell: taken with pidfd_getfd by the number it published, else
-        (ptrace rules refuse it, the fd taken is no eventfd) fetched from its fd server,
-        which costs a connection and a wake-up of its server thread (14 % of a 64-rank
-        world's first all-peer exchange: docs/architecture.md, "Connect time")."""
-        number = self.header[self._word(peer, DOORBELL)]
-        if 0 <= number < 1 << 31:
+        """``peer``'s doorbell, by the number it published, checked to be an eventfd (a
+        reused number may name any fd, and a doorbell is written to). The fd server's
+        round trips for doorbells were 14 % of a 64-rank world's first all-peer exchange
+        (docs/architecture.md, "Connect time")."""
+        return self.take_fd(peer, self.header[self._word(peer, DOORBELL)], "doorbell",
+                            _linux.is_eventfd)
+
+    def take_fd(self, peer: int, number: int, name: str,
+                accept: Callable[[int], bool] | None = None) -> int:
+        """``peer``'s fd ``number``, taken with pidfd_getfd where ptrace rules allow (~3 us),
+        else the fd it exposed as ``name``, fetched from its fd server (~50 us and a
+        wake-up of its server thread); so too when ``accept(fd)`` refuses the fd taken."""
+        pidfd = self.pidfds[peer]
+        if pidfd >= 0 and 0 <= number < 1 << 31:
             try:
-                fd = _linux.pidfd_getfd(self.pidfds[peer], number)
+                fd = _linux.pidfd_getfd(pidfd, number)
             except OSError:  # EPERM (ptrace rules), ENOSYS (before Linux 5.6), EBADF
                 fd = -1
             if fd >= 0:
-                if _linux.is_eventfd(fd):
+                if accept is None or accept(fd):
                     return fd
-                _linux.close_fd(fd)  # (the number names something else: not ours to ring)
-        return self.fetch_fd(peer, "doorbell")
+                _linux.close_fd(fd)  # (the number names something else)
+        return self.fetch_fd(peer, name)
 
     def publish_reach(self, peer: int, mask: int) -> None:
         """Publish what this rank reaches ``peer`` with, and tell ``peer`` to connect back."""

@@ -405,35 +405,19 @@ class Comm(Collectives):
                     status.tag = inbox.last_tag
                     status.count = n
                 return
-            if n == RING_EMPTY and self._recv_late(inbox, mv, tag, status):
+            if n == RING_EMPTY and self._await_late(inbox, tag):
+                self.Recv(buf, source, tag, status)  # (its packet is at the head now)
                 return
         self.general_recv(mv, source, tag, status)
 
-    def _recv_late(self, inbox: Inbox, mv: memoryview, tag: int, status: Status | None) -> bool:
-        """Recv's fast path once more, for a message that comes after its spin: sleep until
-        the peer's next packet (``Progress.await_head``) and take it as the fast path does
-        if it can; False (nothing taken) otherwise, and ``Recv`` waits in the engine."""
+    def _await_late(self, inbox: Inbox, tag: int) -> bool:
+        """For a Recv whose spin found the ring empty: sleep until the peer's next packet
+        (``Progress.await_head``), for the fast path to take it on a second pass; False
+        (nothing waited for) where the engine must wait instead."""
         progress = self._progress
-        if progress is None or tag > TAG_MAX or not self.waits_alone() \
-                or not progress.await_head(inbox):
-            return False  # (a tag out of range: the general path refuses it)
-        if not self._busy:  # (tested right before it is set: see Send)
-            self._busy = 1
-            try:
-                n = inbox.take_eager(mv, tag)
-                if n == NOT_EAGER and self._direct is not None and mv.__class__ is memoryview:
-                    n = self._direct.recv(inbox, mv, tag)
-            finally:
-                self._busy = 0
-        else:
-            n = NOT_EAGER  # (another thread is inside: the general path refuses this call)
-        if n < 0:
-            return False
-        if status is not None:
-            status.source = self._inbox_peer[inbox]
-            status.tag = inbox.last_tag
-            status.count = n
-        return True
+        # (a tag out of range: the general path refuses it)
+        return progress is not None and tag <= TAG_MAX and self.waits_alone() \
+            and progress.await_head(inbox)
 
     def packets_queued(self) -> None:
         """Hook: a fast path left a packet queued behind a full ring (a direct receive's

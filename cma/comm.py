@@ -20,6 +20,7 @@ import operator
 import os
 import pickle
 import weakref
+from _thread import get_ident
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -348,14 +349,18 @@ class Comm(Collectives):
             direct = self._direct
             if n >= self._direct_from and mv.__class__ is memoryview and direct is not None \
                     and tag <= TAG_MAX and direct.can_pull(dest):
+                me = get_ident()
                 if not self._busy:
-                    self._busy = 1
+                    # (held as the general paths hold it, through the wait for a send the
+                    # engine took over: between the two another thread's call got in, this
+                    # wait raised ConcurrentUse, "did nothing", with the RTS already out)
+                    self._busy = me
                     try:
                         started = direct.send(outbox, mv, n, dest, tag)
+                        if started is not None:
+                            self.general_send(mv, dest, tag, started)
                     finally:
                         self._busy = 0
-                    if started is not None:
-                        self.general_send(mv, dest, tag, started)
                     return
             elif n <= self._eager_limit and not self._busy:
                 self._busy = 1

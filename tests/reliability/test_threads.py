@@ -169,19 +169,19 @@ def fast_switches() -> Iterator[None]:
         sys.setswitchinterval(interval)
 
 
-@ONE_TRANSPORT
-@pytest.mark.timeout(180)
-def test_two_threads_sending_at_once_lose_and_corrupt_nothing(peer, fast_switches):
-    """Two threads Send RACE_SENDS eager messages each on one communicator; each Send that
-    raises ConcurrentUse is retried. The peer checks every message: all arrive, in order,
-    intact, and at least one Send was refused (the threads did meet)."""
-    peer.start(op_check_race)
+def race(peer: Any, nbytes: dict[int, int], counts: dict[int, int]) -> None:
+    """Threads 1 and 2 Send counts[k] messages of nbytes[k] bytes each (k, i first) on one
+    communicator; each Send that raises ConcurrentUse is retried. The peer checks every
+    message: all arrive, in order, intact, and at least one Send was refused (the threads
+    did meet)."""
+    peer.start(op_check_race, max(nbytes.values()))
     refused = {1: 0, 2: 0}
     done: dict[int, bool] = {}
 
     def sender(k: int) -> None:
-        msg = np.array([k, 0], np.int64)
-        for i in range(RACE_SENDS):
+        msg = np.zeros(nbytes[k] // 8, np.int64)
+        msg[0] = k
+        for i in range(counts[k]):
             msg[1] = i
             while True:
                 try:
@@ -198,10 +198,17 @@ def test_two_threads_sending_at_once_lose_and_corrupt_nothing(peer, fast_switche
         t.join(JOIN_TIMEOUT)
     assert not any(t.is_alive() for t in threads), "a sending thread did not finish"
     assert done == {1: True, 2: True}
-    peer.comm.Send(np.array([RACE_SENDS, RACE_SENDS], np.int64), dest=1, tag=STOP_TAG)
-    assert peer.result() == {1: RACE_SENDS, 2: RACE_SENDS}
+    peer.comm.Send(np.array([counts[1], counts[2]], np.int64), dest=1, tag=STOP_TAG)
+    assert peer.result() == counts
     assert sum(refused.values()) > 0, "the two threads never met inside a call"
     round_trip(peer)
+
+
+@ONE_TRANSPORT
+@pytest.mark.timeout(180)
+def test_two_threads_sending_at_once_lose_and_corrupt_nothing(peer, fast_switches):
+    """Two threads Send RACE_SENDS eager messages each on one communicator (race)."""
+    race(peer, {1: 16, 2: 16}, {1: RACE_SENDS, 2: RACE_SENDS})
 
 
 @pytest.mark.parametrize("transport", ["auto"], scope="module")
@@ -211,33 +218,7 @@ def test_a_thread_in_direct_sends_and_one_in_eager_sends_corrupt_nothing(peer, f
     written into the ring, its FIN taken from the other): a thread switch between the
     test of the busy word and its setting let the other thread write into the same ring
     (found by review on Python 3.11 in runs of 60-120 s; on 3.10 the test above failed)."""
-    nbytes = DIRECT_FROM
-    peer.start(op_check_race, nbytes)
-    counts = {1: RACE_SENDS // 40, 2: RACE_SENDS}
-    refused = {1: 0, 2: 0}
-
-    def sender(k: int) -> None:
-        msg = np.zeros((nbytes if k == 1 else 16) // 8, np.int64)
-        msg[0] = k
-        for i in range(counts[k]):
-            msg[1] = i
-            while True:
-                try:
-                    peer.comm.Send(msg, dest=1, tag=k)
-                    break
-                except ConcurrentUse:
-                    refused[k] += 1
-
-    threads = [threading.Thread(target=sender, args=(k,), daemon=True) for k in (1, 2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(JOIN_TIMEOUT)
-    assert not any(t.is_alive() for t in threads), "a sending thread did not finish"
-    peer.comm.Send(np.array([counts[1], counts[2]], np.int64), dest=1, tag=STOP_TAG)
-    assert peer.result() == counts
-    assert sum(refused.values()) > 0, "the two threads never met inside a call"
-    round_trip(peer)
+    race(peer, {1: DIRECT_FROM, 2: 16}, {1: RACE_SENDS // 40, 2: RACE_SENDS})
 
 
 # ------------------------------------------------------------------ one thread, nested

@@ -64,6 +64,13 @@ def direct_from(setting: str) -> int:
 DIRECT_FROM = direct_from(os.environ.get(ENV_DIRECT_FROM, ""))
 
 
+def one_copy_pull(name: str) -> bool:
+    """Whether transport ``name`` pulls a peer's bytes with one copy in all (cma's
+    process_vm_readv), the only pull the direct path uses."""
+    cls = REGISTRY.classes[name]
+    return "pull" in cls.styles and cls.copies.total == 1
+
+
 class DirectRendezvous:
     """Both halves of the direct rendezvous for one attached rank (its ``Progress``)."""
 
@@ -82,9 +89,10 @@ class DirectRendezvous:
         # the receiver it waits for); otherwise its engine waits, yielding the CPU.
         self.spins = 0 if progress.oversubscribed else FAST_SPINS
         names = progress.connection.names
-        # the reach bits (World.reach) of the transports that pull
-        self.pull_bits = sum(1 << i for i, name in enumerate(names)
-                             if "pull" in REGISTRY.classes[name].styles)
+        # the reach bits (World.reach) of the transports that pull with one copy: a pull of
+        # two (vmfd's bounce page) loses to the ring's two copies plus the handshake
+        # (1.2-1.9x the time from 256 KiB to 2 MiB: docs/architecture.md, "Direct rendezvous")
+        self.pull_bits = sum(1 << i for i, name in enumerate(names) if one_copy_pull(name))
         self.pullers: dict[int, bool] = {}  # per peer: whether it can pull from this rank
         self.pull_via: dict[int, str] = {}  # per peer: _pull_via's answer
         self.fast_outboxes = progress.fast_outboxes

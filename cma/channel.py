@@ -314,7 +314,7 @@ class Inbox:
 
     __slots__ = ("ctl", "data", "words", "size", "mask", "tail", "tail_published", "staging",
                  "drained_count", "publish_every", "last_tag", "eager_bytes", "eager_count",
-                 "pending", "peer", "max_payload")
+                 "pending", "peer", "max_payload", "room_told")
 
     def __init__(self, pair: memoryview, config: ChannelConfig, peer: int = -1) -> None:
         self.peer = peer  # the rank that writes this ring (named by ProtocolError)
@@ -328,7 +328,8 @@ class Inbox:
         self.publish_every = config.ring_bytes // 16
         self.mask = config.ring_bytes - 1
         self.tail = self.ctl[TAIL]
-        self.tail_published = self.tail
+        # room_told: the published tail a sender asleep for room last heard of (await_head)
+        self.tail_published = self.room_told = self.tail
         self.drained_count = self.ctl[DRAINED]
 
     def _position(self) -> int:

@@ -780,8 +780,15 @@ class Progress:
                     return inbox.ready()  # (the work found may be its packet, come since)
                 if time.perf_counter() < deadline:
                     continue
-                for box in self.inboxes.values():
-                    box.publish_tail()  # (a sender may wait for room in a ring)
+                for peer, box in self.inboxes.items():
+                    box.publish_tail()
+                    # The fast path publishes room without ringing: a sender asleep for room
+                    # would sleep out its SLEEP_MS while this rank waits for it. Rung once
+                    # per room made, so two ranks waiting here never ring each other awake.
+                    if box.room_told != box.tail_published:
+                        box.room_told = box.tail_published
+                        if self.peer_sleeping(peer):
+                            self.ring(peer)
                 world.set_sleeping(1)
                 try:
                     if self._has_work():

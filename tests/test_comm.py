@@ -1595,6 +1595,37 @@ def test_isends_that_find_the_ring_full_wait_in_order():
     assert eager["user_copies"] == pytest.approx(1 + (QUEUED_SENDS - 3) / QUEUED_SENDS)
 
 
+def test_a_receiver_that_empties_a_full_ring_wakes_its_sleeping_sender(monkeypatch):
+    """A sender whose ring is full sleeps until the receiver makes room. Blocking Recvs take
+    the messages straight from the ring (no engine pass, which would ring it) and then wait
+    at the empty ring for the next: that wait must ring the sender, or both sleep until the
+    timed wake-up (10 ms each time the ring fills). The timed wake-up is set to a minute,
+    so a lost wake-up hangs the pair."""
+    monkeypatch.setattr(cma.progress, "SLEEP_MS", 60_000)  # inherited by the forks
+    ctx = mp.get_context("fork")
+    posted = ctx.Event()
+    sender_pid = ctx.Value("i", 0)
+
+    def rank0(comm):
+        comm.attach()
+        assert posted.wait(5)
+        wait_asleep_in_poll(sender_pid.value, what="the sender, its ring full")
+        receive_what_was_queued(comm, source=1, tag=1)
+        comm.Barrier()
+        return True
+
+    def rank1(comm):
+        requests = [comm.Isend(np.full(1000, i, np.uint8), dest=0, tag=1)
+                    for i in range(QUEUED_SENDS)]
+        sender_pid.value = os.getpid()
+        posted.set()
+        comm.Barrier()  # asleep here, its queue waiting for room in the ring
+        cma.Request.Waitall(requests)
+        return True
+
+    assert run_pair("shm", SMALL_RING, rank0, rank1, timeout=20) == [True, True]
+
+
 def test_large_isends_that_find_the_ring_full_go_as_rendezvous(monkeypatch):
     """From QUEUED_COPY_LIMIT bytes an Isend that finds the ring full is not copied into the
     queue: it goes as a rendezvous, complete only once received, and keeps its place."""

@@ -1,4 +1,5 @@
-"""Ctrl-C in a cma.mpi receive whose copy is under way, with each transport named.
+"""Ctrl-C in a cma.mpi receive whose copy is under way, with each transport named; then
+in a Recv and a Barrier that wait for a peer doing nothing.
 
 Two ranks. Per transport: rank 1 receives 136 MiB from rank 0 through a fresh
 cma.mpi.Comm, its copy pausing before its second call (or staging fragment) until a
@@ -7,6 +8,12 @@ it SIGINT. Rank 1 must raise KeyboardInterrupt within BOUND seconds; then its
 communicator is usable (the eager message after arrives) or raises an error naming the
 interrupt. Both ranks free the communicator and go on to the next transport; rank 0
 prints one line per transport, and each rank "OK <rank>" at the end.
+
+Then, on a fresh communicator of the default transport: rank 1 blocks in a Recv and
+then in a Barrier while rank 0 only waits until rank 1 sleeps on its doorbell and sends
+SIGINT. Each must raise KeyboardInterrupt within BOUND; then the next Barrier pairs with
+rank 0's second (the abandoned round completes behind it) and the message rank 0 sends
+last arrives in a fresh buffer, never in the abandoned one. Rank 0 prints one line per call.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import cma.mpi
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from _peers import pause_copies_for_a_signal  # noqa: E402 - the tests' directory, on the path above
+from conftest import wait_asleep_in_poll  # noqa: E402 - the same
 
 SIZE = 136 << 20  # rank 1 copies more than one call of 64 MiB with each transport (SPLIT: half)
 SMALL = 1000
@@ -87,6 +95,37 @@ def sender(comm: cma.mpi.Comm, transport: str) -> None:
           f"{detail}", flush=True)
 
 
+def idle_receiver(comm: cma.mpi.Comm) -> None:
+    abandoned = np.zeros(SMALL, np.uint8)
+    for name, call in (("Recv", lambda: comm.Recv(abandoned, 0, TAG)), ("Barrier", comm.Barrier)):
+        world.send(name, dest=0, tag=1)  # about to block
+        try:
+            call()
+        except KeyboardInterrupt:
+            world.send(time.monotonic(), dest=0, tag=2)
+        else:
+            raise AssertionError(f"{name} returned instead of being interrupted")
+    comm.Barrier()  # pairs with rank 0's second
+    fresh = np.zeros(SMALL, np.uint8)
+    comm.Recv(fresh, 0, TAG)
+    assert (fresh == 7).all(), "the message after the interrupts did not arrive whole"
+    assert not abandoned.any(), "the message went into the abandoned receive's buffer"
+
+
+def idle_sender(comm: cma.mpi.Comm) -> None:
+    for name in ("Recv", "Barrier"):
+        assert world.recv(source=1, tag=1) == name
+        wait_asleep_in_poll(pids[1], what=f"rank 1 in {name}", timeout=HANG)
+        sent = time.monotonic()
+        os.kill(pids[1], signal.SIGINT)
+        latency = world.recv(source=1, tag=2) - sent
+        assert latency < BOUND, f"{name}: KeyboardInterrupt {latency:.3f} s after SIGINT"
+        print(f"waiting {name}: KeyboardInterrupt {latency * 1000:.1f} ms after SIGINT", flush=True)
+    comm.Barrier()  # completes the round rank 1 abandoned
+    comm.Barrier()
+    comm.Send(np.full(SMALL, 7, np.uint8), 1, TAG)
+
+
 for transport in sys.argv[1:]:
     comm = cma.mpi.Comm(world.Dup(), transport=transport)  # (Free frees the duplicate)
     if world.rank == 0:
@@ -94,4 +133,10 @@ for transport in sys.argv[1:]:
     else:
         receiver(comm)
     comm.Free()
+comm = cma.mpi.Comm(world.Dup())
+if world.rank == 0:
+    idle_sender(comm)
+else:
+    idle_receiver(comm)
+comm.Free()
 print(f"OK {world.rank}", flush=True)

@@ -60,6 +60,11 @@
 #   1m. direct  - bench/direct_ab.py: the direct rendezvous against the eager ring in one
 #                 pair, blocks alternating, 64 KiB .. 2 MiB, into direct-ab.txt
 #                 (architecture.md, "Direct rendezvous": where DIRECT_FROM comes from).
+#   1n. untouched-buffers - bench/untouched_buffers.py (needs mpiexec): the ping-pong of
+#                 mpi4py.bench with a never-written numpy.empty send buffer (pingpong -a
+#                 numpy's, all the kernel's zero page), a written one and a bytearray,
+#                 plain and through cma.mpi, 256 KiB .. 2 MiB, into untouched-buffers.txt
+#                 (mpi.md: why -a numpy runs faster than -a none for both libraries).
 #   2. bw       - window of 64 Isends + ack, 4 KiB .. 4 MiB, --quick.
 #                 Writes bw.txt, bw.json, bw.png.
 #   3. latency --cold - a never-touched receive buffer each iteration,
@@ -113,6 +118,7 @@ if [ ${#launch[@]} -gt 0 ]; then
         > docs/figures/bw-mpi.txt
     "${launch[@]}" python bench/external_clients.py > docs/figures/external-clients.txt
     "${launch[@]}" python bench/datatypes.py > docs/figures/datatypes.txt
+    "${launch[@]}" python bench/untouched_buffers.py --rounds 6 > docs/figures/untouched-buffers.txt
     python bench/scale.py --ranks 2 4 8 16 32 64 --json docs/figures/scale.json \
         --plot docs/figures/scale.png > docs/figures/scale.txt
     for collective in bcast reduce allreduce allgather alltoall; do

@@ -236,3 +236,14 @@ def test_shared_array_per_node(env: dict[str, str]) -> None:
     rank), read-only off the node's root; with cma disabled every rank gets CmaError
     (shared.py)."""
     expect_ok(3, "shared.py", env=env)
+
+
+def test_the_untouched_buffers_bench_times_each_buffer_through_both_libraries() -> None:
+    """bench/untouched_buffers.py (mpi.md's zero-page figures) runs, and prints a row per
+    send buffer with a time for plain mpi4py and for cma.mpi."""
+    code, out, _ = mpirun(2, str(ROOT / "bench" / "untouched_buffers.py"), "--sizes", "65536",
+                          "--rounds", "2", "--loops", "20")
+    assert code == 0, out
+    rows = re.findall(r"^\s+65536\s+(\w+)\s+([\d.]+) \(.*?\)\s+([\d.]+) \(", out, re.MULTILINE)
+    assert [kind for kind, _, _ in rows] == ["empty", "written", "bytearray"], out
+    assert all(float(plain) > 0 and float(plugin) > 0 for _, plain, plugin in rows), out

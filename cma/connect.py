@@ -64,6 +64,7 @@ class Connection:
             xmap = os.environ.get(ENV_XMAP, XMAP_DEFAULT) not in ("", "0")
         self.transports: dict[str, Transport] = {}
         self.reasons: dict[int, dict[str, str]] = {}
+        self.unprobed: dict[int, list[str]] = {}  # per peer: transports auto left alone
         self.links: list[PeerLink | None] = [None] * self.size
         self.names = names
         self.bits = {name: 1 << i for i, name in enumerate(names)}
@@ -104,6 +105,9 @@ class Connection:
         self.links[peer] = link
         mask = 0
         for bit, (name, transport) in enumerate(self.transports.items()):
+            if self._never_chosen(name, mask):
+                self.unprobed.setdefault(peer, []).append(name)
+                continue
             try:
                 transport.connect(link)
                 mask |= 1 << bit
@@ -120,6 +124,19 @@ class Connection:
             self._check_forced(self.rank, peer, mask)
         if world.reach_published(peer, self.rank):
             self.learn(peer, check)
+
+    def _never_chosen(self, name: str, reached: int) -> bool:
+        """Under auto, whether ``name`` would never move a byte to or from a peer that the
+        transports in ``reached`` (reach bits) reach: auto picks it by no size (threshold
+        NEVER: vmfd's), and a pull of a full ring's message takes a transport before it in
+        the order (cma). Probing it would cost a fetch through the peer's fd server and an
+        fd per peer (5 % of a 64-rank connect: docs/architecture.md, "Connect time")."""
+        policy = self.policy
+        if self.forced is not None or policy.thresholds.get(name, 0) < NEVER:
+            return False
+        earlier = policy.order[: policy.order.index(name)] if name in policy.order else []
+        return any(reached & self.bits[n] and "pull" in REGISTRY.classes[n].styles
+                   for n in earlier if n in self.bits)
 
     def learn(self, peer: int, check: bool = True) -> None:
         """Take what ``peer`` published it reaches this rank with, once it has connected
@@ -174,7 +191,8 @@ class Connection:
 
     def report(self) -> dict[int, dict[str, Any]]:
         """``Comm.transports()``: per peer, the transports usable with it, the one a large
-        message would use, and why the others are unavailable (the caller connects them)."""
+        message would use, why the others are unavailable, and which auto did not probe
+        because it would never use them with that peer (the caller connects them)."""
         policy = self.policy
         report = {}
         for p in range(self.size):
@@ -184,7 +202,8 @@ class Connection:
                       or n in policy.staged] + (["xmap"] if p in policy.mappable else [])
             mode, large = policy.choose(p, 1 << 40, PULL | PUSH | PIPELINE)
             report[p] = {"uses": large, "protocol": PROTOCOL_NAMES[mode], "usable": usable,
-                         "unavailable": dict(self.reasons.get(p, {}))}
+                         "unavailable": dict(self.reasons.get(p, {})),
+                         "unprobed": list(self.unprobed.get(p, []))}
         return report
 
     def close(self) -> None:

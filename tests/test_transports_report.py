@@ -59,6 +59,8 @@ def test_report_names_the_transport_large_messages_use(transport, options, uses,
         assert (report[1]["uses"], report[1]["protocol"]) == (uses, protocol)
         assert uses in report[1]["usable"]
         assert report[1]["unavailable"] == {}
+        # auto moves nothing by vmfd where cma reaches the peer, so it does not probe it
+        assert report[1]["unprobed"] == (["vmfd"] if transport == "auto" else [])
         a.send("done", dest=1, tag=1)
 
 
@@ -91,6 +93,7 @@ def test_auto_falls_back_when_cma_is_refused(cma_denied):
         assert report["uses"] == "vmfd"
         assert "cma" not in report["usable"]
         assert DENIED in report["unavailable"]["cma"]
+        assert report["unprobed"] == []  # (vmfd moves data here: probed)
         data = np.arange(4 << 20, dtype=np.uint8)
         back = np.empty_like(data)
         a.Send(data, dest=1, tag=2)

@@ -162,10 +162,12 @@ def test_below_direct_from_a_send_stays_eager(peer, transport):
 # ------------------------------------------------------------------ faults
 
 
-def _sender_dies_while_offering(comm: cma.Comm, ready: Any) -> None:
+def _sender_dies_while_offering(comm: cma.Comm, go: int) -> None:
     comm.attach()
     comm.Barrier()
-    os.write(ready, b"x")
+    # (only once the test process has left its Barrier: a pass of its progress there
+    # would take the offer into its engine, off the head of the ring the test watches)
+    assert os.read(go, 1) == b"x"
     comm.Send(pattern(direct.DIRECT_FROM, 6), dest=0, tag=TAG)  # killed while waiting here
 
 
@@ -175,14 +177,14 @@ def test_a_sender_killed_while_its_offer_waits_leaves_peergone(transport):
     """The receiver finds the offer of a process that was killed and reaped: PeerGone, and
     nothing copied into its buffer."""
     a, b = cma.Pipe(transport)
-    ready_r, ready_w = os.pipe()
+    go_r, go_w = os.pipe()
     proc = mp.get_context("fork").Process(target=_sender_dies_while_offering,
-                                          args=(b, ready_w), daemon=True)
+                                          args=(b, go_r), daemon=True)
     try:
         proc.start()
         b.close()
         a.Barrier()
-        assert os.read(ready_r, 1) == b"x"
+        os.write(go_w, b"x")
         inbox = a._progress.inboxes[1]
         deadline = time.monotonic() + JOIN_TIMEOUT
         while inbox.head_of(RTS, direct.ONE_REGION_RTS.size) < 0:
@@ -197,8 +199,8 @@ def test_a_sender_killed_while_its_offer_waits_leaves_peergone(transport):
     finally:
         stop_process(proc)
         a.close()
-        os.close(ready_r)
-        os.close(ready_w)
+        os.close(go_r)
+        os.close(go_w)
 
 
 def _receiver_exits_without_receiving(comm: cma.Comm) -> str:

@@ -386,12 +386,14 @@ class Comm(MPI.Intracomm):
             self._fail(exc)
 
     def recv(self, buf: Any = None, source: int = ANY_SOURCE, tag: int = ANY_TAG,
-             status: MPI.Status | None = None) -> Any:
+             status: MPI.Status | None = None, views: bool = False) -> Any:
         """mpi4py's ``recv`` of an object: through cma from a rank on this node, MPI from the others.
 
-        On-node any size; off-node mpi4py's own, whose default buffer is bounded."""
+        On-node any size; off-node mpi4py's own, whose default buffer is bounded.
+        ``views=True`` (xmap on): arrays of an on-node sender's shared heap arrive as
+        read-only views of its memory (``cma.Comm.recv``); any other object, as usual."""
         if source in self._fast or self._mixed is not None and self._mixed.waits_in_cma(source, tag):
-            return self._irecv(buf, source, tag, True).wait(status)
+            return self._irecv(buf, source, tag, True, views).wait(status)
         return mpi_recv_obj(self, buf, source, tag, status)
 
     def isend(self, obj: Any, dest: int, tag: int = 0) -> MPI.Request:
@@ -404,10 +406,11 @@ class Comm(MPI.Intracomm):
         except CmaError as exc:
             self._fail(exc)
 
-    def irecv(self, buf: Any = None, source: int = ANY_SOURCE, tag: int = ANY_TAG
-              ) -> MPI.Request:
-        """On-node: any size. Off-node: mpi4py's irecv, bounded unless ``buf`` is given."""
-        return self._irecv(buf, source, tag, True)
+    def irecv(self, buf: Any = None, source: int = ANY_SOURCE, tag: int = ANY_TAG,
+              views: bool = False) -> MPI.Request:
+        """On-node: any size. Off-node: mpi4py's irecv, bounded unless ``buf`` is given.
+        ``views``: as ``recv``'s."""
+        return self._irecv(buf, source, tag, True, views)
 
     def sendrecv(self, sendobj: Any, dest: int, sendtag: int = 0, recvbuf: Any = None,
                  source: int = ANY_SOURCE, recvtag: int = ANY_TAG,
@@ -548,7 +551,8 @@ class Comm(MPI.Intracomm):
             fill(status, self._ranks[cs.source], cs.tag, cs.count)
         return found
 
-    def _irecv(self, buf: Any, source: int, tag: int, is_object: bool) -> MPI.Request:
+    def _irecv(self, buf: Any, source: int, tag: int, is_object: bool,
+               views: bool = False) -> MPI.Request:
         peer = self._fast.get(source)
         if peer is None:
             mixed = self._mixed
@@ -561,7 +565,7 @@ class Comm(MPI.Intracomm):
         cma = self._cma
         assert cma is not None
         try:
-            return cma.irecv(None, peer, tag) if is_object \
+            return cma.irecv(None, peer, tag, views=views) if is_object \
                 else cma.Irecv(buf, peer, tag)  # type: ignore[return-value]
         except CmaError as exc:
             self._fail(exc)

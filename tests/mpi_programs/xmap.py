@@ -1,5 +1,6 @@
 """cma.mpi.Comm with CMA_XMAP=1: a heap buffer received on the node through xmap (a bare
-array and a buffer spec) and as a view, counted by the node communicator's stats; with
+array and a buffer spec) and as a view, and an object of heap arrays received with
+views=True, counted by the node communicator's stats; with
 CMA_MPI_NODES=0,1 (each rank a node of its own) the same calls through MPI, the view a
 copy. Prints "OK <rank>"."""
 
@@ -28,6 +29,9 @@ if comm.Get_rank() == 1:
     comm.Send([a, n, MPI.BYTE], 0, 2)
     comm.Send(a, 0, 3)  # returns once rank 0 released its view
     comm.Send(np.full(100, 3, np.uint8), 0, 4)  # eager: a view of a copy
+    b = cma.empty(n, np.uint8)
+    b[:] = 5
+    comm.send({"b": b}, 0, 5)  # on the node: returns once rank 0 dropped its view
     ok = True
 else:
     buf = np.zeros(n, np.uint8)
@@ -47,6 +51,12 @@ else:
     ok = ok and bool((small == 3).all()) and not small.flags.writeable
     stats = xmap_stats()
     ok = ok and (apart or stats["messages"] == 3 and stats["user_copies"] == 2 / 3)
+    # an object of heap arrays: views of rank 1's memory on the node, copies through MPI
+    got = comm.recv(source=1, tag=5, views=True)
+    ok = ok and bool((got["b"] == 5).all()) and got["b"].flags.writeable == apart
+    stats = xmap_stats()
+    ok = ok and (apart or stats["messages"] == 4 and stats["views_held"] >= 1)
+    del got  # (rank 1's send returns once this view is gone and the Barrier moved the FIN)
 comm.Barrier()
 if ok:
     print(f"OK {comm.Get_rank()}", flush=True)

@@ -9,11 +9,13 @@ communicator is usable (the eager message after arrives) or raises an error nami
 interrupt. Both ranks free the communicator and go on to the next transport; rank 0
 prints one line per transport, and each rank "OK <rank>" at the end.
 
-Then, on a fresh communicator of the default transport: rank 1 blocks in a Recv and
-then in a Barrier while rank 0 only waits until rank 1 sleeps on its doorbell and sends
-SIGINT. Each must raise KeyboardInterrupt within BOUND; then the next Barrier pairs with
-rank 0's second (the abandoned round completes behind it) and the message rank 0 sends
-last arrives in a fresh buffer, never in the abandoned one. Rank 0 prints one line per call.
+Then, on a fresh communicator of the default transport: rank 1 blocks in a Recv, then
+in a Barrier, then in the Wait of a large Isend, while rank 0 only waits until rank 1
+sleeps on its doorbell and sends SIGINT. Each must raise KeyboardInterrupt within BOUND;
+then the next Barrier pairs with rank 0's second (the abandoned round completes behind
+it), the message rank 0 sends arrives in a fresh buffer, never in the abandoned one, and
+the large send, not withdrawn, completes once rank 0 receives it. Rank 0 prints one line
+per call.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from conftest import wait_asleep_in_poll  # noqa: E402 - the same
 
 SIZE = 136 << 20  # rank 1 copies more than one call of 64 MiB with each transport (SPLIT: half)
 SMALL = 1000
+LARGE = 8 << 20  # a rendezvous: its sender's Wait lasts until the receiver takes it
 TAG = 5
 BOUND = 2.0  # seconds; as test_interrupts.INTERRUPT_BOUND (measured: ms)
 HANG = 60.0
@@ -97,7 +100,14 @@ def sender(comm: cma.mpi.Comm, transport: str) -> None:
 
 def idle_receiver(comm: cma.mpi.Comm) -> None:
     abandoned = np.zeros(SMALL, np.uint8)
-    for name, call in (("Recv", lambda: comm.Recv(abandoned, 0, TAG)), ("Barrier", comm.Barrier)):
+    requests = []
+
+    def wait_for_a_large_send() -> None:
+        requests.append(comm.Isend(np.full(LARGE, 9, np.uint8), 0, TAG + 1))
+        requests[0].Wait()
+
+    for name, call in (("Recv", lambda: comm.Recv(abandoned, 0, TAG)), ("Barrier", comm.Barrier),
+                       ("Wait", wait_for_a_large_send)):
         world.send(name, dest=0, tag=1)  # about to block
         try:
             call()
@@ -110,10 +120,11 @@ def idle_receiver(comm: cma.mpi.Comm) -> None:
     comm.Recv(fresh, 0, TAG)
     assert (fresh == 7).all(), "the message after the interrupts did not arrive whole"
     assert not abandoned.any(), "the message went into the abandoned receive's buffer"
+    requests[0].Wait()  # the interrupted send was not withdrawn: rank 0 takes it now
 
 
 def idle_sender(comm: cma.mpi.Comm) -> None:
-    for name in ("Recv", "Barrier"):
+    for name in ("Recv", "Barrier", "Wait"):
         assert world.recv(source=1, tag=1) == name
         wait_asleep_in_poll(pids[1], what=f"rank 1 in {name}", timeout=HANG)
         sent = time.monotonic()
@@ -124,6 +135,9 @@ def idle_sender(comm: cma.mpi.Comm) -> None:
     comm.Barrier()  # completes the round rank 1 abandoned
     comm.Barrier()
     comm.Send(np.full(SMALL, 7, np.uint8), 1, TAG)
+    large = np.zeros(LARGE, np.uint8)
+    comm.Recv(large, 1, TAG + 1)
+    assert (large == 9).all(), "the send whose Wait was interrupted did not arrive whole"
 
 
 for transport in sys.argv[1:]:

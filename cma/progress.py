@@ -33,6 +33,7 @@ from .errors import (
     ConcurrentUse,
     PeerGone,
     ProtocolError,
+    RegistrationCacheFull,
     TransportFault,
     WindowError,
 )
@@ -381,10 +382,14 @@ class Progress:
         op = action.op
         if action.heap is not None:
             # (never on overlap's thread: the mapping cache is this thread's)
-            assert self.xmap is not None
+            assert self.xmap is not None and action.rts is not None
             link = self.links[action.peer]
             assert link is not None
-            self.xmap.read_heap(link, action.remote, action.heap, action.local)
+            try:
+                self.xmap.read_heap(link, action.remote, action.heap, action.local)
+            except RegistrationCacheFull:
+                self.run(self.engine.map_refused(op, action.peer, action.rts))
+                return
             self.run(self.engine.pulled(op, action.msgid))
             return
         if action.peer == self.rank:
@@ -422,9 +427,13 @@ class Progress:
         try:
             for ref, size in zip(action.refs, action.sizes, strict=True):
                 mapped.append(xmap.map_view(link, ref, size))
-        except BaseException:
+        except BaseException as exc:
             xmap.view_released([lease for _, lease in mapped])
-            raise
+            if not isinstance(exc, RegistrationCacheFull):
+                raise
+            # every mapping is held by views: this one is a copy instead (api.md, recv_view)
+            self.run(self.engine.map_refused(op, action.peer, action.rts))
+            return
         views = xmap.hand_out([held for held, _ in mapped], action.peer, action.msgid,
                               [lease for _, lease in mapped], self.release_views)
         if op.is_object or len(views) > 1:  # (load_object unpickles from them)

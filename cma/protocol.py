@@ -376,6 +376,7 @@ class Pull:
     local: list[memoryview]
     msgid: int
     heap: list[HeapRef] | None = None  # xmap: copy from our mapping of the peer's heap
+    rts: RtsInfo | None = None  # (with heap: the RTS, answered again if mapping is refused)
 
 
 @dataclass
@@ -389,6 +390,7 @@ class MapView:
     refs: list[HeapRef]
     sizes: list[int]
     msgid: int
+    rts: RtsInfo  # answered again (a copy) if mapping is refused: Engine.map_refused
 
 
 @dataclass
@@ -894,52 +896,63 @@ class Engine:
             # The sender is released as if received: the error belongs to the receiver.
             op.done = True
             return [Transmit(arrival.source, FIN, 0, rts.msgid, b""), Complete(op)]
+        return self._answer_rts(op, arrival.source, rts, arrival.source in self.policy.mappable)
+
+    def map_refused(self, op: RecvOp, source: int, rts: RtsInfo) -> list[Action]:
+        """The receiver could not map ``source``'s heap for ``op`` (a MapView, or a Pull
+        from the heap): its registration cache is full of mappings in use. Answer the RTS
+        as if XMAP had not been offered: the message is copied (a view of it is a copy)."""
+        return self._answer_rts(op, source, rts, mappable=False)
+
+    def _answer_rts(self, op: RecvOp, source: int, rts: RtsInfo, mappable: bool) -> list[Action]:
+        """Answer the RTS of a matched rendezvous message: map it (``mappable``, a view),
+        pull it, or send the CTS the policy's protocol needs."""
         actions: list[Action] = []
         buffer = op.buffer
-        mapped = rts.heap is not None and rts.regions is not None \
-            and arrival.source in self.policy.mappable
+        nbytes = op.nbytes
+        mapped = mappable and rts.heap is not None and rts.regions is not None
         if mapped and op.view:
             assert rts.heap is not None
             op.mechanism = "xmap"
-            return [MapView(op, arrival.source, rts.heap, rts.sizes, rts.msgid)]
+            return [MapView(op, source, rts.heap, rts.sizes, rts.msgid, rts)]
         if buffer is None:
             op.segments = [self.allocate(n) for n in rts.sizes]
         elif isinstance(buffer, memoryview):
-            op.segments = [buffer[: arrival.nbytes]]
+            op.segments = [buffer[:nbytes]]
         else:
-            op.segments = buffer.segments(arrival.nbytes)
+            op.segments = buffer.segments(nbytes)
         if mapped:
             assert rts.regions is not None
             op.mechanism = "xmap"
-            return [Pull(op, arrival.source, "xmap", rts.regions, op.segments, rts.msgid, rts.heap)]
-        mode, transport = self.policy.choose(arrival.source, arrival.nbytes, rts.offers,
-                                             ring_full=arrival.nbytes <= self.eager_limit)
+            return [Pull(op, source, "xmap", rts.regions, op.segments, rts.msgid, rts.heap, rts)]
+        mode, transport = self.policy.choose(source, nbytes, rts.offers,
+                                             ring_full=nbytes <= self.eager_limit)
         op.mechanism = transport
         op.recvid = next(self._ids)
         if mode == PULL and rts.regions is not None:
-            actions.append(Pull(op, arrival.source, transport, rts.regions, op.segments, rts.msgid))
+            actions.append(Pull(op, source, transport, rts.regions, op.segments, rts.msgid))
             return actions
         if mode == SPLIT and rts.regions is not None:
             # CTS first, so the sender copies its half while we copy ours
-            n, cut = arrival.nbytes, split_point(arrival.nbytes)
+            n, cut = nbytes, split_point(nbytes)
             op.copies_left = 2
             op.awaits_fin = True
             self.recvs[op.recvid] = op
             ours = slice_regions([self.region_of(s) for s in op.segments], cut, n)
-            actions.append(Transmit(arrival.source, CTS, 0, rts.msgid,
+            actions.append(Transmit(source, CTS, 0, rts.msgid,
                                     encode_cts(rts.msgid, op.recvid, SPLIT, transport, ours)))
-            actions.append(Pull(op, arrival.source, transport, slice_regions(rts.regions, 0, cut),
+            actions.append(Pull(op, source, transport, slice_regions(rts.regions, 0, cut),
                                 slice_views(op.segments, 0, cut), rts.msgid))
             return actions
         if mode == PUSH:
             op.awaits_fin = True
             self.recvs[op.recvid] = op
             regions = [self.region_of(s) for s in op.segments]
-            actions.append(Transmit(arrival.source, CTS, 0, rts.msgid,
+            actions.append(Transmit(source, CTS, 0, rts.msgid,
                                     encode_cts(rts.msgid, op.recvid, PUSH, transport, regions)))
             return actions
         actions.append(StreamIn(op))
-        actions.append(Transmit(arrival.source, CTS, 0, rts.msgid,
+        actions.append(Transmit(source, CTS, 0, rts.msgid,
                                 encode_cts(rts.msgid, op.recvid, PIPELINE, transport, [])))
         return actions
 

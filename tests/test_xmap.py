@@ -478,3 +478,37 @@ def test_recv_with_views_gives_an_object_whose_arrays_are_the_senders_memory():
     assert ok and copies == 0.0 and views == 3  # the stream, a and b
     assert before_last == 3 and after == 0  # one FIN, once every array is gone
     assert held == HOLD_CHECKS
+
+
+def _send_two_heap_arrays(comm: cma.Comm) -> bool:
+    first, second = cma.empty(SIZE, np.uint8), cma.empty(SIZE, np.uint8)  # two segments
+    first[:], second[:] = pattern(SIZE, 31), pattern(SIZE, 32)
+    requests = [comm.Isend(first, 0, 1), comm.Isend(second, 0, 2)]
+    comm.recv(source=0, tag=3)  # the receiver let go of its views
+    cma.Request.Waitall(requests)
+    return True
+
+
+def _view_two_with_room_for_one(comm: cma.Comm) -> list:
+    comm.attach()
+    comm._progress.xmap.cache.max_entries = 1  # room for one mapping of a peer's segment
+    held = comm.recv_view(1, 1)
+    copied = comm.recv_view(1, 2)  # no room: received as a copy, not an error
+    stats = xmap_stats(comm)
+    ok = bool((held == pattern(SIZE, 31)).all()) and bool((copied == pattern(SIZE, 32)).all())
+    result = [ok, stats["messages"], stats["views_held"], comm.stats()["cma"]["messages"]]
+    held.release()
+    copied.release()
+    comm.send("released", 1, 3)
+    return result
+
+
+def test_a_view_with_the_mapping_cache_full_of_views_is_a_copy():
+    """With every mapping the registration cache may hold in use by views, the next view's
+    message is copied by the transport into a new array (a View all the same), not an
+    error in the middle of handling its RTS, which left the sender waiting for ever."""
+    got, sent = run_ranks("cma", CONFIG, [_view_two_with_room_for_one, _send_two_heap_arrays],
+                          timeout=60, xmap=True)
+    ok, through_xmap, views_held, through_cma = got
+    assert ok and sent
+    assert (through_xmap, views_held, through_cma) == (1, 1, 1)

@@ -186,6 +186,25 @@ def test_a_view_of_a_message_not_in_the_heap_is_a_fresh_copy():
     assert [s.nbytes for s in op.segments] == [BIG]
 
 
+@pytest.mark.parametrize("view", [True, False])
+def test_a_refused_mapping_is_answered_as_a_copy(view):
+    """Where the receiver cannot map (its registration cache is full of mappings in use),
+    Progress hands the RTS back (map_refused): pulled by the policy's transport into a new
+    buffer or the receive's own, and the sender's FIN follows that pull, as for any RGET."""
+    sender = engine(1, set(), heap={BIG: ref()})
+    receiver = engine(0, {1})
+    send, rts = sender.send(0, 1, [memoryview(bytearray(BIG))])
+    op, _ = receiver.recv(1, 1, None if view else memoryview(bytearray(BIG)), view=view)
+    [first] = deliver(rts, receiver, 1)
+    assert isinstance(first, MapView if view else Pull) and first.rts is not None
+    [pull] = receiver.map_refused(op, 1, first.rts)
+    assert isinstance(pull, Pull) and pull.transport == "cma" and pull.heap is None
+    assert op.mechanism == "cma" and [s.nbytes for s in op.segments] == [BIG]
+    done = receiver.pulled(op, pull.msgid)
+    assert op.done and [(t.kind, t.aux) for t in done if isinstance(t, Transmit)] == [(FIN, send.msgid)]
+    assert Complete(send) in deliver(done, sender, 0) and send.done
+
+
 def test_an_object_of_several_heap_buffers_is_mapped_whole_for_views():
     sender = engine(1, set(), heap={BIG: ref(), BIG + 8: ref(8192)})
     receiver = engine(0, {1})

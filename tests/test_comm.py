@@ -613,6 +613,13 @@ def test_spec_list_rebuilt_each_call(peer, kind, call):
         assert bytes(memoryview(target)[:count]) == pattern(count, seed + 10).tobytes()
     if kind == "bytearray":
         base.extend(b"more")  # no export of ours is left holding it
+        # the same spec over the grown buffer: still its first 64 bytes (the cached whole
+        # export must not become the 68-byte buffer)
+        peer.start(op_recv_bytes, 100, 44)
+        request = send([base, 64, "B"], 1, 44)
+        if call == "Isend":
+            request.Wait()
+        assert peer.result() == bytes(base[:64])
     elif kind == "mmap":
         base.close()
 

@@ -26,7 +26,17 @@ import numpy as np
 
 from .errors import CmaError, FdAlreadyClosed, PeerGone, TransportFault, TransportUnavailable
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+
+def _load_libc() -> ctypes.CDLL:
+    """glibc by its soname; ``find_library`` (which runs ldconfig in a child process,
+    ~10 ms of every import here, times every rank of a world) only where that fails."""
+    try:
+        return ctypes.CDLL("libc.so.6", use_errno=True)
+    except OSError:
+        return ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+
+
+_libc = _load_libc()
 
 PAGE_SIZE = mmap.PAGESIZE
 

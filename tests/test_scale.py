@@ -273,3 +273,16 @@ def test_a_receive_from_an_unconnected_peer_takes_what_it_left_then_sees_it_exit
     assert code == 0, err
     lines = out.splitlines()
     assert len(lines) == 2 and lines[0].startswith("gone rank 2") and lines[1].startswith("gone rank 1"), out
+
+
+def test_the_scale_bench_runs_a_small_world(tmp_path):
+    """bench/scale.py (the figures of docs/architecture.md, "Memory per rank") runs a
+    3-rank world and reports every rank's figures."""
+    done = subprocess.run([sys.executable, str(Path(__file__).parents[1] / "bench" / "scale.py"),
+                           "--ranks", "3", "--libs", "cma", "--alltoall-bytes", "4096",
+                           "--json", str(tmp_path / "scale.json")],
+                          capture_output=True, text=True, timeout=RUN_TIMEOUT)
+    assert done.returncode == 0, done.stderr
+    (run,) = json.loads((tmp_path / "scale.json").read_text())
+    assert (run["lib"], run["ranks"], len(run["per_rank"])) == ("cma", 3, 3)
+    assert all(rank["fds_after"] > 0 and rank["alltoall_8B_s"] > 0 for rank in run["per_rank"])

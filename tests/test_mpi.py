@@ -221,11 +221,13 @@ def test_interrupt_during_a_copy_under_way() -> None:
 
 @pytest.mark.parametrize(("n", "env"), [(1, {}), (2, {}), (3, {}), (4, {}),
                                         (3, {"CMA_MPI_RANKS_PER_NODE": "2"}),
-                                        (4, {"CMA_MPI_RANKS_PER_NODE": "2"})])
+                                        (4, {"CMA_MPI_RANKS_PER_NODE": "2"}),
+                                        (4, {"CMA_MPI_NODES": "0,1,0,1"})])
 def test_collectives_agree_with_mpi(n: int, env: dict[str, str]) -> None:
     """cma.mpi.Comm's collectives give MPI's own results: through cma when every rank is
-    on one node; on pretend nodes (one of one rank at 3), Bcast, Reduce and Allreduce
-    through cma on each node and MPI between (the program checks that cma moved bytes);
+    on one node; on pretend nodes (one of one rank at 3; at 4, also nodes whose ranks
+    interleave), Bcast, Reduce, Allreduce and Allgather through cma on each node and MPI
+    between (the program checks that cma moved bytes);
     a user-defined op that commutes through cma, one that does not through MPI."""
     expect_ok(n, "collectives.py", env=env)
 

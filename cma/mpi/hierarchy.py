@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from .node import NodeComm
 
 # the collectives that go this way; the others are MPI's on a communicator of several nodes
-HIERARCHICAL = ("Bcast", "Reduce", "Allreduce")
+HIERARCHICAL = ("Bcast", "Reduce", "Allreduce", "Allgather")
 
 
 class Hierarchy:
@@ -33,6 +33,10 @@ class Hierarchy:
         self.leads = mine == self.rank
         # rank of the wrapped comm -> the rank of its node's leader among the leaders
         self.leader_index = [leaders.index(leader) for leader in leader_of]
+        # every rank, node by node (in leader order), each node's in rank order: where
+        # the leaders' gather puts each rank's block
+        self.node_order = sorted(range(len(leader_of)), key=lambda r: (self.leader_index[r], r))
+        self.node_sizes = [self.leader_index.count(i) for i in range(len(leaders))]
         self.leaders = MPI.Intracomm.Split(comm, 0 if self.leads else MPI.UNDEFINED,
                                            key=self.rank)
 
@@ -85,6 +89,31 @@ class Hierarchy:
             MPI.Intracomm.Allreduce(self.leaders, MPI.IN_PLACE, result, op)
         if self.node is not None:
             CmaComm.Bcast(self.node, recvbuf, root=0)
+
+    def Allgather(self, sendbuf: Any, recvbuf: Any) -> None:
+        """``MPI.Comm.Allgather`` over nodes: cma gathers each node's blocks at its leader, MPI
+        allgathers the leaders' (a node's blocks are one piece), cma broadcasts the whole."""
+        size = len(self.node_order)
+        data = _message(recvbuf, writable=True, blocks=size).view(np.uint8)
+        nbytes = data.size // size  # one rank's block
+        mine = data[self.rank * nbytes : (self.rank + 1) * nbytes] if _is_in_place(sendbuf) \
+            else _message(sendbuf, writable=False).view(np.uint8)[:nbytes]
+        node = self.node
+        if self.leads:
+            pieces = np.empty(self.node_sizes[self.leader_index[self.rank]] * nbytes, np.uint8)
+            if node is not None:
+                CmaComm.Gather(node, mine, pieces, root=0)
+            else:
+                np.copyto(pieces, mine)
+            gathered = np.empty(size * nbytes, np.uint8)
+            MPI.Intracomm.Allgatherv(self.leaders, [pieces, MPI.BYTE],
+                                     [gathered, [n * nbytes for n in self.node_sizes], MPI.BYTE])
+            if nbytes:
+                data.reshape(size, nbytes)[self.node_order] = gathered.reshape(size, nbytes)
+        elif node is not None:
+            CmaComm.Gather(node, mine, None, root=0)
+        if node is not None:
+            CmaComm.Bcast(node, data, root=0)
 
     def _node_reduce(self, source: Any, result: Any, node_op: Any) -> np.ndarray | None:
         """Combine the node's inputs at its leader, into ``result`` if given there, else

@@ -95,7 +95,10 @@ def run_case(comm: cma.mpi.Comm, rng: np.random.Generator) -> None:
     def allgather(call):
         out = np.zeros(count * size, dtype)
         call(mine[:count], out)
-        return [out]
+        inplace = np.zeros(count * size, dtype)
+        inplace[rank * count : (rank + 1) * count] = mine[:count]
+        call(MPI.IN_PLACE, inplace)
+        return [out, inplace]
 
     def gatherv(call):
         counts = [(r * 7 + count) % (count + 1) for r in range(size)]
@@ -158,10 +161,13 @@ def main() -> None:
     before = messages(comm)
     for _ in range(CASES):
         run_case(comm, rng)
-    # on one node every collective moves through cma; on several, Bcast, Reduce and
-    # Allreduce take a step through cma on each node of two ranks or more
+    # on one node every collective moves through cma; on several, Bcast, Reduce,
+    # Allreduce and Allgather take a step through cma on each node of two ranks or more
     if comm.cma is not None:
         assert messages(comm) > before
+    before = messages(comm)
+    comm.Allgather(np.full(5, rank, np.int64), np.zeros(5 * comm.Get_size(), np.int64))
+    assert (messages(comm) > before) == (comm.cma is not None), "Allgather missed cma"
     # a user-defined op: applied by cma on the node if it commutes, by MPI if it does not
     add = MPI.Op.Create(lambda a, b, t: np.add(np.frombuffer(a, np.int32), np.frombuffer(b, np.int32),
                                                 out=np.frombuffer(b, np.int32)), commute=True)

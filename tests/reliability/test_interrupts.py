@@ -33,6 +33,7 @@ from cma.errors import Cancelled, CommBroken, PeerGone
 TAG = 7
 EAGER_SIZE = 1000
 LARGE_SIZE = 64 << 20  # a rendezvous with every transport (the eager limit is 2 MiB)
+QUEUED_SENDS = 12  # of 1 MiB: 8 fill the 8 MiB ring (with headers, 7), the rest queue
 COPY_SIZE = 136 << 20  # over one copy call (64 MiB) with every transport (SPLIT: the half)
 FILL = 0x5A  # COPY_SIZE bytes of it: cheaper to make and check than a pattern
 SETTLE_SECONDS = 0.3  # time for the child to go from "ready" to sleeping in its wait
@@ -182,6 +183,43 @@ def recv_interrupted_mid_copy(comm: cma.Comm, conn: Connection, nbytes: int, cal
     return "usable", digest(small), bool((buf == FILL).all())
 
 
+def _cma_resources() -> tuple[set[str], int]:
+    """This process's open fds, each as what it points to, and how many mappings of a
+    world's segment (memfd "cma-...") it holds."""
+    fds = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            fds.add(f"{fd}:{os.readlink(f'/proc/self/fd/{fd}')}")
+        except OSError:
+            pass  # (the listing's own fd, closed by now)
+    with open("/proc/self/maps") as maps:
+        segments = sum("/memfd:cma-" in line for line in maps)
+    return fds, segments
+
+
+def close_interrupted_twice(comm: cma.Comm, conn: Connection, nbytes: int, call: str) -> Any:
+    """Ctrl-C twice in what ``with comm: comm.Recv(...)`` does: the first ends the Recv, the
+    second the close() that follows, which waits for sends queued behind a full ring to
+    reach a peer that is alive but never receives. Returns what close() had released."""
+    before, _ = _cma_resources()  # (the unattached end holds the world's fds already)
+    comm.attach()
+    payload = pattern(nbytes)
+    for _ in range(QUEUED_SENDS):  # (more than the ring holds: the rest stay queued)
+        comm.Bsend(payload, dest=0, tag=TAG)
+    try:
+        until_interrupted(conn, lambda: comm.Recv(np.zeros(EAGER_SIZE, np.uint8), source=0,
+                                                  tag=TAG + 1))
+        conn.send(("closing", 0.0))
+        comm.close()
+    except KeyboardInterrupt:
+        arrived = time.monotonic()
+        conn.send(("interrupted", arrived))
+        after, segments = _cma_resources()
+        comm.close()  # (a no-op by now: idempotent, whatever the first call left)
+        return sorted(after - before), segments, comm._closed
+    raise AssertionError("close() returned: nothing was queued for it to wait for")
+
+
 def _child(comm: cma.Comm, conn: Connection, scenario: Callable[..., Any], nbytes: int,
            call: str) -> None:
     try:
@@ -320,6 +358,26 @@ def test_interrupted_wait_of_a_large_send(rank1, transport):
     assert rank.expect("ok")[0] == digest(small)
     rank.proc.join(5)
     assert rank.proc.exitcode == 0
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_second_interrupt_ends_the_close_that_waits_for_queued_sends(rank1, transport):
+    rank = start(rank1, transport, close_interrupted_twice, 1 << 20)
+    assert rank.interrupt() < INTERRUPT_BOUND  # the Recv
+    rank.expect("closing")
+    assert rank.proc.pid is not None
+    wait_asleep_in_poll(rank.proc.pid, what="rank 1's close()", timeout=REPLY_TIMEOUT)
+    sent = time.monotonic()
+    os.kill(rank.proc.pid, signal.SIGINT)
+    latency = float(rank.expect("interrupted")) - sent
+    print(f"close() interrupted {latency * 1000:.2f} ms after the second SIGINT")
+    assert latency < INTERRUPT_BOUND
+    left_open, segments_mapped, closed = rank.expect("ok")
+    assert closed
+    assert left_open == [], f"close() interrupted left these fds open: {left_open}"
+    assert segments_mapped == 0, "close() interrupted left the world's segment mapped"
+    assert rank.proc.join(5) is None and rank.proc.exitcode == 0
 
 
 @pytest.mark.timeout(60)

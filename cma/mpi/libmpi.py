@@ -170,6 +170,10 @@ class OpenMpiHook(ProgressHook):
         super().close()
 
 
+# the functions through which MPI's progress loop enters Python
+HOOK_CALLBACKS = (MpichHook._async_poll, OpenMpiHook._progress)
+
+
 def make_hook(poll: Callable[[], bool]) -> ProgressHook | None:
     """A progress hook into the MPI library mpi4py loaded, or None where none is known."""
     version = MPI.Get_library_version()

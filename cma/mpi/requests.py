@@ -29,7 +29,8 @@ from mpi4py import MPI
 from ..errors import CmaError, TruncationError
 from ..protocol import RecvOp, SendOp
 from ..wire import PROC_NULL as CMA_PROC_NULL
-from .libmpi import ProgressHook, make_hook
+from .interrupts import DEFERRED
+from .libmpi import HOOK_CALLBACKS, ProgressHook, make_hook
 from .mpiapi import EMPTY, fill, mpi_irecv, mpi_isend
 
 if TYPE_CHECKING:
@@ -438,8 +439,7 @@ class ServedNodes:
         if node not in self._nodes:
             self._nodes[node] = None
         if not self._made:
-            self._made = True
-            self._hook = make_hook(self._poll)
+            self._make()
         if self._hook is not None:
             self._hook.arm()
 
@@ -458,9 +458,14 @@ class ServedNodes:
     def available(self) -> bool:
         """Whether MPI's own wait functions can wait for cma's requests here."""
         if not self._made:
-            self._made = True
-            self._hook = make_hook(self._poll)
+            self._make()
         return self._hook is not None
+
+    def _make(self) -> None:
+        self._made = True
+        self._hook = make_hook(self._poll)
+        if self._hook is not None:  # (a Ctrl-C in a callback from MPI: raised once MPI returns)
+            DEFERRED.install(*HOOK_CALLBACKS, _query, _cancel)
 
     def raise_pending(self) -> None:
         """Raise what the callback caught (it may not unwind into the MPI library)."""

@@ -10,12 +10,18 @@ interrupt. Both ranks free the communicator and go on to the next transport; ran
 prints one line per transport, and each rank "OK <rank>" at the end.
 
 Then, on a fresh communicator of the default transport: rank 1 blocks in a Recv, then
-in a Barrier, then in the Wait of a large Isend, while rank 0 only waits until rank 1
+in a Barrier, then in the Wait of a large Isend, then in a Probe, while rank 0 only waits until rank 1
 sleeps on its doorbell and sends SIGINT. Each must raise KeyboardInterrupt within BOUND;
 then the next Barrier pairs with rank 0's second (the abandoned round completes behind
 it), the message rank 0 sends arrives in a fresh buffer, never in the abandoned one, and
 the large send, not withdrawn, completes once rank 0 receives it. Rank 0 prints one line
 per call.
+
+Last, rank 1 waits for an Irecv inside MPI's own ``MPI.Request.Waitall``, where MPI runs
+cma's Python only in its callbacks; rank 0 sends SIGINT, then the message a while later.
+As with plain mpi4py, Waitall completes (the message is in the buffer) and the
+KeyboardInterrupt comes out once it returns (interrupts.py); before, the interrupt was
+raised inside a callback, printed as ignored and lost. Rank 1 prints how long after.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ SIZE = 136 << 20  # rank 1 copies more than one call of 64 MiB with each transpo
 SMALL = 1000
 LARGE = 8 << 20  # a rendezvous: its sender's Wait lasts until the receiver takes it
 TAG = 5
+SETTLE = 0.3  # seconds for rank 1 to be inside MPI's wait, and for MPI to call back into cma
 BOUND = 2.0  # seconds; as test_interrupts.INTERRUPT_BOUND (measured: ms)
 HANG = 60.0
 
@@ -107,7 +114,7 @@ def idle_receiver(comm: cma.mpi.Comm) -> None:
         requests[0].Wait()
 
     for name, call in (("Recv", lambda: comm.Recv(abandoned, 0, TAG)), ("Barrier", comm.Barrier),
-                       ("Wait", wait_for_a_large_send)):
+                       ("Wait", wait_for_a_large_send), ("Probe", lambda: comm.Probe(0, TAG + 3))):
         world.send(name, dest=0, tag=1)  # about to block
         try:
             call()
@@ -124,7 +131,7 @@ def idle_receiver(comm: cma.mpi.Comm) -> None:
 
 
 def idle_sender(comm: cma.mpi.Comm) -> None:
-    for name in ("Recv", "Barrier", "Wait"):
+    for name in ("Recv", "Barrier", "Wait", "Probe"):
         assert world.recv(source=1, tag=1) == name
         wait_asleep_in_poll(pids[1], what=f"rank 1 in {name}", timeout=HANG)
         sent = time.monotonic()
@@ -147,10 +154,41 @@ for transport in sys.argv[1:]:
     else:
         receiver(comm)
     comm.Free()
+def waitall_receiver(comm: cma.mpi.Comm) -> None:
+    buf = np.zeros(SMALL, np.uint8)
+    request = comm.Irecv(buf, 0, TAG + 2)
+    world.send(None, dest=0, tag=1)  # about to wait inside MPI
+    returned = None
+    try:
+        MPI.Request.Waitall([request])
+        returned = time.monotonic()
+        while time.monotonic() - returned < BOUND:
+            pass  # (Python running after MPI returned: where the interrupt must come out)
+    except KeyboardInterrupt:
+        arrived = time.monotonic()
+    else:
+        raise AssertionError("Waitall returned and no KeyboardInterrupt came: the Ctrl-C was lost")
+    # (None: it came out as Waitall returned, as with plain mpi4py)
+    assert (buf == 7).all(), "KeyboardInterrupt came before Waitall's receive completed"
+    late = 0.0 if returned is None else arrived - returned
+    print(f"waiting inside MPI.Request.Waitall: KeyboardInterrupt {late * 1000:.1f} ms after "
+          "it returned", flush=True)
+
+
+def waitall_sender(comm: cma.mpi.Comm) -> None:
+    world.recv(source=1, tag=1)
+    time.sleep(SETTLE)  # (MPI spins in its wait: nothing in /proc says rank 1 is in it)
+    os.kill(pids[1], signal.SIGINT)
+    time.sleep(SETTLE)  # a Ctrl-C deferred in a callback must survive MPI's next calls
+    comm.Send(np.full(SMALL, 7, np.uint8), 1, TAG + 2)
+
+
 comm = cma.mpi.Comm(world.Dup())
 if world.rank == 0:
     idle_sender(comm)
+    waitall_sender(comm)
 else:
     idle_receiver(comm)
+    waitall_receiver(comm)
 comm.Free()
 print(f"OK {world.rank}", flush=True)

@@ -394,8 +394,8 @@ class Collectives:
 
     if TYPE_CHECKING:  # what cma.Comm provides (docs/architecture.md, "What cma.Comm lets ...")
         _progress: Progress | None
-        _fast_outboxes: dict[int, Outbox]
-        _fast_inboxes: dict[int, Inbox]
+        _fast_outboxes: list[Outbox | None]
+        _fast_inboxes: list[Inbox | None]
         _matcher: Matcher
         _eager_limit: int
         _busy: int
@@ -416,7 +416,7 @@ class Collectives:
         if data is None:
             return self.start_send(self._pickle(obj), dest, tag, True)
         view = _bytes(data)
-        box = self._fast_outboxes.get(dest)
+        box = self._fast_outboxes[dest]
         if box is not None and view.nbytes <= self._eager_limit and not self._busy:
             # Send's fast path: straight into the ring. The engine's path would first copy
             # the payload into a packet (3 copies per eager message instead of 2: guide.md).
@@ -457,7 +457,7 @@ class Collectives:
     def _coll_take(self, data: np.ndarray, source: int, tag: int = COLLECTIVE_TAG) -> None:
         """Receive into ``data`` from ``source`` and wait for it: straight from the ring, as
         Recv's fast path takes a message, when nothing else waits in matching; else posted."""
-        inbox = self._fast_inboxes.get(source)
+        inbox = self._fast_inboxes[source]
         matcher = self._matcher
         if inbox is not None and not matcher.posted and not matcher.unexpected and not self._busy:
             # (Recv's loop; kept inline there, where one call more costs every message)

@@ -43,7 +43,7 @@ from .errors import (
     NotTransferable,
     ProtocolError,
 )
-from .progress import Progress, claim
+from .progress import Progress, claim, peer_slots
 from .protocol import Arrival, Matcher, RecvOp, SendOp, completed_recv
 from .requests import Message, Request, Status, null_recv
 from .stats import EagerCounts
@@ -188,10 +188,10 @@ class Comm(Collectives):
         self._world: World | None = None
         self._progress: Progress | None = None  # built at attach: packets, copies, waits
         # What the fast paths read, made here and filled in place at attach (so that a
-        # fast path holds them directly): the ring ends it may use now, by peer (empty:
+        # fast path holds them directly): the ring ends it may use now, by peer (None:
         # take the general path), which peer an inbox is from, and the matcher.
-        self._fast_outboxes: dict[int, Outbox] = {}
-        self._fast_inboxes: dict[int, Inbox] = {}
+        self._fast_outboxes: list[Outbox | None] = peer_slots(self.size)
+        self._fast_inboxes: list[Inbox | None] = peer_slots(self.size)
         self._inbox_peer: dict[Inbox, int] = {}
         self._matcher = Matcher()
         self._only_peer = 1 - rank if self.size == 2 else ANY_SOURCE
@@ -344,7 +344,10 @@ class Comm(Collectives):
         else:
             mv = self.buffer_view(buf, send_view)
         n = mv.nbytes
-        outbox = self._fast_outboxes.get(dest)
+        try:
+            outbox = self._fast_outboxes[dest] if dest >= 0 else None
+        except (IndexError, TypeError):  # (a rank out of range or not an int: refused below)
+            outbox = None
         # (each branch tests _busy last, right before setting it: a taken jump between the
         # two would let another thread in, as on Python 3.10)
         if outbox is not None and type(tag) is int and tag >= 0:
@@ -392,7 +395,11 @@ class Comm(Collectives):
         else:
             mv = self.buffer_view(buf, recv_view)
         matcher = self._matcher
-        inbox = self._fast_inboxes.get(self._only_peer if source == ANY_SOURCE else source)
+        try:
+            peer = self._only_peer if source == ANY_SOURCE else source
+            inbox = self._fast_inboxes[peer] if peer >= 0 else None
+        except (IndexError, TypeError):
+            inbox = None
         if inbox is not None and type(tag) is int and tag >= ANY_TAG and not matcher.posted \
                 and not matcher.unexpected and not self._busy:
             self._busy = 1
@@ -594,7 +601,10 @@ class Comm(Collectives):
             # An eager send is complete once its packet is in the ring or queued, so it
             # never blocks. Send's hot path is written out here again: calling Send cost
             # ~75 ns (a frame and a second view lookup) of a ~715 ns Isend.
-            outbox = self._fast_outboxes.get(dest)
+            try:
+                outbox = self._fast_outboxes[dest] if dest >= 0 else None
+            except (IndexError, TypeError):
+                outbox = None
             if outbox is not None and type(tag) is int and tag >= 0 and not self._busy:
                 self._busy = 1
                 try:
@@ -626,9 +636,12 @@ class Comm(Collectives):
         else:
             mv = self.buffer_view(buf, recv_view)
         matcher = self._matcher
-        inbox = self._fast_inboxes.get(self._only_peer if source == ANY_SOURCE else source)
+        try:
+            peer = self._only_peer if source == ANY_SOURCE else source
+            inbox = self._fast_inboxes[peer] if peer >= 0 else None
+        except (IndexError, TypeError):
+            inbox = None
         if inbox is not None and type(tag) is int and tag >= ANY_TAG:
-            peer = self._inbox_peer[inbox]
             progress = self._progress
             if matcher.posted and progress is not None:  # (None: closed, its ring ends dropped)
                 # Receives posted earlier match first: let them take what has arrived

@@ -186,7 +186,7 @@ class DirectRendezvous:
             raise
         try:
             inbox.consume(ONE_REGION_RTS.size)
-            outbox = self.fast_outboxes.get(peer)
+            outbox = self.fast_outboxes[peer]
             if outbox is None or not outbox.put(FIN, 0, msgid, b""):
                 progress.transmit(peer, FIN, 0, msgid, b"")  # (queued behind others)
                 self.owner.packets_queued()  # (it goes out in a later call: cma.mpi's hook)

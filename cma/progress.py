@@ -120,6 +120,19 @@ def claim(comm: Any) -> int:
     return held
 
 
+def peer_slots(size: int) -> list[Any]:
+    """A table of the ring ends the fast paths may use, indexed by rank (None: take the
+    general path). A list, not a dict: a float rank raises TypeError instead of finding
+    rank 1 under 1.0, so it reaches the general path, which refuses it; a fast path tests
+    ``rank >= 0`` first, and the two cost what ``dict.get`` did."""
+    return [None] * size
+
+
+def empty_slots(slots: list[Any]) -> None:
+    """Set every slot of ``slots`` to None, in place (the fast paths hold the list)."""
+    slots[:] = [None] * len(slots)
+
+
 def _region(mv: memoryview) -> Region:
     return Region(_linux.buffer_address(mv), mv.nbytes)
 
@@ -132,7 +145,7 @@ class Progress:
     """Moves one attached rank's packets and copies; every wait of the rank runs here."""
 
     def __init__(self, world: World, connection: Connection, matcher: Matcher,
-                 fast_outboxes: dict[int, Outbox], fast_inboxes: dict[int, Inbox],
+                 fast_outboxes: list[Outbox | None], fast_inboxes: list[Inbox | None],
                  inbox_peer: dict[Inbox, int], counts: EagerCounts,
                  ring: Callable[[int], None],
                  completed: Callable[[SendOp | RecvOp], None] | None, overlap: bool,
@@ -318,7 +331,7 @@ class Progress:
             if kind & KIND_MASK == EAGER:
                 self.counts.looped(len(payload))
             self.loopback.append((kind, tag, aux, payload))
-            self.fast_inboxes.clear()
+            empty_slots(self.fast_inboxes)
             return
         limit = self.config.max_packet
         if len(payload) > limit:  # (a control packet larger than the ring: see drain)
@@ -330,7 +343,7 @@ class Progress:
         if queue or not self._put(dest, packet):
             queue.append(packet)
             self.txq_pending += 1
-            self.fast_outboxes.pop(dest, None)
+            self.fast_outboxes[dest] = None
             return
         if self.peer_sleeping(dest):
             self.ring(dest)
@@ -524,7 +537,8 @@ class Progress:
                 kind, tag, aux, looped = self.loopback.popleft()
                 self.run(engine.packet(self.rank, kind, tag, aux, looped))
             if not self.oversubscribed:
-                self.fast_inboxes.update(self.inboxes)
+                for peer, inbox in self.inboxes.items():
+                    self.fast_inboxes[peer] = inbox
             moved = True
         for peer in self.connected:
             moved = self.drain(peer, False) or moved
@@ -886,8 +900,8 @@ class Progress:
         self.broken = reason
         # (the general paths all go through the engine, so each now raises at its first use)
         self.engine = cast(Engine, _BrokenEngine(reason))
-        self.fast_outboxes.clear()  # (so the fast paths take the general ones)
-        self.fast_inboxes.clear()
+        empty_slots(self.fast_outboxes)  # (so the fast paths take the general ones)
+        empty_slots(self.fast_inboxes)
         self.txq_pending = 0  # (a flush would put peers back in fast_outboxes)
 
     # -- peers that exit
@@ -967,8 +981,8 @@ class Progress:
                 self.deliver_queued()  # including the FINs their senders wait for
                 self.world.mark_closed()
         finally:
-            self.fast_outboxes.clear()  # (their views die with the world)
-            self.fast_inboxes.clear()
+            empty_slots(self.fast_outboxes)  # (their views die with the world)
+            empty_slots(self.fast_inboxes)
             self.connection.close()
 
 

@@ -139,16 +139,20 @@ def test_non_integer_rank_refused_on_the_general_path(peer, dest):
     round_trip(peer)
 
 
-@pytest.mark.xfail(strict=True, reason="the eager fast path finds rank 1's ring by dict lookup, "
-                   "where 1.0 == 1; refusing a float there costs a type test on every Send "
-                   "(docs/reliability.md, Misuse)")
 def test_float_rank_refused_on_the_fast_path(peer):
+    """1.0 == 1, so a dict of ring ends by rank found rank 1's ring for dest=1.0 and the
+    eager fast paths sent it; mpi4py refuses a float rank (TypeError), so must we."""
     peer.start(op_recv, 100)
-    try:
-        with pytest.raises(InvalidRank):
-            peer.comm.Send(pattern(100, 5), dest=1.0, tag=TAG)
-    finally:
-        peer.result()  # (the float went through: let the peer have its message)
+    with pytest.raises(InvalidRank):
+        peer.comm.Send(pattern(100, 5), dest=1.0, tag=TAG)
+    with pytest.raises(InvalidRank):
+        peer.comm.Isend(pattern(100, 5), dest=1.0, tag=TAG)
+    with pytest.raises(InvalidRank):
+        peer.comm.Recv(np.zeros(100, np.uint8), source=1.0, tag=TAG)
+    with pytest.raises(InvalidRank):
+        peer.comm.Irecv(np.zeros(100, np.uint8), source=1.0, tag=TAG)
+    peer.comm.Send(pattern(100, 5), dest=1, tag=TAG)  # (still usable: the peer's message)
+    peer.result()
 
 
 # ------------------------------------------------------------------ pickling

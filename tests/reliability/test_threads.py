@@ -277,3 +277,59 @@ def test_a_call_nested_in_the_same_threads_call_passes():
     finally:
         a.close()
         b.close()
+
+
+# ------------------------------------------------------------------ forking an attached rank
+
+def _first_use_after_a_fork(comm: cma.Comm, go: Any) -> None:
+    """Rank 1: attach, and once rank 0 has forked receive from it: the pair's first use,
+    when rank 1 fetches rank 0's doorbell from rank 0's fd server."""
+    try:
+        comm.attach()
+        go.wait(JOIN_TIMEOUT)
+        buf = np.zeros(EAGER, np.uint8)
+        comm.Recv(buf, source=0, tag=TAG)
+        assert digest(buf) == digest(pattern(EAGER))
+    finally:
+        comm.close()
+
+
+def _exit_with_the_server_state(comm: cma.Comm) -> None:
+    """A child forked from attached rank 0: exit 0 if the fork found rank 0's fd server
+    paused (its memory is the parent's at the fork), 1 if its thread was running."""
+    world = comm._world
+    os._exit(0 if world is not None and world._server_thread is None else 1)
+
+
+@pytest.mark.timeout(60)
+def test_no_thread_of_cmas_runs_when_an_attached_rank_forks():
+    """An attached rank's fd server thread is paused around a fork (world.py), so a fork
+    cannot catch it holding a lock the child would then find held for ever; after the
+    fork the server serves again: rank 1 connects after it and fetches rank 0's doorbell
+    through it. (Python 3.12+ still warns that the process is multi-threaded: it counts
+    threads after the parent's after-fork hooks, which restarted the server.)"""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    a, b = cma.Pipe("shm")
+    go = ctx.Event()
+    peer = ctx.Process(target=_first_use_after_a_fork, args=(b, go), daemon=True)
+    peer.start()
+    b.close()
+    try:
+        a.attach()
+        assert a._world is not None and a._world._server_thread is not None
+        forked = ctx.Process(target=_exit_with_the_server_state, args=(a,))
+        forked.start()
+        forked.join(JOIN_TIMEOUT)
+        assert forked.exitcode == 0, "the fd server's thread ran at the fork"
+        assert a._world._server_thread is not None, "not resumed after the fork"
+        go.set()
+        a.Send(pattern(EAGER), dest=1, tag=TAG)
+        peer.join(JOIN_TIMEOUT)
+        assert peer.exitcode == 0
+    finally:
+        a.close()
+        if peer.is_alive():
+            peer.kill()
+            peer.join(5)

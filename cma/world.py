@@ -27,7 +27,6 @@ import selectors
 import socket
 import threading
 import time
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -155,29 +154,6 @@ def fd_server_address(world_id: str, rank: int) -> str:
     return f"\0cma-{world_id}-{rank}"
 
 
-# The worlds whose fd server runs in this process: paused around a fork, so that no
-# thread of cma's runs when the process forks (docs/reliability.md, "Python versions").
-_serving: weakref.WeakSet[World] = weakref.WeakSet()
-
-
-def _before_fork() -> None:
-    for world in list(_serving):
-        world.pause_server()
-
-
-def _after_fork_in_parent() -> None:
-    for world in list(_serving):
-        world.resume_server()
-
-
-def _after_fork_in_child() -> None:
-    _serving.clear()  # (the child serves nothing: the listeners are the parent's)
-
-
-os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
-                    after_in_child=_after_fork_in_child)
-
-
 def fetch_fds(world_id: str, rank: int, pid: int, name: str, count: int = 1) -> list[int]:
     """The ``count`` fds that rank ``rank`` of the world, process ``pid``, exposes as ``name``.
 
@@ -274,10 +250,6 @@ class World:
         self._server: socket.socket | None = None
         self._server_pid = 0
         self._server_thread: threading.Thread | None = None
-        # the server thread's poll set and clients, kept while it pauses for a fork
-        self._server_selector: selectors.BaseSelector | None = None
-        self._server_waiting: dict[socket.socket, float] = {}  # client -> when it is dropped
-        self._server_wake = -1  # an eventfd that tells the thread to pause
 
     def _header_view(self, word: int, words: int) -> memoryview:
         view = self.header[word : word + words]
@@ -534,71 +506,41 @@ class World:
         # not on the thread: a close() before the thread ran left it a closed socket.
         selector = selectors.PollSelector()
         selector.register(server, selectors.EVENT_READ)
-        self._server_wake = _linux.eventfd()
-        selector.register(self._server_wake, selectors.EVENT_READ)
         self._server = server
         self._server_pid = os.getpid()
-        self._server_selector = selector
-        self._run_server()
-        _serving.add(self)
-
-    def _run_server(self) -> None:
-        self._server_thread = threading.Thread(target=self._serve, name="cma-fd-server",
-                                               daemon=True)
+        self._server_thread = threading.Thread(target=self._serve, args=(server, selector),
+                                               name="cma-fd-server", daemon=True)
         self._server_thread.start()
 
-    def _serve(self) -> None:
+    def _serve(self, server: socket.socket, selector: selectors.BaseSelector) -> None:
         """Answer fd requests, never waiting on one client: a silent or slow one is dropped
-        after REQUEST_SECONDS while others are served, and bad ones are refused quietly.
-        Returns when the listener is closed, or paused (``pause_server``)."""
-        server, selector, waiting = self._server, self._server_selector, self._server_waiting
-        assert server is not None and selector is not None
-        while True:
-            now = time.monotonic()
-            for conn in [c for c, drop_at in waiting.items() if drop_at <= now]:
-                selector.unregister(conn)
-                del waiting[conn]
-                conn.close()
-            timeout = min(waiting.values(), default=now + 3600) - now
-            for key, _ in selector.select(max(timeout, 0.0)):
-                if key.fileobj is server:
-                    try:
-                        conn, _ = server.accept()
-                    except OSError:
-                        for conn in waiting:
-                            conn.close()
-                        waiting.clear()
-                        return  # closed
-                    if self._admit(conn):
-                        selector.register(conn, selectors.EVENT_READ, conn)
-                        waiting[conn] = time.monotonic() + REQUEST_SECONDS
-                    continue
-                if key.fd == self._server_wake:
-                    _linux.drain_doorbell(self._server_wake)
-                    return  # paused: its clients wait in the poll set for the next thread
-                conn = key.data
-                selector.unregister(conn)
-                del waiting[conn]
-                with conn:
-                    self._answer(conn)
-
-    def pause_server(self) -> None:
-        """Stop the fd server's thread (before a fork: so that the fork cannot catch it
-        holding a lock, of the heap say, which the child would find held for ever);
-        ``resume_server`` starts another over the same listener and clients."""
-        thread = self._server_thread
-        if thread is None or self._server_pid != os.getpid():
-            return
-        _linux.ring_doorbell(self._server_wake)
-        thread.join(timeout=5)
-        if not thread.is_alive():
-            self._server_thread = None
-
-    def resume_server(self) -> None:
-        """Start the fd server's thread again after ``pause_server`` (unless closed since)."""
-        if self._server is not None and self._server_thread is None \
-                and self._server_pid == os.getpid():
-            self._run_server()
+        after REQUEST_SECONDS while others are served, and bad ones are refused quietly."""
+        waiting: dict[socket.socket, float] = {}  # accepted connection -> when it is dropped
+        with selector:
+            while True:
+                now = time.monotonic()
+                for conn in [c for c, drop_at in waiting.items() if drop_at <= now]:
+                    selector.unregister(conn)
+                    del waiting[conn]
+                    conn.close()
+                timeout = min(waiting.values(), default=now + 3600) - now
+                for key, _ in selector.select(max(timeout, 0.0)):
+                    if key.fileobj is server:
+                        try:
+                            conn, _ = server.accept()
+                        except OSError:
+                            for conn in waiting:
+                                conn.close()
+                            return  # closed
+                        if self._admit(conn):
+                            selector.register(conn, selectors.EVENT_READ, conn)
+                            waiting[conn] = time.monotonic() + REQUEST_SECONDS
+                        continue
+                    conn = key.data
+                    selector.unregister(conn)
+                    del waiting[conn]
+                    with conn:
+                        self._answer(conn)
 
     def _admit(self, conn: socket.socket) -> bool:
         """Whether ``conn`` comes from a peer of this world owned by our user (SO_PEERCRED):
@@ -708,15 +650,6 @@ class World:
             self._server = None
             if self._server_thread is not None:
                 self._server_thread.join(timeout=5)
-                self._server_thread = None
-            for conn in self._server_waiting:  # (left by a pause, in a forked child)
-                conn.close()
-            self._server_waiting.clear()
-            if self._server_selector is not None:
-                self._server_selector.close()
-                self._server_selector = None
-            _linux.close_fd(self._server_wake)
-            self._server_wake = -1
         self._forget_launched()
         # (the set goes first, whole: removing fds one by one from a set a forked child
         # shares with its parent would edit the parent's)

@@ -512,3 +512,43 @@ def test_a_view_with_the_mapping_cache_full_of_views_is_a_copy():
     ok, through_xmap, views_held, through_cma = got
     assert ok and sent
     assert (through_xmap, views_held, through_cma) == (1, 1, 1)
+
+
+def _close_copy(comm: cma.Comm) -> None:
+    comm.close()  # (the copy of rank 0's attached end: broken at the fork, still released)
+    os._exit(0)
+
+
+def _attach_and_wait(comm: cma.Comm, done) -> None:
+    comm.attach()
+    done.wait(30)
+    comm.close()
+
+
+def test_a_fork_while_the_fd_server_serves_a_heap_segment_leaves_the_child_able_to_close():
+    """The fd server's thread takes xmap's ``_serving`` lock to dup a segment's fd. A fork
+    landing then gave the child that lock held by a thread it does not have, and the
+    child's close() of its copy of the communicator, which takes the lock, waited for
+    ever. The lock is made anew in a forked child (xmap.py)."""
+    ctx = mp.get_context("fork")
+    a, b = cma.Pipe(config=CONFIG, xmap=True)
+    done = ctx.Event()
+    peer = ctx.Process(target=_attach_and_wait, args=(b, done), daemon=True)
+    peer.start()
+    b.close()
+    try:
+        a.attach()
+        xmap = a._progress.xmap if a._progress is not None else None
+        assert xmap is not None
+        with xmap._serving:  # (as the server thread holds it while it answers)
+            child = ctx.Process(target=_close_copy, args=(a,))
+            child.start()
+        child.join(10)
+        assert child.exitcode == 0, "the forked child's close() hung on the lock"
+    finally:
+        done.set()
+        a.close()
+        stop_process(peer)
+        if child.is_alive():
+            child.kill()
+            child.join(5)

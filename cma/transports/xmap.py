@@ -112,6 +112,20 @@ class XmapStats(TransportStats):
         self._cache_base = (c.hits, c.misses, c.evictions, c.invalidations)
 
 
+# Every XmapTransport of this process, for the fork hook below.
+_made: weakref.WeakSet[XmapTransport] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    # A fork may land while the fd server's thread holds _serving (its answers dup a
+    # segment's fd under it); the child has no such thread, and its close() takes the lock.
+    for transport in _made:
+        transport._serving = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 class XmapTransport(Transport):
     name: ClassVar[str] = "xmap"
     copies: ClassVar[Copies] = Copies(user=1, kernel=0)  # 0 for a view
@@ -129,6 +143,7 @@ class XmapTransport(Transport):
         # thread); the fd server's thread dups the fds, under _serving
         self._offered: dict[tuple[int, int], tuple[int, int, set[int]]] = {}
         self._serving = threading.Lock()
+        _made.add(self)
         self.given_back: deque[tuple[int, int]] = deque()
         # receiver: released views, (peer, msgid, leases), appended by their finalizers in
         # any thread; progress sends the FINs

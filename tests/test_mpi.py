@@ -223,6 +223,18 @@ def test_interrupt_during_a_copy_under_way() -> None:
     assert len(re.findall(r"waiting (Recv|Barrier|Wait|Probe): KeyboardInterrupt", out)) == 4, out
 
 
+def test_interrupts_in_a_mixed_ranks_waits() -> None:
+    """Ctrl-C in a mixed rank's Recv from an on-node rank and from ANY_SOURCE
+    (interrupted_mixed.py, CMA_MPI_NODES=0,0,1): KeyboardInterrupt within 2 s each, the
+    abandoned receives withdrawn; in MPI's own off-node Recv: after it returns."""
+    code, out, _ = mpirun(3, "interrupted_mixed.py", env={"CMA_MPI_NODES": "0,0,1"})
+    print(out)
+    assert code == 0, out
+    assert sorted(re.findall(r"OK (\d+)", out)) == ["0", "1", "2"], out
+    assert len(re.findall(r"mixed rank waiting in a .*: KeyboardInterrupt", out)) == 2, out
+    assert "off-node Recv: KeyboardInterrupt after MPI returned" in out, out
+
+
 @pytest.mark.parametrize(("n", "env"), [(1, {}), (2, {}), (3, {}), (4, {}),
                                         (3, {"CMA_MPI_RANKS_PER_NODE": "2"}),
                                         (4, {"CMA_MPI_RANKS_PER_NODE": "2"}),

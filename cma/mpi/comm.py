@@ -205,7 +205,7 @@ class Comm(MPI.Intracomm):
         if peer is None:
             mixed = self._mixed
             if mixed is not None and mixed.waits_in_cma(source, tag):
-                self._irecv(buf, source, tag, False).Wait(status)
+                _wait_or_withdraw(self._irecv(buf, source, tag, False), status)
             else:
                 mpi_recv(self, buf, source, tag, status)
             return
@@ -393,7 +393,7 @@ class Comm(MPI.Intracomm):
         ``views=True`` (xmap on): arrays of an on-node sender's shared heap arrive as
         read-only views of its memory (``cma.Comm.recv``); any other object, as usual."""
         if source in self._fast or self._mixed is not None and self._mixed.waits_in_cma(source, tag):
-            return self._irecv(buf, source, tag, True, views).wait(status)
+            return _wait_or_withdraw(self._irecv(buf, source, tag, True, views), status, True)
         return mpi_recv_obj(self, buf, source, tag, status)
 
     def isend(self, obj: Any, dest: int, tag: int = 0) -> MPI.Request:
@@ -606,6 +606,18 @@ class Message(MPI.Message):
     def recv(self, status: MPI.Status | None = None) -> Any:
         """mpi4py's ``Message.recv``: receive the object message through cma; only once."""
         return self.irecv().wait(status)
+
+
+def _wait_or_withdraw(request: MPI.Request, status: MPI.Status | None,
+                      is_object: bool = False) -> Any:
+    """Wait for the receive a blocking call made; if the wait raises (a Ctrl-C), withdraw
+    it unless something matched it already, so that it cannot take a later message into
+    the buffer its caller gave up (cma.Comm's blocking receives do the same)."""
+    try:
+        return request.wait(status) if is_object else request.Wait(status)
+    except BaseException:
+        request.Cancel()
+        raise
 
 
 def _send_mode(name: str) -> Callable[..., Any]:

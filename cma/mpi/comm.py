@@ -616,7 +616,8 @@ def _wait_or_withdraw(request: MPI.Request, status: MPI.Status | None,
     try:
         return request.wait(status) if is_object else request.Wait(status)
     except BaseException:
-        request.Cancel()
+        if request:  # (a wait that raised the receive's own error has retired it)
+            request.Cancel()
         raise
 
 

@@ -1,8 +1,9 @@
 """One rank of bench/scale.py: the same program under ``cma-run`` (``cma``) and ``mpiexec`` (``mpi``).
 
 It times how long the library takes to be ready, reads its own shared mappings and fds,
-then times an 8 B and a large (1 MiB unless told) all-to-all (pairwise ``Sendrecv``
-rounds, as a code without a collective library would write it) and a ring exchange, and
+then times an 8 B all-to-all (pairwise ``Sendrecv`` rounds, as a code without a
+collective library would write it) twice, the second time with every pair connected,
+a large one (1 MiB unless told) and a ring exchange, and
 sends its figures to rank 0, which prints them as one JSON line. Run it through
 bench/scale.py, which starts it.
 """
@@ -88,6 +89,9 @@ def main() -> None:
 
     small = np.zeros((size, 8), np.uint8), np.zeros((size, 8), np.uint8)
     figures["alltoall_8B_s"] = timed(comm, small_iters, lambda: alltoall(comm, *small, rank, size))
+    # again, every pair connected now (cma connects on first use): the steady state
+    figures["alltoall_8B_steady_s"] = timed(comm, small_iters,
+                                            lambda: alltoall(comm, *small, rank, size))
 
     big = np.ones((size, block), np.uint8), np.zeros((size, block), np.uint8)
     comm.Barrier()

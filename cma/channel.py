@@ -4,10 +4,11 @@ One memfd-backed segment holds everything a world of N ranks shares:
 
     header      per rank: pid, sleeping flag, connect phase, connect hint, doorbell fd
                 number; then which transports each rank reaches each peer with (the
-                reach matrix)
+                reach matrix); then the head of every ring, one row per receiver (the
+                heads matrix: a receiver reads all its rings' heads at once)
     per ordered pair (i -> j), page aligned:
-        control page    head (written by i), tail (by j), staging filled (by i), drained (by j),
-                        each on its own cache line so the two sides never write the same line
+        control page    tail (written by j), staging filled (by i), drained (by j), each
+                        on its own cache line so the two sides never write the same line
         ring            ``ring_bytes`` of packets, each taking only its own size
         staging         ``stage_slots`` fragments of ``frag_size`` bytes for the PIPELINE protocol
 
@@ -72,7 +73,8 @@ TAIL = 16
 FILLED = 32
 DRAINED = 48
 
-# header: a preamble, one 128-byte block per rank, then the reach matrix (size x size words)
+# header: a preamble, one 128-byte block per rank, the reach matrix (size x size words),
+# then the heads matrix (heads_word)
 PREAMBLE_WORDS = 16
 RANK_BLOCK_WORDS = 16
 PID = 0  # words within a rank block
@@ -146,9 +148,9 @@ class ChannelConfig:
         return PAGE_SIZE + self.ring_bytes + staging
 
     def header_bytes(self, size: int) -> int:
-        """Bytes of a world's header (preamble, rank blocks, reach matrix), whole pages."""
-        words = PREAMBLE_WORDS + size * RANK_BLOCK_WORDS + size * size
-        return _round_up(words * 8, PAGE_SIZE)
+        """Bytes of a world's header (preamble, rank blocks, reach matrix, heads matrix),
+        whole pages."""
+        return _round_up(heads_word(size, 0, size) * 8, PAGE_SIZE)
 
     def segment_bytes(self, size: int) -> int:
         """Bytes of the whole shared segment of a world of ``size`` ranks."""
@@ -199,18 +201,22 @@ def _channel_parts(pair: memoryview, config: ChannelConfig
 class Outbox:
     """Producer end of the ring from this rank to one peer."""
 
-    __slots__ = ("ctl", "data", "words", "size", "window", "mask", "head", "tail_seen",
-                 "staging", "filled", "peer_sleeping", "eager_bytes", "eager_count")
+    __slots__ = ("ctl", "data", "words", "size", "window", "mask", "head", "head_word",
+                 "tail_seen", "staging", "filled", "peer_sleeping", "eager_bytes", "eager_count")
 
-    def __init__(self, pair: memoryview, config: ChannelConfig, peer_sleeping: memoryview) -> None:
+    def __init__(self, pair: memoryview, config: ChannelConfig, peer_sleeping: memoryview,
+                 head_word: memoryview | None = None) -> None:
         self.peer_sleeping = peer_sleeping  # the receiver's "about to sleep" word
         self.eager_bytes = 0
         self.eager_count = 0
         self.ctl, self.data, self.words, self.staging = _channel_parts(pair, config)
+        # where the head is published: the world's heads matrix (heads_word), or alone
+        # the control page's HEAD word
+        self.head_word = self.ctl[HEAD : HEAD + 1] if head_word is None else head_word
         self.size = config.ring_bytes
         self.window = config.ring_bytes // 2
         self.mask = config.ring_bytes - 1
-        self.head = self.ctl[HEAD]
+        self.head = self.head_word[0]
         self.tail_seen = self.ctl[TAIL]
         self.filled = self.ctl[FILLED]
 
@@ -274,7 +280,7 @@ class Outbox:
         except struct.error:
             return RING_FULL  # a tag beyond int64, left unpublished for the general path to refuse
         self.eager_count += 1
-        self.head = self.ctl[HEAD] = h + need
+        self.head = self.head_word[0] = h + need
         return self.peer_sleeping[0]
 
     def put(self, kind: int, tag: int, aux: int, payload: bytes | memoryview) -> bool:
@@ -296,7 +302,7 @@ class Outbox:
             self.eager_bytes += n
             self.eager_count += 1
         self.head += need
-        self.ctl[HEAD] = self.head
+        self.head_word[0] = self.head
         return True
 
     def publish_filled(self, count: int) -> None:
@@ -314,9 +320,10 @@ class Inbox:
 
     __slots__ = ("ctl", "data", "words", "size", "mask", "tail", "tail_published", "staging",
                  "drained_count", "publish_every", "last_tag", "eager_bytes", "eager_count",
-                 "pending", "peer", "max_payload", "room_told")
+                 "pending", "peer", "max_payload", "room_told", "head_word")
 
-    def __init__(self, pair: memoryview, config: ChannelConfig, peer: int = -1) -> None:
+    def __init__(self, pair: memoryview, config: ChannelConfig, peer: int = -1,
+                 head_word: memoryview | None = None) -> None:
         self.peer = peer  # the rank that writes this ring (named by ProtocolError)
         self.max_payload = config.max_packet
         self.last_tag = 0
@@ -324,6 +331,7 @@ class Inbox:
         self.eager_count = 0
         self.pending = 0  # size of the packet returned by take(), consumed by release()
         self.ctl, self.data, self.words, self.staging = _channel_parts(pair, config)
+        self.head_word = self.ctl[HEAD : HEAD + 1] if head_word is None else head_word  # (Outbox's)
         self.size = config.ring_bytes
         self.publish_every = config.ring_bytes // 16
         self.mask = config.ring_bytes - 1
@@ -335,12 +343,12 @@ class Inbox:
     def _position(self) -> int:
         """Offset of the oldest packet, skipping padding; -1 when the ring is empty."""
         t = self.tail
-        if self.ctl[HEAD] == t:
+        if self.head_word[0] == t:
             return -1
         pos = t & self.mask
         if self.words[pos >> 3] == PAD:
             self.tail = t = t + self.size - pos
-            if self.ctl[HEAD] == t:
+            if self.head_word[0] == t:
                 return -1
             return 0
         return pos
@@ -362,7 +370,7 @@ class Inbox:
         RING_EMPTY: the ring is empty; NOT_EAGER: the oldest packet needs the general path.
         """
         tail = self.tail
-        if self.ctl[HEAD] == tail:
+        if self.head_word[0] == tail:
             return RING_EMPTY
         pos = tail & self.mask
         kind, t, n = EAGER_HEADER.unpack_from(self.data, pos)
@@ -406,7 +414,7 @@ class Inbox:
         w = pos >> 3
         if self.words[w] != kind or self.words[w + 2] != nbytes \
                 or pos + HEADER_BYTES + nbytes > self.size \
-                or self.ctl[HEAD] - self.tail < packet_bytes(nbytes):
+                or self.head_word[0] - self.tail < packet_bytes(nbytes):
             return -1
         return w
 
@@ -441,7 +449,7 @@ class Inbox:
         w = pos >> 3
         words = self.words
         kind, tag, n, aux = words[w], words[w + 1], words[w + 2], words[w + 3]
-        in_flight = self.ctl[HEAD] - self.tail
+        in_flight = self.head_word[0] - self.tail
         if not 0 <= n <= min(self.max_payload, self.size - pos - HEADER_BYTES) \
                 or not packet_bytes(n) <= in_flight <= self.size or kind == PAD:
             raise ProtocolError(self._framing_fault(pos, kind, n, in_flight), peer=self.peer)
@@ -486,10 +494,28 @@ class Inbox:
         self.ctl[DRAINED] = count
 
 
-def pair_boxes(pair: Callable[[int, int], memoryview], rank: int, peer: int, config: ChannelConfig,
-               peer_sleeping: memoryview) -> tuple[Outbox, Inbox]:
+def heads_stride(size: int) -> int:
+    """Words per row of the heads matrix: ``size``, in whole cache lines, so that no two
+    receivers' rows share a line."""
+    return _round_up(size, ALIGN // 8)
+
+
+def heads_word(size: int, src: int, dst: int) -> int:
+    """Header word of the head of the ring ``src -> dst``: the heads matrix follows the
+    reach matrix, one row per receiver, so that a receiver sees every ring's head in one
+    read of its row (``Progress._poll``: a pass with nothing new costs one comparison,
+    not a look at each of N-1 rings)."""
+    base = _round_up(PREAMBLE_WORDS + size * RANK_BLOCK_WORDS + size * size, ALIGN // 8)
+    return base + dst * heads_stride(size) + src
+
+
+def pair_boxes(pair: Callable[[int, int], memoryview], head: Callable[[int, int], memoryview],
+               rank: int, peer: int, config: ChannelConfig, peer_sleeping: memoryview
+               ) -> tuple[Outbox, Inbox]:
     """The outbox (this rank -> peer) and inbox (peer -> this rank) of one connected pair.
 
-    ``pair(src, dst)`` gives the bytes of the channel ``src -> dst`` (``pair_bytes`` long).
+    ``pair(src, dst)`` gives the bytes of the channel ``src -> dst`` (``pair_bytes`` long),
+    ``head(src, dst)`` the word where its head is published.
     """
-    return Outbox(pair(rank, peer), config, peer_sleeping), Inbox(pair(peer, rank), config, peer)
+    return (Outbox(pair(rank, peer), config, peer_sleeping, head(rank, peer)),
+            Inbox(pair(peer, rank), config, peer, head(peer, rank)))

@@ -175,6 +175,12 @@ class Progress:
         self.outboxes: dict[int, Outbox] = {}
         self.inboxes: dict[int, Inbox] = {}
         self.connected: list[int] = []
+        # The heads of the rings into this rank (one row of the world's header), and the
+        # row as it was at the start of the last pass that drained every connected ring:
+        # while the two are equal no ring has a packet (a pass of an idle wait with N-1
+        # peers costs one comparison: docs/architecture.md, "The heads matrix").
+        self.heads_row = world.heads_row()
+        self.heads_drained = b""
         # The ring ends the fast paths may use right now: a peer's outbox leaves
         # fast_outboxes while packets to it wait in txq (order), and the inboxes leave
         # fast_inboxes while packets to ourselves wait in loopback, or for good when ranks
@@ -244,6 +250,7 @@ class Progress:
         self.inboxes[peer] = inbox
         self.inbox_peer[inbox] = peer
         self.connected = [*self.connected, peer]
+        self.heads_drained = b""  # (its ring may hold packets from before it connected)
         if not self.broken and not self.closing:
             if not self.txq[peer]:
                 self.fast_outboxes[peer] = outbox
@@ -540,8 +547,15 @@ class Progress:
                 for peer, inbox in self.inboxes.items():
                     self.fast_inboxes[peer] = inbox
             moved = True
-        for peer in self.connected:
-            moved = self.drain(peer, False) or moved
+        heads = self.heads_row.tobytes()
+        if heads != self.heads_drained:
+            # (left stale if the pass is cut short, or a peer connects during it)
+            self.heads_drained = b""
+            connected = self.connected
+            for peer in connected:
+                moved = self.drain(peer, False) or moved
+            if self.connected is connected:
+                self.heads_drained = heads
         if self.txq_pending:
             moved = self._flush() or moved
         if self.out_streams or self.in_streams:
@@ -860,9 +874,12 @@ class Progress:
         xmap = self.xmap
         if xmap is not None and (xmap.released or xmap.given_back):
             return True
-        for box in self.inboxes.values():
-            if box.ready():
-                return True
+        # (a packet came since the last full pass: it may be in a ring still, or taken
+        # already by a fast path, which consumes without that pass)
+        if self.heads_row.tobytes() != self.heads_drained:
+            for box in self.inboxes.values():
+                if box.ready():
+                    return True
         return bool(self._newly_connected())
 
     def _newly_connected(self) -> list[int]:

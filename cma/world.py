@@ -44,6 +44,7 @@ from .channel import (
     ChannelConfig,
     Inbox,
     Outbox,
+    heads_word,
     pair_boxes,
 )
 from .errors import CmaError, PeerGone, ProtocolError
@@ -256,6 +257,17 @@ class World:
         self._views.append(view)
         return view
 
+    def _head_word(self, src: int, dst: int) -> memoryview:
+        return self._header_view(heads_word(self.size, src, dst), 1)
+
+    def heads_row(self) -> memoryview:
+        """This rank's row of the heads matrix: the heads of the rings into it, as bytes
+        (a comparison of two reads of it says whether any ring got a packet between)."""
+        first = heads_word(self.size, 0, self.rank)
+        row = self._header_view(first, self.size).cast("B")
+        self._views.append(row)
+        return row
+
     def _map_pair(self, src: int, dst: int) -> memoryview:
         config = self.config
         mm = _linux.map_shared(self.fds.memfd, config.pair_bytes, config.pair_offset(self.size, src, dst))
@@ -313,7 +325,7 @@ class World:
                 self._forget_launched()
             sleeping = self._header_view(self._word(peer, SLEEPING), 1)
             self.outboxes[peer], self.inboxes[peer] = pair_boxes(
-                self._map_pair, self.rank, peer, self.config, sleeping)
+                self._map_pair, self._head_word, self.rank, peer, self.config, sleeping)
         self._watch(peer)
         if self.fds.doorbells[peer] < 0:
             try:

@@ -30,6 +30,7 @@ from conftest import (
     mem_available,
     receive_what_was_queued,
     run_pair,
+    run_ranks,
     send_more_than_the_ring_holds,
     stop_process,
     wait_asleep_in_poll,
@@ -2007,3 +2008,54 @@ def test_only_an_eventfd_passes_for_a_doorbell():
     finally:
         for fd in (bell, r, w):
             os.close(fd)
+
+
+HEADS_PEERS = 3
+IDLE_SECONDS = 0.2
+
+
+def test_an_idle_wait_looks_at_no_ring_until_a_packet_comes():
+    """A waiting rank reads its row of the heads matrix (every ring's head at once) and
+    drains its rings only when a head moved: a pass with N-1 peers and nothing new once
+    called drain N-1 times (the all-to-all's cost at 64 ranks, #24). Rank 0 connects to
+    its three peers, then waits 0.2 s for rank 3's message: its passes may drain only
+    when that message comes (and in the wait's first pass, which publishes what the fast
+    paths took)."""
+
+    def rank0(comm):
+        buf = np.zeros(8, np.uint8)
+        for peer in range(1, HEADS_PEERS + 1):  # connect every pair, and let them go quiet
+            comm.Recv(buf, source=peer, tag=1)
+        progress = comm._progress
+        drains, passes = [0], [0]
+        drain, poll = progress.drain, progress._poll
+
+        def counted_drain(peer, only_expected):
+            drains[0] += 1
+            return drain(peer, only_expected)
+
+        def counted_poll():
+            passes[0] += 1
+            return poll()
+
+        progress.drain, progress._poll = counted_drain, counted_poll
+        comm.Send(buf, dest=HEADS_PEERS, tag=2)  # go
+        comm.Irecv(buf, source=HEADS_PEERS, tag=3).Wait()
+        progress.drain, progress._poll = drain, poll
+        comm.Barrier()
+        return drains[0], passes[0]
+
+    def peer(comm):
+        buf = np.zeros(8, np.uint8)
+        comm.Send(buf, dest=0, tag=1)
+        if comm.rank == HEADS_PEERS:
+            comm.Recv(buf, source=0, tag=2)
+            time.sleep(IDLE_SECONDS)
+            comm.Send(buf, dest=0, tag=3)
+        comm.Barrier()
+        return None
+
+    drains, passes = run_ranks("shm", SMALL_RING, [rank0] + [peer] * HEADS_PEERS, timeout=30)[0]
+    print(f"{passes} passes, {drains} drain calls")
+    assert passes >= 10, "the wait did not spin: the test measured nothing"
+    assert drains <= 2 * HEADS_PEERS, f"{drains} drain calls in {passes} passes"

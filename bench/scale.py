@@ -103,6 +103,8 @@ def summary(result: dict[str, Any]) -> dict[str, float]:
         "fds": mean("fds_after"),
         "alltoall_8B_ms": slowest("alltoall_8B_s") * 1e3,
         "alltoall_8B_steady_ms": slowest("alltoall_8B_steady_s") * 1e3,
+        "alltoall_8B_steady_cpu_ms": mean("alltoall_8B_steady_cpu_s") * 1e3,
+        "alltoall_8B_steady_preempted": mean("alltoall_8B_steady_preempted"),
         "alltoall_big_ms": slowest("alltoall_big_s") * 1e3,
         "ring_64KiB_ms": slowest("ring_64KiB_s") * 1e3,
         "shm_growth_MiB": per_rank[0]["shmem_growth"] / MiB,
@@ -116,6 +118,8 @@ COLUMNS = [("ready_s", "ready s", "{:.2f}"), ("attach_s", "attach s", "{:.3f}"),
            ("resident_after_MiB", "resident after", "{:.1f}"), ("fds", "fds", "{:.0f}"),
            ("alltoall_8B_ms", "a2a 8B ms", "{:.2f}"),
            ("alltoall_8B_steady_ms", "a2a 8B again ms", "{:.2f}"),
+           ("alltoall_8B_steady_cpu_ms", "its CPU ms/rank", "{:.2f}"),
+           ("alltoall_8B_steady_preempted", "preempted/rank", "{:.0f}"),
            ("alltoall_big_ms", "a2a big ms", "{:.1f}"),
            ("shm_growth_MiB", "shm growth MiB", "{:.0f}"), ("ring_64KiB_ms", "ring 64KiB ms", "{:.3f}")]
 

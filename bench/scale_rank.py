@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import sys
 import time
 from typing import Any
@@ -89,9 +90,15 @@ def main() -> None:
 
     small = np.zeros((size, 8), np.uint8), np.zeros((size, 8), np.uint8)
     figures["alltoall_8B_s"] = timed(comm, small_iters, lambda: alltoall(comm, *small, rank, size))
-    # again, every pair connected now (cma connects on first use): the steady state
+    # again, every pair connected now (cma connects on first use): the steady state, with
+    # the CPU time and involuntary context switches this rank spent on it
+    before = resource.getrusage(resource.RUSAGE_SELF)
     figures["alltoall_8B_steady_s"] = timed(comm, small_iters,
                                             lambda: alltoall(comm, *small, rank, size))
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    figures["alltoall_8B_steady_cpu_s"] = (after.ru_utime - before.ru_utime
+                                           + after.ru_stime - before.ru_stime) / small_iters
+    figures["alltoall_8B_steady_preempted"] = (after.ru_nivcsw - before.ru_nivcsw) / small_iters
 
     big = np.ones((size, block), np.uint8), np.zeros((size, block), np.uint8)
     comm.Barrier()

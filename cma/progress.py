@@ -548,11 +548,17 @@ class Progress:
                     self.fast_inboxes[peer] = inbox
             moved = True
         heads = self.heads_row.tobytes()
-        if heads != self.heads_drained:
+        drained = self.heads_drained
+        if heads != drained:
             # (left stale if the pass is cut short, or a peer connects during it)
             self.heads_drained = b""
             connected = self.connected
-            for peer in connected:
+            if drained:  # only the rings whose head moved since they were drained
+                now, then = memoryview(heads).cast("q"), memoryview(drained).cast("q")
+                news = [peer for peer in connected if now[peer] != then[peer]]
+            else:
+                news = connected
+            for peer in news:
                 moved = self.drain(peer, False) or moved
             if self.connected is connected:
                 self.heads_drained = heads

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ._exporters import cai_array, dlpack_array
-from .channel import FAST_SPINS, RING_EMPTY, RING_FULL
+from .channel import RING_EMPTY, RING_FULL
 from .errors import BufferError, CmaError, InvalidCount, InvalidDatatype, InvalidRank
 from .wire import COLLECTIVE_TAG
 
@@ -396,6 +396,7 @@ class Collectives:
         _progress: Progress | None
         _fast_outboxes: list[Outbox | None]
         _fast_inboxes: list[Inbox | None]
+        _fast_spins: int
         _matcher: Matcher
         _eager_limit: int
         _busy: int
@@ -465,7 +466,7 @@ class Collectives:
             self._busy = 1
             try:
                 n = inbox.take_eager(view, tag)
-                spins = FAST_SPINS
+                spins = self._fast_spins
                 while n == RING_EMPTY and spins:
                     spins -= 1
                     n = inbox.take_eager(view, tag)

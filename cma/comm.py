@@ -184,6 +184,9 @@ class Comm(Collectives):
         # there is one: direct.py)
         self._direct: DirectRendezvous | None = None
         self._direct_from = NEVER
+        # how often a blocking receive's fast path polls an empty ring: not at all when
+        # ranks outnumber cores (the spin would hold back the sender it waits for)
+        self._fast_spins = FAST_SPINS
         self._closed = False
         self._world: World | None = None
         self._progress: Progress | None = None  # built at attach: packets, copies, waits
@@ -297,6 +300,8 @@ class Comm(Collectives):
         self._direct = self._progress.direct
         if self._direct is not None:
             self._direct_from = DIRECT_FROM
+        if self._progress.oversubscribed:
+            self._fast_spins = 0
         _attached_comms.add(self)
         return self._progress
 
@@ -405,7 +410,7 @@ class Comm(Collectives):
             self._busy = 1
             try:
                 n = inbox.take_eager(mv, tag)
-                spins = FAST_SPINS
+                spins = self._fast_spins
                 while n == RING_EMPTY and spins:
                     spins -= 1
                     n = inbox.take_eager(mv, tag)
@@ -419,7 +424,7 @@ class Comm(Collectives):
                     status.tag = inbox.last_tag
                     status.count = n
                 return
-            if n == RING_EMPTY and self._await_late(inbox, tag):
+            if n == RING_EMPTY and self._fast_spins and self._await_late(inbox, tag):
                 self.Recv(buf, source, tag, status)  # (its packet is at the head now)
                 return
         self.general_recv(mv, source, tag, status)

@@ -254,7 +254,7 @@ class Progress:
         if not self.broken and not self.closing:
             if not self.txq[peer]:
                 self.fast_outboxes[peer] = outbox
-            if not self.oversubscribed and not self.loopback:
+            if not self.loopback:
                 self.fast_inboxes[peer] = inbox
 
     def accept(self) -> bool:
@@ -543,9 +543,8 @@ class Progress:
             while self.loopback:
                 kind, tag, aux, looped = self.loopback.popleft()
                 self.run(engine.packet(self.rank, kind, tag, aux, looped))
-            if not self.oversubscribed:
-                for peer, inbox in self.inboxes.items():
-                    self.fast_inboxes[peer] = inbox
+            for peer, inbox in self.inboxes.items():
+                self.fast_inboxes[peer] = inbox
             moved = True
         heads = self.heads_row.tobytes()
         drained = self.heads_drained

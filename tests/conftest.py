@@ -96,6 +96,16 @@ def wait_asleep_in_poll(pid: int, tid: int | None = None, what: str = "the threa
         time.sleep(0.001)  # (a polling interval, not a wait for anything)
 
 
+def sigint_when_asleep(pid: int, what: str, timeout: float) -> float:
+    """SIGINT to ``pid`` once its main thread sleeps in poll (``wait_asleep_in_poll``: not
+    still spinning through passes over the rings, where a signal breaks the communicator
+    by design); the ``time.monotonic()`` at which it was sent."""
+    wait_asleep_in_poll(pid, what=what, timeout=timeout)
+    sent = time.monotonic()
+    os.kill(pid, signal.SIGINT)
+    return sent
+
+
 def _yama_scope() -> int:
     try:
         with open("/proc/sys/kernel/yama/ptrace_scope") as f:

@@ -39,7 +39,7 @@ import cma.mpi
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from _peers import pause_copies_for_a_signal  # noqa: E402 - the tests' directory, on the path above
-from conftest import wait_asleep_in_poll  # noqa: E402 - the same
+from conftest import sigint_when_asleep  # noqa: E402 - the same
 
 SIZE = 136 << 20  # rank 1 copies more than one call of 64 MiB with each transport (SPLIT: half)
 SMALL = 1000
@@ -133,9 +133,7 @@ def idle_receiver(comm: cma.mpi.Comm) -> None:
 def idle_sender(comm: cma.mpi.Comm) -> None:
     for name in ("Recv", "Barrier", "Wait", "Probe"):
         assert world.recv(source=1, tag=1) == name
-        wait_asleep_in_poll(pids[1], what=f"rank 1 in {name}", timeout=HANG)
-        sent = time.monotonic()
-        os.kill(pids[1], signal.SIGINT)
+        sent = sigint_when_asleep(pids[1], f"rank 1 in {name}", HANG)
         latency = world.recv(source=1, tag=2) - sent
         assert latency < BOUND, f"{name}: KeyboardInterrupt {latency:.3f} s after SIGINT"
         print(f"waiting {name}: KeyboardInterrupt {latency * 1000:.1f} ms after SIGINT", flush=True)

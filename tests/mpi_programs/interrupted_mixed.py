@@ -27,7 +27,7 @@ from mpi4py import MPI
 import cma.mpi
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from conftest import wait_asleep_in_poll  # noqa: E402 - the tests' directory, on the path above
+from conftest import sigint_when_asleep  # noqa: E402 - the tests' directory, on the path above
 
 SMALL = 1000
 TAG = 5
@@ -71,9 +71,7 @@ if world.rank == 1:
 elif world.rank == 0:
     for name in CALLS:
         assert world.recv(source=1, tag=1) == name
-        wait_asleep_in_poll(pids[1], what=f"rank 1 in {name}", timeout=HANG)
-        sent = time.monotonic()
-        os.kill(pids[1], signal.SIGINT)
+        sent = sigint_when_asleep(pids[1], f"rank 1 in {name}", HANG)
         latency = world.recv(source=1, tag=2) - sent
         assert latency < BOUND, f"{name}: KeyboardInterrupt {latency:.3f} s after SIGINT"
         print(f"mixed rank waiting in a {name}: KeyboardInterrupt {latency * 1000:.1f} ms "

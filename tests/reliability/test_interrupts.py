@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import pytest
 from _peers import pause_copies_for_a_signal
-from conftest import TRANSPORTS, stop_process, wait_asleep_in_poll
+from conftest import TRANSPORTS, sigint_when_asleep, stop_process
 
 import cma
 from cma.errors import Cancelled, CommBroken, PeerGone
@@ -263,11 +263,8 @@ class Rank1:
         """SIGINT once rank 1 blocks; the seconds until its KeyboardInterrupt."""
         self.expect("ready")
         assert self.proc.pid is not None
-        # Asleep in its wait, not still spinning through passes over the rings, where a
-        # signal breaks the communicator (by design; a fixed pause did not always suffice)
-        wait_asleep_in_poll(self.proc.pid, what="rank 1", timeout=REPLY_TIMEOUT)
-        sent = time.monotonic()
-        os.kill(self.proc.pid, signal.SIGINT)
+        # (asleep in its wait: a fixed pause did not always suffice)
+        sent = sigint_when_asleep(self.proc.pid, "rank 1", REPLY_TIMEOUT)
         latency = float(self.expect("interrupted")) - sent
         print(f"KeyboardInterrupt {latency * 1000:.2f} ms after SIGINT")
         return latency
@@ -320,8 +317,7 @@ def test_an_interrupt_in_an_idle_wait_keeps_the_communicator(rank1):
     # no empty pass runs and a real SIGINT ends the wait.
     if not rank.conn.poll(IDLE_PASSES_SECONDS):
         assert rank.proc.pid is not None
-        wait_asleep_in_poll(rank.proc.pid, what="rank 1", timeout=REPLY_TIMEOUT)
-        os.kill(rank.proc.pid, signal.SIGINT)
+        sigint_when_asleep(rank.proc.pid, "rank 1", REPLY_TIMEOUT)
     rank.expect("interrupted")
     sent = pattern(EAGER_SIZE)
     rank.comm.Send(sent, dest=1, tag=TAG)
@@ -367,9 +363,7 @@ def test_a_second_interrupt_ends_the_close_that_waits_for_queued_sends(rank1, tr
     assert rank.interrupt() < INTERRUPT_BOUND  # the Recv
     rank.expect("closing")
     assert rank.proc.pid is not None
-    wait_asleep_in_poll(rank.proc.pid, what="rank 1's close()", timeout=REPLY_TIMEOUT)
-    sent = time.monotonic()
-    os.kill(rank.proc.pid, signal.SIGINT)
+    sent = sigint_when_asleep(rank.proc.pid, "rank 1's close()", REPLY_TIMEOUT)
     latency = float(rank.expect("interrupted")) - sent
     print(f"close() interrupted {latency * 1000:.2f} ms after the second SIGINT")
     assert latency < INTERRUPT_BOUND

@@ -184,9 +184,7 @@ class Comm(Collectives):
         # there is one: direct.py)
         self._direct: DirectRendezvous | None = None
         self._direct_from = NEVER
-        # how often a blocking receive's fast path polls an empty ring: not at all when
-        # ranks outnumber cores (the spin would hold back the sender it waits for)
-        self._fast_spins = FAST_SPINS
+        self._fast_spins = FAST_SPINS  # (Progress.fast_spins, from attach)
         self._closed = False
         self._world: World | None = None
         self._progress: Progress | None = None  # built at attach: packets, copies, waits
@@ -300,8 +298,7 @@ class Comm(Collectives):
         self._direct = self._progress.direct
         if self._direct is not None:
             self._direct_from = DIRECT_FROM
-        if self._progress.oversubscribed:
-            self._fast_spins = 0
+        self._fast_spins = self._progress.fast_spins
         _attached_comms.add(self)
         return self._progress
 

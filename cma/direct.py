@@ -22,7 +22,7 @@ import os
 from typing import TYPE_CHECKING
 
 from . import _linux
-from .channel import FAST_SPINS, NOT_EAGER, RING_EMPTY, Inbox, Outbox
+from .channel import NOT_EAGER, RING_EMPTY, Inbox, Outbox
 from .connect import NEVER
 from .errors import CmaError
 from .protocol import (
@@ -85,9 +85,8 @@ class DirectRendezvous:
         self.eager_limit = progress.config.eager_limit
         self.offers = progress.engine.offers
         self.ring = progress.ring
-        # A sender spins only with a core to itself (a spinning sender would hold back
-        # the receiver it waits for); otherwise its engine waits, yielding the CPU.
-        self.spins = 0 if progress.oversubscribed else FAST_SPINS
+        # (without spins the sender's engine waits, yielding the CPU)
+        self.spins = progress.fast_spins
         names = progress.connection.names
         # the reach bits (World.reach) of the transports that pull with one copy: a pull of
         # two (vmfd's bounce page) loses to the ring's two copies plus the handshake

@@ -23,7 +23,7 @@ from typing import Any, cast
 import numpy as np
 
 from . import _linux, heap
-from .channel import Inbox, Outbox
+from .channel import FAST_SPINS, Inbox, Outbox
 from .connect import Connection
 from .direct import DirectRendezvous
 from .errors import (
@@ -183,9 +183,12 @@ class Progress:
         self.heads_drained = b""
         # The ring ends the fast paths may use right now: a peer's outbox leaves
         # fast_outboxes while packets to it wait in txq (order), and the inboxes leave
-        # fast_inboxes while packets to ourselves wait in loopback, or for good when ranks
-        # outnumber cores (a fast path spins).
+        # fast_inboxes while packets to ourselves wait in loopback.
         self.oversubscribed = size > (os.cpu_count() or 1)
+        # How often a fast path polls an empty ring (a blocking receive's, a direct
+        # send's for its FIN): only with a core to itself, since a spin when ranks
+        # outnumber cores holds back the peer it waits for.
+        self.fast_spins = 0 if self.oversubscribed else FAST_SPINS
         self.fast_outboxes = fast_outboxes
         self.fast_inboxes = fast_inboxes
         self.inbox_peer = inbox_peer

@@ -176,9 +176,9 @@ class Progress:
         self.inboxes: dict[int, Inbox] = {}
         self.connected: list[int] = []
         # The heads of the rings into this rank (one row of the world's header), and the
-        # row as it was at the start of the last pass that drained every connected ring:
-        # while the two are equal no ring has a packet (a pass of an idle wait with N-1
-        # peers costs one comparison: docs/architecture.md, "The heads matrix").
+        # row as it was at the start of the last pass that drained every ring whose head
+        # had moved: while the two are equal no ring has a packet (a pass of an idle wait
+        # with N-1 peers costs one comparison: docs/architecture.md, "The heads matrix").
         self.heads_row = world.heads_row()
         self.heads_drained = b""
         # The ring ends the fast paths may use right now: a peer's outbox leaves

@@ -44,8 +44,9 @@ def _ranked_stats(comm: cma.Comm) -> dict[str, int]:
     return {name: int(s["messages"]) for name, s in comm.stats().items() if s["messages"]}
 
 
-def _echo(comm: cma.Comm, nbytes: int, block: int, blocks: int, out: Any) -> None:
-    """Rank 1: receive and answer, switching paths as rank 0 does."""
+def _echo(comm: cma.Comm, nbytes: int, block: int, blocks: int, out: Any, ready: Any) -> None:
+    """Rank 1: receive and answer, switching paths as rank 0 does; ``ready`` tells rank 0
+    when this rank's counts for a block start."""
     try:
         if os.cpu_count() and os.cpu_count() > 1:
             os.sched_setaffinity(0, {1})
@@ -57,6 +58,9 @@ def _echo(comm: cma.Comm, nbytes: int, block: int, blocks: int, out: Any) -> Non
             for path in PATHS:
                 _use(comm, path)
                 comm.reset_stats()
+                # (else the block's first message could come while the last Send of the
+                # block before waits for its FIN, and be counted there: it was, once in CI)
+                ready.send(None)
                 for _ in range(block + 1):  # (one untimed round trip: the switch)
                     comm.Recv(buf, source=0, tag=1)
                     comm.Send(reply, dest=0, tag=2)
@@ -75,12 +79,15 @@ def pingpong(nbytes: int, block: int, blocks: int) -> tuple[dict[str, list[float
     a, b = cma.Pipe()
     ctx = mp.get_context("fork")
     result_r, result_w = ctx.Pipe(duplex=False)
-    peer = ctx.Process(target=_echo, args=(b, nbytes, block, blocks, result_w), daemon=True)
+    ready_r, ready_w = ctx.Pipe(duplex=False)
+    peer = ctx.Process(target=_echo, args=(b, nbytes, block, blocks, result_w, ready_w),
+                       daemon=True)
     times: dict[str, list[float]] = {path: [] for path in PATHS}
     try:
         peer.start()
         b.close()
         result_w.close()
+        ready_w.close()
         os.sched_setaffinity(0, {0})
         a.attach()
         send = np.ones(nbytes, np.uint8)
@@ -88,6 +95,9 @@ def pingpong(nbytes: int, block: int, blocks: int) -> tuple[dict[str, list[float
         for _ in range(blocks):
             for path in PATHS:
                 _use(a, path)
+                if not ready_r.poll(60):
+                    raise RuntimeError("rank 1 did not start its block")
+                ready_r.recv()
                 a.Send(send, dest=1, tag=1)
                 a.Recv(recv, source=1, tag=2)
                 start = time.perf_counter()
@@ -108,6 +118,7 @@ def pingpong(nbytes: int, block: int, blocks: int) -> tuple[dict[str, list[float
             peer.kill()
             peer.join(5)
         result_r.close()
+        ready_r.close()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -12,6 +12,7 @@ import ctypes
 import ctypes.util
 import errno
 import fcntl
+import math
 import mmap
 import os
 import resource
@@ -20,7 +21,7 @@ import signal
 import socket
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -321,6 +322,55 @@ def ensure_fd_limit(count: int) -> None:
         raise CmaError(f"this world needs about {count} open files per process but the hard "
                        f"limit is {hard} (raise it: ulimit -Hn)")
     resource.setrlimit(resource.RLIMIT_NOFILE, (count, hard))
+
+
+def usable_cpus(cpus: Iterable[int] | None = None, cgroup_root: str = "/sys/fs/cgroup",
+                proc_cgroup: str = "/proc/self/cgroup") -> int:
+    """How many CPUs can run this process's work at once: the CPUs it may run on (its
+    affinity mask, or ``cpus``: the union of several processes' masks) or its cgroup's CPU
+    quota, whichever is fewer. ``os.cpu_count()`` counts the machine's CPUs: under
+    taskset, a Slurm allocation or a container's cpuset it is too many."""
+    count = len(os.sched_getaffinity(0) if cpus is None else set(cpus))
+    quota = cgroup_cpu_quota(cgroup_root, proc_cgroup)
+    if quota is not None:
+        count = min(count, math.ceil(quota))
+    return max(1, count)
+
+
+def cgroup_cpu_quota(cgroup_root: str = "/sys/fs/cgroup",
+                     proc_cgroup: str = "/proc/self/cgroup") -> float | None:
+    """The CPU quota of this process's cgroup in CPUs (cgroup v2's cpu.max, v1's
+    cpu.cfs_quota_us over cpu.cfs_period_us), or None if there is none or it cannot be
+    read. Only the process's own cgroup is read, at the path /proc/self/cgroup names or,
+    inside a container whose cgroup is mounted as the root, at the root."""
+    try:
+        with open(proc_cgroup) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        hierarchy, controllers, path = line.split(":", 2)
+        if hierarchy == "0" and not controllers:  # cgroup v2
+            for base in (cgroup_root, os.path.join(cgroup_root, "unified")):
+                for where in (base + path.rstrip("/"), base):
+                    words = _read_words(os.path.join(where, "cpu.max"))
+                    if len(words) == 2:
+                        return None if words[0] == "max" else int(words[0]) / int(words[1])
+        elif "cpu" in controllers.split(","):  # cgroup v1
+            for where in (f"{cgroup_root}/cpu{path.rstrip('/')}", f"{cgroup_root}/cpu"):
+                quota = _read_words(os.path.join(where, "cpu.cfs_quota_us"))
+                period = _read_words(os.path.join(where, "cpu.cfs_period_us"))
+                if quota and period:
+                    return None if int(quota[0]) < 0 else int(quota[0]) / int(period[0])
+    return None
+
+
+def _read_words(path: str) -> list[str]:
+    try:
+        with open(path) as f:
+            return f.read().split()
+    except OSError:
+        return []
 
 
 def close_on_exec(fds: Sequence[int]) -> None:

@@ -185,6 +185,9 @@ class Comm(Collectives):
         self._direct: DirectRendezvous | None = None
         self._direct_from = NEVER
         self._fast_spins = FAST_SPINS  # (Progress.fast_spins, from attach)
+        # Whether this machine's ranks outnumber their CPUs (None: this world's size
+        # against the CPUs this process may use, decided at attach; cma.mpi knows better)
+        self._oversubscribed: bool | None = None
         self._closed = False
         self._world: World | None = None
         self._progress: Progress | None = None  # built at attach: packets, copies, waits
@@ -294,7 +297,9 @@ class Comm(Collectives):
             # (Comm's own hook does nothing: not calling it saves a frame per message)
             None if type(self).operation_completed is Comm.operation_completed
             else self.operation_completed,
-            overlap=bool(self._transport_options.get("overlap")), owner=self)
+            overlap=bool(self._transport_options.get("overlap")), owner=self,
+            oversubscribed=self.size > _linux.usable_cpus() if self._oversubscribed is None
+            else self._oversubscribed)
         self._direct = self._progress.direct
         if self._direct is not None:
             self._direct_from = DIRECT_FROM

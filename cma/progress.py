@@ -149,11 +149,12 @@ class Progress:
                  inbox_peer: dict[Inbox, int], counts: EagerCounts,
                  ring: Callable[[int], None],
                  completed: Callable[[SendOp | RecvOp], None] | None, overlap: bool,
-                 owner: Any) -> None:
+                 owner: Any, oversubscribed: bool) -> None:
         """``matcher``, ``fast_outboxes``, ``fast_inboxes`` and ``inbox_peer`` are the
         communicator's, filled here; ``ring(peer)`` rings a peer's doorbell, and
         ``completed(op)``, if given, is told of every operation the engine completes.
-        ``owner``: the communicator, whose ``_busy`` word the entries claim (``claim``)."""
+        ``owner``: the communicator, whose ``_busy`` word the entries claim (``claim``).
+        ``oversubscribed``: the machine's ranks outnumber the CPUs they can run on."""
         self.owner = owner
         self.world = world
         self.rank = rank = world.rank
@@ -184,7 +185,7 @@ class Progress:
         # The ring ends the fast paths may use right now: a peer's outbox leaves
         # fast_outboxes while packets to it wait in txq (order), and the inboxes leave
         # fast_inboxes while packets to ourselves wait in loopback.
-        self.oversubscribed = size > (os.cpu_count() or 1)
+        self.oversubscribed = oversubscribed
         # How often a fast path polls an empty ring (a blocking receive's, a direct
         # send's for its FIN): only with a core to itself, since a spin when ranks
         # outnumber cores holds back the peer it waits for.

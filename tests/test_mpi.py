@@ -9,6 +9,7 @@ off-node peers at once.
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -180,6 +181,14 @@ def test_queued_messages_move_while_mpi_waits(n: int, kind: str) -> None:
     plain MPI call (queued.py; it hung in MPI's Barrier before the hook stayed armed, and
     for objects before ``send`` armed it); so does a direct receive's FIN."""
     expect_ok(n, "queued.py", kind)
+
+
+@pytest.mark.parametrize("mode", ["one-cpu", "own-cpu"])
+def test_ranks_outnumber_the_cpus_they_may_run_on(mode: str) -> None:
+    """Two ranks confined to one CPU yield while they wait; two bound to a CPU each do not."""
+    if mode == "own-cpu" and len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("binding two ranks to CPUs of their own needs two CPUs")
+    expect_ok(2, "cpus.py", mode)
 
 
 def test_bad_pretend_nodes() -> None:

@@ -155,6 +155,30 @@ def test_ranks_ring_and_barrier(tmp_path, n):
     assert_all_gone([int(r[3]) for r in ranks])
 
 
+PINNED = """
+import os, sys
+import cma
+
+os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # as taskset -c, a cpuset would
+comm = cma.COMM_WORLD
+comm.attach()
+assert comm._progress.oversubscribed, "two ranks on one CPU taken for ranks with a core each"
+comm.Barrier()
+if comm.Get_rank() == 0:
+    open(os.path.join(sys.argv[1], "pinned"), "w").write("ok")
+"""
+
+
+def test_ranks_confined_to_fewer_cpus_than_the_machine_has_yield(tmp_path):
+    """Oversubscription counts the CPUs a rank may run on, not the machine's: two ranks
+    that taskset (or a Slurm job's or a container's cpuset) confine to one CPU must yield
+    while they wait. Counted with os.cpu_count(), they spun for 1 ms at a time while their
+    peer could not run: 2 ms per Sendrecv round (docs/architecture.md, "Waiting")."""
+    code, out, err, _ = cma_run(["-n", "2"], PINNED, tmp_path)
+    assert code == 0, err
+    assert (tmp_path / "pinned").read_text() == "ok"
+
+
 def test_any_source_from_many_ranks(tmp_path):
     code, out, err, _ = cma_run(["-n", "4"], GATHER, tmp_path)
     assert code == 0, err

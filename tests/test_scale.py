@@ -22,6 +22,7 @@ from conftest import TWO_WAY_PTRACE
 from test_run import cma_run
 
 import cma
+from cma import _linux
 from cma.channel import ChannelConfig, channel_budget
 
 RUN_TIMEOUT = 120
@@ -286,3 +287,40 @@ def test_the_scale_bench_runs_a_small_world(tmp_path):
     (run,) = json.loads((tmp_path / "scale.json").read_text())
     assert (run["lib"], run["ranks"], len(run["per_rank"])) == ("cma", 3, 3)
     assert all(rank["fds_after"] > 0 and rank["alltoall_8B_s"] > 0 for rank in run["per_rank"])
+
+
+# ------------------------------------------------------------------ CPUs a world may use
+
+def write_files(root: Path, files: dict[str, str]) -> None:
+    for name, text in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+@pytest.mark.parametrize(("files", "expected"), [
+    # cgroup v2, the process's own cgroup and the root a container sees
+    ({"self": "0::/job/42\n", "root/job/42/cpu.max": "150000 100000\n"}, 1.5),
+    ({"self": "0::/job/42\n", "root/cpu.max": "300000 100000\n"}, 3.0),
+    ({"self": "0::/\n", "root/cpu.max": "max 100000\n"}, None),
+    ({"self": "0::/job/42\n", "root/unified/job/42/cpu.max": "200000 100000\n"}, 2.0),
+    # cgroup v1: cfs quota over period, -1 for none
+    ({"self": "4:memory:/x\n2:cpu,cpuacct:/slurm/7\n",
+      "root/cpu/slurm/7/cpu.cfs_quota_us": "400000\n",
+      "root/cpu/slurm/7/cpu.cfs_period_us": "100000\n"}, 4.0),
+    ({"self": "2:cpu,cpuacct:/\n", "root/cpu/cpu.cfs_quota_us": "-1\n",
+      "root/cpu/cpu.cfs_period_us": "100000\n"}, None),
+    ({"self": "0::/gone\n"}, None),  # nothing readable: no quota known
+])
+def test_the_cgroup_cpu_quota_is_read_in_either_cgroup_version(tmp_path, files, expected):
+    write_files(tmp_path, files)
+    assert _linux.cgroup_cpu_quota(str(tmp_path / "root"), str(tmp_path / "self")) == expected
+
+
+def test_usable_cpus_are_the_fewer_of_the_cpus_allowed_and_the_quota(tmp_path):
+    write_files(tmp_path, {"self": "0::/\n", "root/cpu.max": "150000 100000\n"})
+    quota = (str(tmp_path / "root"), str(tmp_path / "self"))
+    assert _linux.usable_cpus(range(8), *quota) == 2  # 1.5 CPUs of time keep 2 busy
+    assert _linux.usable_cpus([3], *quota) == 1
+    assert _linux.usable_cpus({0, 1} | {1, 2}, str(tmp_path / "none"), str(tmp_path / "none")) == 3
+    assert _linux.usable_cpus() <= len(os.sched_getaffinity(0))

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from mpi4py import MPI
 
+from .. import _linux
 from ..channel import ChannelConfig
 from ..errors import CmaError
 from ..world import World, WorldFds, announce, fetch_fds
@@ -112,9 +113,10 @@ def _release(fds: WorldFds | None, world: World | None) -> None:
 
 
 def bootstrap(comm: Comm, transport: str, options: dict[str, Any]
-               ) -> tuple[NodeComm | None, list[tuple[int, int]], int, int]:
-    """This node's cma Comm or None, node members as (rank, pid), ranks on the machine,
-    and how every rank of ``comm`` will do Barrier (one of the ``BARRIER_*``).
+               ) -> tuple[NodeComm | None, list[tuple[int, int]], bool, int]:
+    """This node's cma Comm or None, node members as (rank, pid), whether the machine's
+    ranks outnumber the CPUs they may run on, and how every rank of ``comm`` will do
+    Barrier (one of the ``BARRIER_*``).
 
     Collective over ``comm``; every rank raises if any rank failed, so none is left
     waiting for a peer that gave up.
@@ -123,6 +125,10 @@ def bootstrap(comm: Comm, transport: str, options: dict[str, Any]
     # (a property of the process: numbered by its rank in COMM_WORLD, whatever comm is wrapped)
     pretend = _pretend_node(MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size())
     shared = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+    # (the union of the ranks' CPUs: a launcher that binds each rank to its own core
+    # leaves each a mask of one CPU)
+    cpus = set().union(*shared.allgather(os.sched_getaffinity(0)))
+    oversubscribed = shared.Get_size() > _linux.usable_cpus(cpus)
     node = shared if pretend is None else shared.Split(pretend, key=rank)
     cma: NodeComm | None = None
     error = None
@@ -135,14 +141,14 @@ def bootstrap(comm: Comm, transport: str, options: dict[str, Any]
                     fds, world = handed
                     try:
                         cma = NodeComm(comm, fds, node.Get_rank(), transport,
-                                       ranks=[r for r, _ in members], world=world, **options)
+                                       ranks=[r for r, _ in members], world=world,
+                                       oversubscribed=oversubscribed, **options)
                     except BaseException:
                         _release(fds, world)
                         raise
                     cma.attach()  # now: a rank that never talks on-node must not stall the others
             except (CmaError, OSError, ValueError) as exc:
                 error = f"rank {rank}: {exc}"
-        machine = shared.Get_size()
     finally:
         if node is not shared:
             node.Free()
@@ -157,4 +163,4 @@ def bootstrap(comm: Comm, transport: str, options: dict[str, Any]
     sizes = [n for _, n in reports]
     barrier = BARRIER_CMA if min(sizes) == len(sizes) > 1 else \
         BARRIER_NONBLOCKING if max(sizes) > 1 else BARRIER_MPI
-    return cma, members, machine, barrier
+    return cma, members, oversubscribed, barrier

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import inspect
-import os
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, NoReturn
@@ -116,7 +115,7 @@ class Comm(MPI.Intracomm):
                 f"cma.mpi needs a progress hook into the MPI library, known for MPICH and "
                 f"Open MPI; this is {MPI.Get_library_version().splitlines()[0]!r} "
                 f"(set {ENV_DISABLE}=1 to send everything through MPI)")
-        self._cma, members, machine, self._barrier = bootstrap(self, transport, options)
+        self._cma, members, oversubscribed, self._barrier = bootstrap(self, transport, options)
         cma = self._cma
         if cma is None:
             return
@@ -126,7 +125,7 @@ class Comm(MPI.Intracomm):
         self._local = {rank: i for i, rank in enumerate(self._ranks)}
         if len(members) < self.Get_size():
             self._mixed = cma._mixed = MixedRank(self, cma, self._local, self._ranks,
-                                                 machine > (os.cpu_count() or 1))
+                                                 oversubscribed)
             SERVED.serve(cma)  # MPI's waits keep this node's rings moving from now on
         else:
             self._fast = {**self._local, ANY_SOURCE: CMA_ANY_SOURCE}

@@ -51,11 +51,14 @@ class NodeComm(CmaComm):
     make_request = staticmethod(node_request)  # type: ignore[assignment]
 
     def __init__(self, mpi: Comm, *args: Any, ranks: Sequence[int],
-                 world: World | None = None, **options: Any) -> None:
+                 world: World | None = None, oversubscribed: bool | None = None,
+                 **options: Any) -> None:
         """``world``: this rank's World, made before attaching (node rank 0's, whose fd
-        server handed the world to the others); attach makes one otherwise."""
+        server handed the world to the others); attach makes one otherwise.
+        ``oversubscribed``: the machine's ranks outnumber the CPUs they may run on."""
         super().__init__(*args, **options)
         self._world = world
+        self._oversubscribed = oversubscribed
         self._mpi = mpi  # the wrapper: its _fail runs the error handler, raises its exception
         self._ranks = list(ranks)  # cma rank -> rank of the wrapped communicator
         # peers elsewhere too: waits must keep MPI moving (set by cma.mpi.Comm, which

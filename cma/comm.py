@@ -426,7 +426,7 @@ class Comm(Collectives):
                     status.tag = inbox.last_tag
                     status.count = n
                 return
-            if n == RING_EMPTY and self._fast_spins and self._await_late(inbox, tag):
+            if n == RING_EMPTY and self._await_late(inbox, tag):
                 self.Recv(buf, source, tag, status)  # (its packet is at the head now)
                 return
         self.general_recv(mv, source, tag, status)

@@ -810,8 +810,8 @@ class Progress:
 
     def await_head(self, inbox: Inbox) -> bool:
         """Wait until a packet is at the head of ``inbox``, leaving it there for a fast path
-        to take (a blocking Recv's, whose spin found the ring empty): spin, then sleep on
-        the doorbell. False, at once or later, when this rank has anything else to do (a
+        to take (a blocking Recv's, whose spin found the ring empty): spin (yielding the
+        CPU at each look when ranks outnumber CPUs), then sleep on the doorbell. False, at once or later, when this rank has anything else to do (a
         packet from another peer, a queue, a stream, a pull, a peer connecting or exiting):
         the caller then waits in the engine, which does it all. Taking a late message as
         the fast path does spares it the engine's handling (docs/architecture.md, "Direct
@@ -821,9 +821,12 @@ class Progress:
         try:
             world = self.world
             deadline = time.perf_counter() + SPIN_SECONDS
+            yield_cpu = self.oversubscribed
             while not inbox.ready():
                 if self._has_work() or self.dead or self.broken:
                     return inbox.ready()  # (the work found may be its packet, come since)
+                if yield_cpu:
+                    os.sched_yield()
                 if time.perf_counter() < deadline:
                     continue
                 for peer, box in self.inboxes.items():

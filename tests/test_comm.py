@@ -960,6 +960,33 @@ def test_sendrecv(peer, nbytes):
     assert peer.result() == digest(out)
 
 
+def op_send_late(comm, seconds, nbytes, tag):
+    time.sleep(seconds)  # (the scenario: the receiver is waiting by then)
+    comm.Send(pattern(nbytes, 3), 0, tag)
+
+
+def test_a_late_message_is_taken_by_the_fast_path_when_ranks_outnumber_cores(peer, monkeypatch):
+    """With more ranks than cores, a Recv that finds its ring empty yields the CPU until
+    its peer's packet comes, then takes it as the fast path does: the engine's receive
+    cost 16-17 us here against 2.7 (docs/architecture.md, "Late messages")."""
+    comm = peer.comm
+    progress = comm._progress
+    monkeypatch.setattr(progress, "oversubscribed", True)
+    monkeypatch.setattr(comm, "_fast_spins", 0)
+    yields, general = [], []
+    real_yield = os.sched_yield
+    real_general = comm.general_recv
+    monkeypatch.setattr(os, "sched_yield", lambda: yields.append(1) or real_yield())
+    monkeypatch.setattr(comm, "general_recv", lambda *a: general.append(a) or real_general(*a))
+    peer.start(op_send_late, 0.2, 64, 15)
+    buf = np.empty(64, np.uint8)
+    comm.Recv(buf, 1, 15)
+    peer.result()
+    assert buf.tobytes() == pattern(64, 3).tobytes()
+    assert yields, "the receive did not wait (the message came first): no late message"
+    assert not general, "the late message went through the engine"
+
+
 @pytest.mark.parametrize("nbytes", [100, 3 * FRAG + 5])
 def test_sendrecv_objects(peer, nbytes):
     comm = peer.comm

@@ -456,10 +456,28 @@ class Comm(Collectives):
                  status: Status | None = None) -> None:
         """Send and receive at once (``MPI.Comm.Sendrecv``): ``Isend``, ``Recv``, then wait for the send.
 
-        The receive's arguments are checked before anything is sent."""
-        self.buffer_view(recvbuf, recv_view)
-        self._check_source(source)
-        self._check_tag(recvtag, wildcard=True)
+        The receive's arguments are checked before anything is sent. A message that Send
+        would hand over at once (eager, below the direct rendezvous) makes no request."""
+        if not (recvbuf is self._recv_obj and recvbuf.flags.writeable):
+            self.buffer_view(recvbuf, recv_view)  # (remembered: Recv finds it at once)
+        # (valid without the full checks: a rank, ANY_SOURCE or PROC_NULL; a tag or ANY_TAG)
+        if not (source.__class__ is int and ANY_SOURCE <= source < self.size
+                and recvtag.__class__ is int and ANY_TAG <= recvtag <= TAG_MAX):
+            self._check_source(source)
+            self._check_tag(recvtag, wildcard=True)
+        if sendbuf is self._send_obj:
+            n = self._send_view.nbytes
+        elif sendbuf.__class__ is np.ndarray or sendbuf.__class__ is bytes:
+            n = self.buffer_view(sendbuf, send_view).nbytes
+        elif sendbuf.__class__ is bytearray:
+            n = len(sendbuf)
+        else:
+            n = NEVER  # (specs and the rest: Isend's lookups)
+        if n <= self._eager_limit and n < self._direct_from:
+            # (where Send returns at once, as Isend's request would be complete)
+            self.Send(sendbuf, dest, sendtag)
+            self.Recv(recvbuf, source, recvtag, status)
+            return
         send = self.Isend(sendbuf, dest, sendtag)
         self.Recv(recvbuf, source, recvtag, status)
         send.Wait()

@@ -289,6 +289,17 @@ def test_the_scale_bench_runs_a_small_world(tmp_path):
     assert all(rank["fds_after"] > 0 and rank["alltoall_8B_s"] > 0 for rank in run["per_rank"])
 
 
+def test_the_sendrecv_alltoall_bench_reports_a_small_world():
+    """bench/sendrecv_alltoall.py (docs/figures/oversubscribed-sendrecv-*.txt) under cma-run."""
+    program = Path(__file__).parents[1] / "bench" / "sendrecv_alltoall.py"
+    done = subprocess.run([sys.executable, "-m", "cma.run", "-n", "3", sys.executable,
+                           str(program), "cma", "3"],
+                          capture_output=True, text=True, timeout=RUN_TIMEOUT)
+    assert done.returncode == 0, done.stderr
+    words = done.stdout.split()
+    assert words[:4] == ["cma", "3", "wall", "ms/iter"] and float(words[4]) > 0, done.stdout
+
+
 # ------------------------------------------------------------------ CPUs a world may use
 
 def write_files(root: Path, files: dict[str, str]) -> None:

@@ -55,8 +55,9 @@ from .node import NodeComm
 from .requests import SERVED
 from .specs import snapshot
 
-# methods an all-on-node Comm takes from its cma communicator
-HANDED_OUT = ("Send", "Recv", "Isend", "Irecv")
+# methods an all-on-node Comm takes from its cma communicator (those its class does not
+# override; Sendrecv only if it overrides none)
+HANDED_OUT = ("Send", "Recv", "Isend", "Irecv", "Sendrecv")
 
 
 class Comm(MPI.Intracomm):
@@ -129,8 +130,10 @@ class Comm(MPI.Intracomm):
             SERVED.serve(cma)  # MPI's waits keep this node's rings moving from now on
         else:
             self._fast = {**self._local, ANY_SOURCE: CMA_ANY_SOURCE}
+            kept = [name for name in HANDED_OUT if getattr(type(self), name) is not getattr(Comm, name)]
             for name in HANDED_OUT if SAME_WILDCARDS else ():
-                if getattr(type(self), name) is getattr(Comm, name):  # not overridden
+                # (the wrapper's Sendrecv calls Isend and Recv, which a subclass may change)
+                if name not in kept and not (name == "Sendrecv" and kept):
                     self.__dict__[name] = getattr(cma, name)
 
     # -- what the wrapper adds
@@ -213,10 +216,27 @@ class Comm(MPI.Intracomm):
     def Sendrecv(self, sendbuf: Any, dest: int, sendtag: int = 0, recvbuf: Any = None,
                  source: int = ANY_SOURCE, recvtag: int = ANY_TAG,
                  status: MPI.Status | None = None) -> None:
-        """mpi4py's ``Sendrecv``: ``Isend``, ``Recv``, then wait for the send, each routed per peer."""
-        if self._cma is None:
+        """mpi4py's ``Sendrecv``: the cma communicator's when both ranks are on this node's
+        fast paths, else ``Isend``, ``Recv``, then wait for the send, each routed per peer.
+
+        A source or receive tag MPI would refuse is refused before anything is sent."""
+        cma = self._cma
+        if cma is None:
             mpi_sendrecv(self, sendbuf, dest, sendtag, recvbuf, source, recvtag, status)
             return
+        fast = self._fast
+        peer, origin = fast.get(dest), fast.get(source)
+        if peer is not None and origin is not None:
+            cma.Sendrecv(sendbuf, peer, sendtag, recvbuf, origin, recvtag, status)
+            return
+        # (posting the receive first instead, and withdrawing it when the send is refused,
+        # lost a message: MPI's progress inside the refused Isend matched it first)
+        if not (source.__class__ is int and (source in (ANY_SOURCE, MPI.PROC_NULL)
+                                             or 0 <= source < self.Get_size())):
+            self._fail(InvalidRank(f"source rank {source!r} is not in 0..{self.Get_size() - 1}"
+                                   " (or ANY_SOURCE, PROC_NULL)"))
+        if not (recvtag.__class__ is int and (recvtag >= 0 or recvtag == ANY_TAG)):
+            self._fail(InvalidTag(f"receive tag {recvtag!r} must be an int >= 0 or ANY_TAG"))
         send = self.Isend(sendbuf, dest, sendtag)
         self.Recv(recvbuf, source, recvtag, status)
         send.Wait()

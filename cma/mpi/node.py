@@ -16,6 +16,7 @@ from ..comm import Status as CmaStatus
 from ..comm import recv_view, send_view
 from ..errors import CmaError
 from ..protocol import RecvOp, SendOp
+from ..wire import ANY_SOURCE, ANY_TAG
 from ..world import World
 from . import specs
 from .datatypes import Typed
@@ -151,6 +152,17 @@ class NodeComm(CmaComm):
             return super().load_object(op)
         data = op.segments[0] if op.segments else b""
         return MPI.pickle.loads(data) if len(data) else None
+
+    def Sendrecv(self, sendbuf: Any, dest: int, sendtag: int = 0, recvbuf: Any = None,
+                 source: int = ANY_SOURCE, recvtag: int = ANY_TAG,
+                 status: Any = None) -> None:
+        """``cma.Comm.Sendrecv``, whose checks of the receive's arguments raise mpi4py's
+        errors here (the calls it makes raise them already)."""
+        try:
+            super().Sendrecv(sendbuf, dest, sendtag, recvbuf, source, recvtag, status)
+        except CmaError as exc:
+            self._mpi._fail(exc, None if status is None or status.__class__ is CmaStatus
+                            else status)
 
     def general_send(self, mv: memoryview, dest: Any, tag: Any, started: SendOp | None = None
                      ) -> None:

@@ -255,13 +255,22 @@ else:
 # -- a bad rank or tag: MPI.Exception with MPI's error class, whichever way it would go
 for call, error_class in [(lambda: comm.Send(a, size, 0), MPI.ERR_RANK),
                           (lambda: comm.Recv(np.empty(16), size, 0), MPI.ERR_RANK),
-                          (lambda: comm.Send(a, right, -5), MPI.ERR_TAG)]:
+                          (lambda: comm.Send(a, right, -5), MPI.ERR_TAG),
+                          # (the receive is refused before anything is sent)
+                          (lambda: comm.Sendrecv(a, right, 0, np.empty(16), size, 0), MPI.ERR_RANK),
+                          (lambda: comm.Sendrecv(a, right, 0, np.empty(16), left, -5), MPI.ERR_TAG),
+                          # (a send refused leaves no receive posted: checked below)
+                          (lambda: comm.Sendrecv(a, size, 0, np.empty(16), left, 0), MPI.ERR_RANK)]:
     try:
         call()
     except MPI.Exception as exc:
         assert exc.Get_error_class() == error_class, exc
     else:
         raise AssertionError(f"no error class {error_class}")
+comm.Send(np.full(2, float(rank)), right, 0)
+got = np.zeros(2)
+comm.Recv(got, left, 0)
+assert (got == left).all(), got
 
 # -- other pt2pt: ready mode is standard mode; Sendrecv_replace
 comm.Rsend(np.ones(2), right, 95)
@@ -296,14 +305,14 @@ dup.send(rank, right, 1)
 assert dup.recv(source=left, tag=1) == left
 
 # -- with every rank on this node, and MPI's ANY_SOURCE and PROC_NULL numbered as cma's
-# (MPICH's), Send, Recv, Isend and Irecv are the cma communicator's own (no wrapper frame
+# (MPICH's), Send, Recv, Isend, Irecv and Sendrecv are the cma communicator's own (no wrapper frame
 # per message) until Free; a subclass's override of them stays in charge
 every_rank_here = comm.cma is not None and len(comm.node_ranks) == size
 mpich_numbering = (MPI.ANY_SOURCE, MPI.PROC_NULL) == (-2, -1)
 hand_out = every_rank_here and mpich_numbering and not subclassed
 for wrapper in (comm, dup):
     handed_out = {name: method.__self__ is wrapper.cma for name, method in vars(wrapper).items()}
-    assert handed_out == (dict.fromkeys(("Send", "Recv", "Isend", "Irecv"), True) if hand_out
+    assert handed_out == (dict.fromkeys(("Send", "Recv", "Isend", "Irecv", "Sendrecv"), True) if hand_out
                           else {}), handed_out
 dup.Free()
 assert not vars(dup)

@@ -173,7 +173,8 @@ def test_ranks_confined_to_fewer_cpus_than_the_machine_has_yield(tmp_path):
     """Oversubscription counts the CPUs a rank may run on, not the machine's: two ranks
     that taskset (or a Slurm job's or a container's cpuset) confine to one CPU must yield
     while they wait. Counted with os.cpu_count(), they spun for 1 ms at a time while their
-    peer could not run: 2 ms per Sendrecv round (docs/architecture.md, "Waiting")."""
+    peer could not run: 1.6 ms per Sendrecv of 8 B (docs/architecture.md, "Waiting when
+    ranks outnumber CPUs")."""
     code, out, err, _ = cma_run(["-n", "2"], PINNED, tmp_path)
     assert code == 0, err
     assert (tmp_path / "pinned").read_text() == "ok"

@@ -811,9 +811,10 @@ class Progress:
     def await_head(self, inbox: Inbox) -> bool:
         """Wait until a packet is at the head of ``inbox``, leaving it there for a fast path
         to take (a blocking Recv's, whose spin found the ring empty): spin (yielding the
-        CPU at each look when ranks outnumber CPUs), then sleep on the doorbell. False, at once or later, when this rank has anything else to do (a
-        packet from another peer, a queue, a stream, a pull, a peer connecting or exiting):
-        the caller then waits in the engine, which does it all. Taking a late message as
+        CPU at each look when ranks outnumber CPUs), then sleep on the doorbell. False, at
+        once or later, when this rank has anything else to do (a packet from another peer,
+        a queue, a stream, a pull, a peer connecting or exiting): the caller then waits in
+        the engine, which does it all. Taking a late message as
         the fast path does spares it the engine's handling (docs/architecture.md, "Direct
         rendezvous", has the cost)."""
         owner = self.owner

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import operator
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, NoReturn
@@ -231,11 +232,10 @@ class Comm(MPI.Intracomm):
             return
         # (posting the receive first instead, and withdrawing it when the send is refused,
         # lost a message: MPI's progress inside the refused Isend matched it first)
-        if not (source.__class__ is int and (source in (ANY_SOURCE, MPI.PROC_NULL)
-                                             or 0 <= source < self.Get_size())):
+        if not _whole(source, lambda r: r in (ANY_SOURCE, MPI.PROC_NULL) or 0 <= r < self.Get_size()):
             self._fail(InvalidRank(f"source rank {source!r} is not in 0..{self.Get_size() - 1}"
                                    " (or ANY_SOURCE, PROC_NULL)"))
-        if not (recvtag.__class__ is int and (recvtag >= 0 or recvtag == ANY_TAG)):
+        if not _whole(recvtag, lambda t: t >= 0 or t == ANY_TAG):
             self._fail(InvalidTag(f"receive tag {recvtag!r} must be an int >= 0 or ANY_TAG"))
         send = self.Isend(sendbuf, dest, sendtag)
         self.Recv(recvbuf, source, recvtag, status)
@@ -588,6 +588,14 @@ class Comm(MPI.Intracomm):
                 else cma.Irecv(buf, peer, tag)  # type: ignore[return-value]
         except CmaError as exc:
             self._fail(exc)
+
+
+def _whole(value: Any, valid: Callable[[int], bool]) -> bool:
+    """Whether ``value`` is an integer (a NumPy one too, as mpi4py takes) that ``valid`` accepts."""
+    try:
+        return valid(operator.index(value))
+    except TypeError:
+        return False
 
 
 class Message(MPI.Message):

@@ -271,6 +271,10 @@ comm.Send(np.full(2, float(rank)), right, 0)
 got = np.zeros(2)
 comm.Recv(got, left, 0)
 assert (got == left).all(), got
+# (ranks and tags as NumPy integers, as mpi4py takes them)
+comm.Sendrecv(np.full(2, float(rank)), np.int64(right), np.int32(1), got, np.int64(left),
+              np.int64(1))
+assert (got == left).all(), got
 
 # -- other pt2pt: ready mode is standard mode; Sendrecv_replace
 comm.Rsend(np.ones(2), right, 95)

@@ -127,8 +127,8 @@ def bootstrap(comm: Comm, transport: str, options: dict[str, Any]
     shared = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
     # (the union of the ranks' CPUs: a launcher that binds each rank to its own core
     # leaves each a mask of one CPU)
-    cpus = set().union(*shared.allgather(os.sched_getaffinity(0)))
-    oversubscribed = shared.Get_size() > _linux.usable_cpus(cpus)
+    cpus = _linux.usable_cpus(set().union(*shared.allgather(os.sched_getaffinity(0))))
+    oversubscribed = shared.Get_size() > cpus
     node = shared if pretend is None else shared.Split(pretend, key=rank)
     cma: NodeComm | None = None
     error = None
@@ -136,8 +136,8 @@ def bootstrap(comm: Comm, transport: str, options: dict[str, Any]
         members: list[tuple[int, int]] = node.allgather((rank, os.getpid()))
         # The node communicator counts its own node's ranks: on pretend nodes the
         # machine's count made a mixed rank's interrupt test (interrupted_mixed.py) fail
-        # 4 runs in 40 under Open MPI beside two busy loops, 0 in 15 this way (cause not found).
-        crowded_node = len(members) > _linux.usable_cpus(cpus)
+        # 4 runs in 40 under Open MPI beside two busy loops, 0 in 27 this way (cause not found).
+        crowded_node = len(members) > cpus
         if len(members) > 1:
             try:
                 handed = _share_world(node, members)

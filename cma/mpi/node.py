@@ -56,7 +56,8 @@ class NodeComm(CmaComm):
                  **options: Any) -> None:
         """``world``: this rank's World, made before attaching (node rank 0's, whose fd
         server handed the world to the others); attach makes one otherwise.
-        ``oversubscribed``: the machine's ranks outnumber the CPUs they may run on."""
+        ``oversubscribed``: this node's ranks outnumber the CPUs the machine's ranks may
+        run on."""
         super().__init__(*args, **options)
         self._world = world
         self._oversubscribed = oversubscribed

@@ -13,11 +13,13 @@ the matcher, which this object mutates in place (a peer not connected has no ent
 from __future__ import annotations
 
 import os
+import signal
 import time
 from _thread import get_ident
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
+from types import CodeType
 from typing import Any, cast
 
 import numpy as np
@@ -1037,19 +1039,42 @@ _IDLE_CODE = frozenset({Progress.wait_until.__code__, Progress._wait_loop.__code
                         Inbox._position.__code__, BackgroundPulls.__bool__.__code__,
                         World.sleep.__code__, World.set_sleeping.__code__,
                         _linux.EpollSet.wait.__code__})
-_BUSY_CODE = frozenset({Progress._poll.__code__, Progress.bury.__code__})
+_BUSY_CODE = frozenset({Progress._poll.__code__, Progress.bury.__code__,
+                        Progress.accept.__code__})
 
 
 def _raised_while_idle(exc: BaseException) -> bool:
     """Whether ``exc`` (e.g. a signal handler's KeyboardInterrupt, which Python raises
     between any two bytecodes) came from a waiting rank's sleep or loop, not from the
-    middle of its handling of a packet or a copy."""
+    middle of its handling of a packet or a copy: every frame it left from the wait
+    inward is idle code, but for the innermost, which may be any leaf an idle frame
+    calls (the ``done()`` predicate, an ``outside`` pass) other than a pass of progress."""
     codes = []
     tb = exc.__traceback__
     while tb is not None:
         codes.append(tb.tb_frame.f_code)
         tb = tb.tb_next
-    innermost = codes[-1]
-    if innermost in _IDLE_CODE:
-        return True
-    return len(codes) > 1 and codes[-2] in _IDLE_CODE and innermost not in _BUSY_CODE
+    # A handler written in Python (cma.mpi's deferred SIGINT, a program's own) raises in
+    # frames of its own: the signal landed in the frame that runs under them.
+    handlers = _python_signal_handlers()
+    for depth in range(len(codes) - 1, 0, -1):
+        if codes[depth] in handlers:
+            del codes[depth:]
+            break
+    *callers, innermost = codes
+    return all(code in _IDLE_CODE for code in callers) and (
+        innermost in _IDLE_CODE or innermost not in _BUSY_CODE)
+
+
+def _python_signal_handlers() -> set[CodeType]:
+    """The code of every signal handler written in Python that is installed now."""
+    codes = set()
+    for signum in signal.valid_signals():
+        try:
+            handler = signal.getsignal(signum)
+        except ValueError:  # (a number this platform reserves)
+            continue
+        code = getattr(getattr(handler, "__func__", handler), "__code__", None)
+        if code is not None:
+            codes.add(code)
+    return codes

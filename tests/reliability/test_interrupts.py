@@ -29,6 +29,7 @@ from conftest import TRANSPORTS, sigint_when_asleep, stop_process
 
 import cma
 from cma.errors import Cancelled, CommBroken, PeerGone
+from cma.progress import Progress
 
 TAG = 7
 EAGER_SIZE = 1000
@@ -447,3 +448,47 @@ def test_the_interrupt_tests_pass_when_started_with_sigint_ignored():
                             cwd=os.path.dirname(os.path.dirname(here)))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     assert "1 passed" in result.stdout, result.stdout[-3000:]
+
+
+class _Caller:
+    _busy = 0  # (the word Progress.wait_until claims: no call under way)
+
+
+def _raise_a_keyboard_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt  # as cma.mpi's deferred SIGINT does, from a frame of its own
+
+
+def _signal_lands_here() -> None:
+    signal.raise_signal(signal.SIGINT)  # (its handler runs on this frame, as it returns)
+
+
+def _signal_lands_one_call_deeper() -> None:
+    _signal_lands_here()
+
+
+@pytest.mark.parametrize("handler", [signal.default_int_handler, _raise_a_keyboard_interrupt],
+                         ids=["Python's handler", "a handler written in Python"])
+@pytest.mark.parametrize(("outside", "breaks"), [(_signal_lands_here, False),
+                                                 (_signal_lands_one_call_deeper, True)],
+                         ids=["in the pass", "in a call the pass makes"])
+def test_an_interrupt_in_an_outside_pass_breaks_the_communicator_only_inside_its_calls(
+        handler: Any, outside: Callable[[], None], breaks: bool) -> None:
+    """A wait's ``outside`` pass (cma.mpi's MPI probe on a mixed rank) is idle in its own
+    frame and busy in what it calls, whichever handler raised the KeyboardInterrupt. A
+    handler written in Python adds its own frame: that interrupt, landing in the pass's
+    frame, broke the communicator (test_interrupts_in_a_mixed_ranks_waits under Open MPI,
+    where cma.mpi defers SIGINTs that land in MPI's callbacks, failed 1 run in 20 beside
+    two busy loops)."""
+    progress = Progress.__new__(Progress)  # (the wait's loop calls ``outside`` first)
+    progress.owner = _Caller()  # type: ignore[assignment]
+    progress.oversubscribed = False
+    progress.rank = 1
+    broken: list[str] = []
+    progress.break_down = broken.append  # type: ignore[method-assign]
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            progress.wait_until(lambda: False, None, outside=outside)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert bool(broken) == breaks, broken

@@ -458,7 +458,10 @@ class Comm(Collectives):
 
         The receive's arguments are checked before anything is sent. A message that Send
         would hand over at once (eager, below the direct rendezvous) makes no request."""
-        if not (recvbuf is self._recv_obj and recvbuf.flags.writeable):
+        if not (recvbuf is self._recv_obj and recvbuf.flags.writeable
+                or recvbuf.__class__ is list and recvbuf and recvbuf[0] is self._recv_base
+                and recvbuf == self._recv_spec
+                and (self._recv_cut is not None or self._recv_base.flags.writeable)):
             self.buffer_view(recvbuf, recv_view)  # (remembered: Recv finds it at once)
         # (valid without the full checks: a rank, ANY_SOURCE or PROC_NULL; a tag or ANY_TAG)
         if not (source.__class__ is int and ANY_SOURCE <= source < self.size
@@ -471,8 +474,16 @@ class Comm(Collectives):
             n = self.buffer_view(sendbuf, send_view).nbytes
         elif sendbuf.__class__ is bytearray:
             n = len(sendbuf)
+        elif sendbuf.__class__ is list:  # ([buf, n, MPI.BYTE], mpi4py's idiom)
+            if sendbuf and sendbuf[0] is self._send_base and sendbuf == self._send_spec:
+                cut = self._send_cut
+                n = self._send_spec_view.nbytes if cut is None else cut[1] - cut[0]
+            else:
+                mv = self.buffer_view(sendbuf, send_view)  # (remembered: Send finds it)
+                # (a datatype's packed copy is not: Isend packs it, once)
+                n = mv.nbytes if mv.__class__ is memoryview and mv.obj is sendbuf[0] else NEVER
         else:
-            n = NEVER  # (specs and the rest: Isend's lookups)
+            n = NEVER  # (the rest: Isend's lookups)
         if n <= self._eager_limit and n < self._direct_from:
             # (where Send returns at once, as Isend's request would be complete)
             self.Send(sendbuf, dest, sendtag)

@@ -976,11 +976,12 @@ def op_sendrecv_many(comm, times, nbytes):
         assert (buf == (i + 7) % 256).all(), i
 
 
-@pytest.mark.parametrize("data", ["array", "bytes", "bytearray"])
+@pytest.mark.parametrize("data", ["array", "bytes", "bytearray", "spec", "bytearray spec"])
 def test_an_eager_sendrecv_makes_no_request(peer, monkeypatch, data):
     """A Sendrecv whose message goes into the ring at once has nothing to wait for: it
     makes no request (a request cost ~1.3 us of a ~10 us Sendrecv here, docs/architecture.md
-    "The eager fast path")."""
+    "The eager fast path"), also given buffer specs written inline, ``[buf, n, "B"]``
+    both ways (they made one until 2026-11-28)."""
     comm = peer.comm
 
     def no_request(*args):
@@ -992,11 +993,25 @@ def test_an_eager_sendrecv_makes_no_request(peer, monkeypatch, data):
         patch.setattr(comm, "make_request", no_request)
         for i in range(50):
             fill = np.full(64, (i + 7) % 256, np.uint8)
-            out = {"array": fill, "bytes": fill.tobytes(),
-                   "bytearray": bytearray(fill.tobytes())}[data]
-            comm.Sendrecv(out, 1, 14, buf, 1, 13)
+            out = {"array": fill, "bytes": fill.tobytes(), "bytearray": bytearray(fill.tobytes()),
+                   "spec": [fill, 64, "B"], "bytearray spec": [bytearray(fill.tobytes()), 64, "B"]
+                   }[data]
+            comm.Sendrecv(out, 1, 14, [buf, 64, "B"] if "spec" in data else buf, 1, 13)
             assert (buf == i % 256).all(), i
     peer.result()
+
+
+def test_a_receive_spec_made_read_only_is_refused_by_sendrecv_before_sending(peer):
+    """Sendrecv remembers a receive spec as Recv does; the array made read-only since is
+    refused before the message goes out (the peer fixture checks that none did)."""
+    comm = peer.comm
+    peer.start(op_sendrecv_many, 1, 8)
+    buf = np.zeros(8, np.uint8)
+    comm.Sendrecv(np.full(8, 7, np.uint8), 1, 14, [buf, 8, "B"], 1, 13)
+    peer.result()
+    buf.flags.writeable = False
+    with pytest.raises(CmaBufferError, match="read-only"):
+        comm.Sendrecv(np.full(8, 8, np.uint8), 1, 14, [buf, 8, "B"], 1, 13)
 
 
 def op_send_late(comm, seconds, nbytes, tag):

@@ -289,15 +289,18 @@ def test_the_scale_bench_runs_a_small_world(tmp_path):
     assert all(rank["fds_after"] > 0 and rank["alltoall_8B_s"] > 0 for rank in run["per_rank"])
 
 
-def test_the_sendrecv_alltoall_bench_reports_a_small_world():
-    """bench/sendrecv_alltoall.py (docs/figures/oversubscribed-sendrecv-*.txt) under cma-run."""
+@pytest.mark.parametrize("form", [[], ["spec"]], ids=["rows", "specs"])
+def test_the_sendrecv_alltoall_bench_reports_a_small_world(form: list[str]):
+    """bench/sendrecv_alltoall.py (docs/figures/oversubscribed-sendrecv-*.txt) under cma-run,
+    with bare rows and with buffer specs."""
     program = Path(__file__).parents[1] / "bench" / "sendrecv_alltoall.py"
     done = subprocess.run([sys.executable, "-m", "cma.run", "-n", "3", sys.executable,
-                           str(program), "cma", "3"],
+                           str(program), "cma", "3", *form],
                           capture_output=True, text=True, timeout=RUN_TIMEOUT)
     assert done.returncode == 0, done.stderr
     words = done.stdout.split()
-    assert words[:4] == ["cma", "3", "wall", "ms/iter"] and float(words[4]) > 0, done.stdout
+    head = ["cma", *form, "3", "wall", "ms/iter"]
+    assert words[:len(head)] == head and float(words[len(head)]) > 0, done.stdout
 
 
 # ------------------------------------------------------------------ CPUs a world may use

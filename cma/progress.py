@@ -188,6 +188,7 @@ class Progress:
         # fast_outboxes while packets to it wait in txq (order), and the inboxes leave
         # fast_inboxes while packets to ourselves wait in loopback.
         self.oversubscribed = oversubscribed
+        connection.policy.crowded = oversubscribed
         # How often a fast path polls an empty ring (a blocking receive's, a direct
         # send's for its FIN): only with a core to itself, since a spin when ranks
         # outnumber cores holds back the peer it waits for.

@@ -645,6 +645,9 @@ class Policy:
     forced: str | None = None
     push: bool = False  # prefer RPUT to RGET where both work
     split: bool = False  # SPLIT where a transport both pulls from and pushes to the peer
+    # ranks outnumber the CPUs: a SPLIT's second copier has no CPU to itself, and waits for
+    # the sender's push; the receiver pulls all of it instead (docs/transports.md, "SPLIT")
+    crowded: bool = False
     split_only: set[str] = field(default_factory=set)  # unforced, used only where SPLIT works
     # called with a peer missing from ``pushable`` (it has not connected back yet, as far as
     # this rank knew): may fill its entry in
@@ -676,7 +679,7 @@ class Policy:
             if self.push and name in push and offers & PUSH:
                 return PUSH, name
             if split:
-                return SPLIT, name
+                return (PULL if self.crowded else SPLIT), name
             if name in pull and offers & PULL:
                 return PULL, name
             if name in push and offers & PUSH:

@@ -684,25 +684,31 @@ def test_mpi4py_in_place_and_ops_are_accepted(world: World) -> None:
     assert results == [([size - 1, 0], [size, 2 * size])] * size
 
 
-def traffic(comm: cma.Comm, nbytes: int) -> dict[str, dict[str, float]]:
+def traffic(comm: cma.Comm, nbytes: int) -> tuple[dict[str, dict[str, float]], bool]:
+    """The Bcast's stats, and whether the rank's ranks outnumber its CPUs."""
     buf = np.full(nbytes, 7 if comm.Get_rank() == 0 else 0, np.uint8)
     comm.reset_stats()  # (before the barrier: a rank may take the Bcast's packet in it)
     comm.Barrier()
     comm.Bcast(buf, root=0)
     assert (buf == 7).all()
-    return comm.stats()
+    assert comm._progress is not None
+    return comm.stats(), comm._progress.oversubscribed
 
 
 @pytest.mark.parametrize("nbytes", [1 << 10, 16 << 20])
 def test_stats_count_collective_traffic(world: World, nbytes: int) -> None:
     """Every non-root rank receives the whole message once (a binomial tree, or the
     root's scatter and the chain), so the bytes counted across ranks are (size-1) x n
-    received plus as many sent (the barrier's messages carry no bytes)."""
+    received, plus as many sent where the sender copies too: eager, and SPLIT above the
+    eager limit, unless ranks outnumber CPUs, where the receiver pulls all of it and
+    only it counts (the barrier's messages carry no bytes)."""
     if world.size == 1:
         pytest.skip("one rank moves nothing")
-    stats = world.run(traffic, nbytes)
+    results = world.run(traffic, nbytes)
+    stats = [per_rank for per_rank, _ in results]
     moved = sum(s["bytes"] for per_rank in stats for s in per_rank.values())
-    assert moved == 2 * (world.size - 1) * nbytes
+    pulled = nbytes > cma.ChannelConfig.for_ranks(world.size).eager_limit and results[0][1]
+    assert moved == (1 if pulled else 2) * (world.size - 1) * nbytes
     if nbytes > cma.ChannelConfig().eager_limit:
         # no eager bytes: each block rode a rendezvous through a transport
         assert all(per_rank["eager"]["bytes"] == 0 for per_rank in stats)

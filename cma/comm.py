@@ -457,7 +457,9 @@ class Comm(Collectives):
         """Send and receive at once (``MPI.Comm.Sendrecv``): ``Isend``, ``Recv``, then wait for the send.
 
         The receive's arguments are checked before anything is sent. A message that Send
-        would hand over at once (eager, below the direct rendezvous) makes no request."""
+        would hand over at once (eager, below the direct rendezvous) makes no request;
+        one of the direct rendezvous's sizes is offered as ``Send`` offers it, and waited
+        for after the receive, which the peer's offer may meet on the fast path too."""
         if not (recvbuf is self._recv_obj and recvbuf.flags.writeable
                 or recvbuf.__class__ is list and recvbuf and recvbuf[0] is self._recv_base
                 and recvbuf == self._recv_spec
@@ -468,30 +470,65 @@ class Comm(Collectives):
                 and recvtag.__class__ is int and ANY_TAG <= recvtag <= TAG_MAX):
             self._check_source(source)
             self._check_tag(recvtag, wildcard=True)
+        mv: Any = None  # (the rest: Isend's lookups)
         if sendbuf is self._send_obj:
-            n = self._send_view.nbytes
+            mv = self._send_view
         elif sendbuf.__class__ is np.ndarray or sendbuf.__class__ is bytes:
-            n = self.buffer_view(sendbuf, send_view).nbytes
+            mv = self.buffer_view(sendbuf, send_view)
         elif sendbuf.__class__ is bytearray:
-            n = len(sendbuf)
+            mv = memoryview(sendbuf)
         elif sendbuf.__class__ is list:  # ([buf, n, MPI.BYTE], mpi4py's idiom)
             if sendbuf and sendbuf[0] is self._send_base and sendbuf == self._send_spec:
                 cut = self._send_cut
-                n = self._send_spec_view.nbytes if cut is None else cut[1] - cut[0]
+                mv = self._send_spec_view if cut is None else _export(self._send_base, cut)
             else:
                 mv = self.buffer_view(sendbuf, send_view)  # (remembered: Send finds it)
-                # (a datatype's packed copy is not: Isend packs it, once)
-                n = mv.nbytes if mv.__class__ is memoryview and mv.obj is sendbuf[0] else NEVER
-        else:
-            n = NEVER  # (the rest: Isend's lookups)
+                if mv.__class__ is not memoryview or mv.obj is not sendbuf[0]:
+                    mv = None  # (a datatype's packed copy is not: Isend packs it, once)
+        n = NEVER if mv is None else mv.nbytes
         if n <= self._eager_limit and n < self._direct_from:
             # (where Send returns at once, as Isend's request would be complete)
             self.Send(sendbuf, dest, sendtag)
             self.Recv(recvbuf, source, recvtag, status)
             return
+        if self._direct_from <= n < NEVER and mv.__class__ is memoryview \
+                and self._sendrecv_direct(mv, dest, sendtag, recvbuf, source, recvtag, status):
+            return
         send = self.Isend(sendbuf, dest, sendtag)
         self.Recv(recvbuf, source, recvtag, status)
         send.Wait()
+
+    def _sendrecv_direct(self, mv: memoryview, dest: Any, sendtag: Any, recvbuf: Any,
+                         source: int, recvtag: int, status: Status | None) -> bool:
+        """``Sendrecv``'s send offered as ``Send``'s direct rendezvous, then the receive,
+        then the wait for the peer's copy: whether it was (False: nothing was sent; the
+        arguments, the peer or a call under way in another thread call for the general path)."""
+        direct = self._direct
+        if direct is None or sendtag.__class__ is not int or not 0 <= sendtag <= TAG_MAX \
+                or dest.__class__ is not int or not 0 <= dest < self.size:
+            return False
+        outbox = self._fast_outboxes[dest]
+        if outbox is None or not direct.can_pull(dest):
+            return False
+        me = get_ident()
+        if self._busy:  # (tested right before it is set, as in Send)
+            return False
+        self._busy = me
+        try:
+            op, in_ring = direct.offer(outbox, mv, mv.nbytes, dest, sendtag)
+        finally:
+            self._busy = 0
+        self.Recv(recvbuf, source, recvtag, status)
+        done = False
+        if in_ring and not self._busy:
+            self._busy = me
+            try:
+                done = direct.fin_came(op, dest)
+            finally:
+                self._busy = 0
+        if not done:
+            self.general_send(mv, dest, sendtag, op)
+        return True
 
     # -- synchronous and buffered modes (mpi4py's Ssend and Bsend families)
 

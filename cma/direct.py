@@ -111,28 +111,40 @@ class DirectRendezvous:
     def send(self, outbox: Outbox, mv: memoryview, n: int, dest: int, tag: int) -> SendOp | None:
         """Offer ``mv`` (``n`` > 0 bytes, C-contiguous) to ``dest`` and spin until it has
         copied it: None. Otherwise the send, the engine's, for the caller to wait on."""
+        op, in_ring = self.offer(outbox, mv, n, dest, tag)
+        return None if in_ring and self.fin_came(op, dest) else op
+
+    def offer(self, outbox: Outbox, mv: memoryview, n: int, dest: int, tag: int
+              ) -> tuple[SendOp, bool]:
+        """Offer ``mv`` to ``dest``: the send, the engine's, and whether its RTS went into
+        the ring (else it is queued behind a full ring, and the engine sends it)."""
         progress = self.progress
-        engine = progress.engine
-        addr = _linux.local_address(mv)
-        op = engine.direct_send(dest, tag, mv)
-        rts = encode_one_region_rts(op.msgid, self.offers, addr, n)
+        op = progress.engine.direct_send(dest, tag, mv)
+        rts = encode_one_region_rts(op.msgid, self.offers, _linux.local_address(mv), n)
         if not outbox.put(RTS, tag, n, rts):
-            progress.transmit(dest, RTS, tag, n, rts)  # (queued behind a full ring)
-            return op
+            progress.transmit(dest, RTS, tag, n, rts)
+            return op, False
         if outbox.peer_sleeping[0]:
             self.ring(dest)
+        return op, True
+
+    def fin_came(self, op: SendOp, dest: int) -> bool:
+        """Spin for ``dest``'s FIN of ``op``: whether it came (the send is done); if not,
+        the engine takes it later."""
+        if op.done:
+            return True  # (the engine took it, with the packets before it)
         inbox = self.inboxes[dest]
         msgid = op.msgid
         spins = self.spins
         while spins:
             got = inbox.take_if(FIN, msgid)
             if got == 0:
-                engine.direct_done(op)
-                return None
+                self.progress.engine.direct_done(op)
+                return True
             if got != RING_EMPTY:
                 break  # (another packet first: the engine takes it, and then the FIN)
             spins -= 1
-        return op
+        return False
 
     def recv(self, inbox: Inbox, mv: memoryview, tag: int) -> int:
         """If the packet at the head of ``inbox`` is an RTS for this receive (``tag``) that

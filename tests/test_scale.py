@@ -289,17 +289,19 @@ def test_the_scale_bench_runs_a_small_world(tmp_path):
     assert all(rank["fds_after"] > 0 and rank["alltoall_8B_s"] > 0 for rank in run["per_rank"])
 
 
-@pytest.mark.parametrize("form", [[], ["spec"]], ids=["rows", "specs"])
+@pytest.mark.parametrize("form", [[], ["spec"], ["spec", "300000"]],
+                         ids=["rows", "specs", "direct-size specs"])
 def test_the_sendrecv_alltoall_bench_reports_a_small_world(form: list[str]):
     """bench/sendrecv_alltoall.py (docs/figures/oversubscribed-sendrecv-*.txt) under cma-run,
-    with bare rows and with buffer specs."""
+    with bare rows and with buffer specs, of 8 B and of a size above DIRECT_FROM."""
     program = Path(__file__).parents[1] / "bench" / "sendrecv_alltoall.py"
     done = subprocess.run([sys.executable, "-m", "cma.run", "-n", "3", sys.executable,
                            str(program), "cma", "3", *form],
                           capture_output=True, text=True, timeout=RUN_TIMEOUT)
     assert done.returncode == 0, done.stderr
     words = done.stdout.split()
-    head = ["cma", *form, "3", "wall", "ms/iter"]
+    block = next((arg for arg in form if arg.isdigit()), "8")
+    head = ["cma", *form[:1], "3", block, "B", "wall", "ms/iter"]
     assert words[:len(head)] == head and float(words[len(head)]) > 0, done.stdout
 
 

@@ -251,7 +251,7 @@ def test_interrupts_in_a_mixed_ranks_waits() -> None:
 def test_collectives_agree_with_mpi(n: int, env: dict[str, str]) -> None:
     """cma.mpi.Comm's collectives give MPI's own results: through cma when every rank is
     on one node; on pretend nodes (one of one rank at 3; at 4, also nodes whose ranks
-    interleave), Bcast, Reduce, Allreduce and Allgather through cma on each node and MPI
+    interleave), Bcast, Reduce, Allreduce, Gather, Scatter and Allgather through cma on each node and MPI
     between (the program checks that cma moved bytes);
     a user-defined op that commutes through cma, one that does not through MPI."""
     expect_ok(n, "collectives.py", env=env)

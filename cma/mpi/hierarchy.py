@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from .node import NodeComm
 
 # the collectives that go this way; the others are MPI's on a communicator of several nodes
-HIERARCHICAL = ("Bcast", "Reduce", "Allreduce", "Allgather")
+HIERARCHICAL = ("Bcast", "Reduce", "Allreduce", "Gather", "Scatter", "Allgather")
 
 
 class Hierarchy:
@@ -90,6 +90,78 @@ class Hierarchy:
         if self.node is not None:
             CmaComm.Bcast(self.node, recvbuf, root=0)
 
+    def Gather(self, sendbuf: Any, recvbuf: Any, root: int = 0) -> None:
+        """``MPI.Comm.Gather`` over nodes: cma gathers each node's blocks at its leader, MPI
+        gathers the leaders' (a node's blocks are one piece) at the root's leader, which
+        puts them in rank order and hands them to the root if needed."""
+        size, at_root = len(self.node_order), root == self.rank
+        if at_root:
+            data = _message(recvbuf, writable=True, blocks=size).view(np.uint8)
+            nbytes = data.size // size
+            mine = data[root * nbytes : (root + 1) * nbytes] if _is_in_place(sendbuf) \
+                else _message(sendbuf, writable=False).view(np.uint8)[:nbytes]
+        else:
+            mine = _message(sendbuf, writable=False).view(np.uint8)
+            nbytes = mine.size
+        node, here = self.node, self._holds(root)
+        if not self.leads:
+            assert node is not None  # (a rank alone on its node leads it)
+            CmaComm.Gather(node, mine, None, root=0)
+            if at_root:
+                node._coll_wait(node._coll_recv(data, 0))
+            return
+        pieces = self._node_pieces(mine, nbytes)
+        whole = np.empty(size * nbytes if here else 0, np.uint8)
+        MPI.Intracomm.Gatherv(self.leaders, [pieces, MPI.BYTE],
+                              [whole, [n * nbytes for n in self.node_sizes], MPI.BYTE] if here
+                              else None, root=self.leader_index[root])
+        if not here:
+            return
+        ordered = data if at_root else np.empty(size * nbytes, np.uint8)
+        if nbytes:
+            ordered.reshape(size, nbytes)[self.node_order] = whole.reshape(size, nbytes)
+        if not at_root:
+            assert node is not None
+            node._coll_wait(node._coll_send(ordered, self.local[root]))
+
+    def Scatter(self, sendbuf: Any, recvbuf: Any, root: int = 0) -> None:
+        """``MPI.Comm.Scatter`` over nodes: the root's blocks go to its leader if needed, MPI
+        scatters each node's blocks (one piece) to the leaders, cma each block on the node."""
+        size, at_root = len(self.node_order), root == self.rank
+        out = None if at_root and _is_in_place(recvbuf) \
+            else _message(recvbuf, writable=True).view(np.uint8)
+        if at_root:
+            data = _message(sendbuf, writable=False, blocks=size).view(np.uint8)
+            nbytes = data.size // size
+        else:
+            assert out is not None
+            nbytes = out.size
+        node, here = self.node, self._holds(root)
+        if here and self.leads != at_root:
+            assert node is not None  # (the root is not its node's leader: it hands it over)
+            if at_root:
+                node._coll_wait(node._coll_send(data, 0))
+            else:
+                data = np.empty(size * nbytes, np.uint8)
+                node._coll_wait(node._coll_recv(data, self.local[root]))
+        if not self.leads:
+            assert node is not None  # (a root keeping its block in place takes it all the same)
+            CmaComm.Scatter(node, None, np.empty(nbytes, np.uint8) if out is None else out, root=0)
+            return
+        by_node = None
+        if here:
+            by_node = data.reshape(size, nbytes)[self.node_order].reshape(-1) if nbytes \
+                else data[:0]
+        pieces = np.empty(self.node_sizes[self.leader_index[self.rank]] * nbytes, np.uint8)
+        MPI.Intracomm.Scatterv(self.leaders,
+                               [by_node, [n * nbytes for n in self.node_sizes], MPI.BYTE]
+                               if here else None, [pieces, MPI.BYTE],
+                               root=self.leader_index[root])
+        if node is not None:
+            CmaComm.Scatter(node, pieces, IN_PLACE if out is None else out, root=0)
+        elif out is not None:
+            np.copyto(out, pieces[:nbytes])
+
     def Allgather(self, sendbuf: Any, recvbuf: Any) -> None:
         """``MPI.Comm.Allgather`` over nodes: cma gathers each node's blocks at its leader, MPI
         allgathers the leaders' (a node's blocks are one piece), cma broadcasts the whole."""
@@ -100,11 +172,7 @@ class Hierarchy:
             else _message(sendbuf, writable=False).view(np.uint8)[:nbytes]
         node = self.node
         if self.leads:
-            pieces = np.empty(self.node_sizes[self.leader_index[self.rank]] * nbytes, np.uint8)
-            if node is not None:
-                CmaComm.Gather(node, mine, pieces, root=0)
-            else:
-                np.copyto(pieces, mine)
+            pieces = self._node_pieces(mine, nbytes)
             gathered = np.empty(size * nbytes, np.uint8)
             MPI.Intracomm.Allgatherv(self.leaders, [pieces, MPI.BYTE],
                                      [gathered, [n * nbytes for n in self.node_sizes], MPI.BYTE])
@@ -114,6 +182,15 @@ class Hierarchy:
             CmaComm.Gather(node, mine, None, root=0)
         if node is not None:
             CmaComm.Bcast(node, data, root=0)
+
+    def _node_pieces(self, mine: np.ndarray, nbytes: int) -> np.ndarray:
+        """At a leader: its node's blocks (``mine`` first), gathered through cma."""
+        pieces = np.empty(self.node_sizes[self.leader_index[self.rank]] * nbytes, np.uint8)
+        if self.node is not None:
+            CmaComm.Gather(self.node, mine, pieces, root=0)
+        else:
+            np.copyto(pieces, mine)
+        return pieces
 
     def _node_reduce(self, source: Any, result: Any, node_op: Any) -> np.ndarray | None:
         """Combine the node's inputs at its leader, into ``result`` if given there, else

@@ -100,6 +100,15 @@ def run_case(comm: cma.mpi.Comm, rng: np.random.Generator) -> None:
         call(MPI.IN_PLACE, inplace)
         return [out, inplace]
 
+    def gather(call):
+        out = np.zeros(count * size, dtype) if rank == root else None
+        call([mine[:count], mpitype], [out, mpitype] if rank == root else None, root=root)
+        inplace = np.zeros(count * size, dtype)
+        inplace[rank * count : (rank + 1) * count] = mine[:count]
+        call(MPI.IN_PLACE if rank == root else mine[:count], inplace if rank == root else None,
+             root=root)
+        return [out, inplace] if rank == root else [np.zeros(0)]
+
     def gatherv(call):
         counts = [(r * 7 + count) % (count + 1) for r in range(size)]
         out = np.zeros(sum(counts), dtype) if rank == root else None
@@ -110,7 +119,10 @@ def run_case(comm: cma.mpi.Comm, rng: np.random.Generator) -> None:
     def scatter(call):
         out = np.zeros(count, dtype)
         call([mine, count, mpitype] if rank == root else None, out, root=root)
-        return [out]
+        kept = mine.copy() if rank == root else np.zeros(count, dtype)
+        call(kept if rank == root else None, MPI.IN_PLACE if rank == root else kept[:count],
+             root=root)
+        return [out, kept]
 
     def alltoall(call):
         out = np.zeros(count * size, dtype)
@@ -137,7 +149,8 @@ def run_case(comm: cma.mpi.Comm, rng: np.random.Generator) -> None:
                        ("Scan", scan), ("Exscan", exscan),
                        ("Reduce_scatter_block", reduce_scatter_block),
                        ("Reduce_scatter", reduce_scatter),
-                       ("Allgather", allgather), ("Gatherv", gatherv), ("Scatter", scatter),
+                       ("Allgather", allgather), ("Gather", gather), ("Gatherv", gatherv),
+                       ("Scatter", scatter),
                        ("Alltoall", alltoall), ("Alltoallw", alltoallw)):
         both(comm, name, make)
     item = {"rank": rank, "array": mine[:count]}
@@ -162,12 +175,17 @@ def main() -> None:
     for _ in range(CASES):
         run_case(comm, rng)
     # on one node every collective moves through cma; on several, Bcast, Reduce,
-    # Allreduce and Allgather take a step through cma on each node of two ranks or more
+    # Allreduce, Gather, Scatter and Allgather take a step through cma on each node of two
+    # ranks or more
     if comm.cma is not None:
         assert messages(comm) > before
-    before = messages(comm)
-    comm.Allgather(np.full(5, rank, np.int64), np.zeros(5 * comm.Get_size(), np.int64))
-    assert (messages(comm) > before) == (comm.cma is not None), "Allgather missed cma"
+    size = comm.Get_size()
+    for name, args in (("Allgather", (np.full(5, rank, np.int64), np.zeros(5 * size, np.int64))),
+                       ("Gather", (np.full(5, rank, np.int64), np.zeros(5 * size, np.int64))),
+                       ("Scatter", (np.arange(5 * size, dtype=np.int64), np.zeros(5, np.int64)))):
+        before = messages(comm)
+        getattr(comm, name)(*args, **({} if name == "Allgather" else {"root": size - 1}))
+        assert (messages(comm) > before) == (comm.cma is not None), f"{name} missed cma"
     # a user-defined op: applied by cma on the node if it commutes, by MPI if it does not
     add = MPI.Op.Create(lambda a, b, t: np.add(np.frombuffer(a, np.int32), np.frombuffer(b, np.int32),
                                                 out=np.frombuffer(b, np.int32)), commute=True)

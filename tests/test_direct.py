@@ -41,8 +41,10 @@ def pattern(nbytes: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
 
 
-def counting_direct_receives(comm: cma.Comm) -> list[int]:
-    """Count, in this process, the receives the direct path completed (their sizes)."""
+def counting_direct_receives(comm: cma.Comm, patch: pytest.MonkeyPatch | None = None
+                             ) -> list[int]:
+    """Count, in this process, the receives the direct path completed (their sizes); with
+    ``patch``, until the test's end (a child's count lasts as long as the child)."""
     taken: list[int] = []
     original = direct.DirectRendezvous.recv
 
@@ -52,7 +54,10 @@ def counting_direct_receives(comm: cma.Comm) -> list[int]:
             taken.append(n)
         return n
 
-    direct.DirectRendezvous.recv = recv  # type: ignore[method-assign]
+    if patch is None:
+        direct.DirectRendezvous.recv = recv  # type: ignore[method-assign]
+    else:
+        patch.setattr(direct.DirectRendezvous, "recv", recv)
     return taken
 
 
@@ -186,23 +191,15 @@ def test_a_sendrecv_offers_its_message_as_a_blocking_send_does(peer, transport, 
     as a blocking Send does, receives (pulling the peer's offer if it is one), then waits
     for the peer's copy, whether the peer pulled it on its fast path or in its engine.
     (It was Isend + Recv + Wait: the eager ring's two copies each way, or the engine's
-    rendezvous; 2 ranks, 1 MiB each way, 0.25 ms against 0.12, docs/transports.md.)"""
+    rendezvous; 2 ranks, 1 MiB each way, 0.25 ms against 0.12, docs/architecture.md.)"""
     comm = peer.comm
     peer.start(op_exchange, nbytes, how)
     assert comm.recv(source=1, tag=TAG + 2) == "ready"
-    mine: list[int] = []
-    original = direct.DirectRendezvous.recv
-
-    def recv(self: direct.DirectRendezvous, inbox: Inbox, mv: memoryview, tag: int) -> int:
-        n = original(self, inbox, mv, tag)
-        if n >= 0:
-            mine.append(n)
-        return n
+    mine = counting_direct_receives(comm, monkeypatch)
 
     def no_request(*args: Any) -> None:
         raise AssertionError("Sendrecv made a request")
 
-    monkeypatch.setattr(direct.DirectRendezvous, "recv", recv)
     pulling = transport in PULLING
     if pulling:
         monkeypatch.setattr(comm, "make_request", no_request)

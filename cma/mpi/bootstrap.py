@@ -134,9 +134,11 @@ def bootstrap(comm: Comm, transport: str, options: dict[str, Any]
     error = None
     try:
         members: list[tuple[int, int]] = node.allgather((rank, os.getpid()))
-        # The node communicator counts its own node's ranks: on pretend nodes the
-        # machine's count made a mixed rank's interrupt test (interrupted_mixed.py) fail
-        # 4 runs in 40 under Open MPI beside two busy loops, 0 in 27 this way (cause not found).
+        # The node communicator counts its own node's ranks (the same count as the
+        # machine's on a real node; on pretend nodes, fewer). Chosen when a mixed rank's
+        # interrupt test failed with the machine's count; that failure's cause was the
+        # idle rule in progress.py (docs/reliability.md), so this choice rests on no
+        # measurement now.
         crowded_node = len(members) > cpus
         if len(members) > 1:
             try:

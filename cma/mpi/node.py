@@ -162,7 +162,7 @@ class NodeComm(CmaComm):
 
         A spec over a buffer other than the last one (a fresh row, as in a halo exchange)
         that names it whole is passed on as that buffer: converting and remembering the
-        spec cost ~2 us a call more than the row (docs/mpi.md, "Requests")."""
+        spec cost ~2 us a call more than the row (docs/mpi.md, "Use")."""
         if sendbuf.__class__ is list:
             sendbuf = _fresh_whole(sendbuf, self._send_base, self._send_obj)
         if recvbuf.__class__ is list:

@@ -158,6 +158,15 @@ def test_library_code(n: int, env: dict[str, str]) -> None:
     expect_ok(n, "library.py", env=env)
 
 
+@pytest.mark.parametrize(("n", "env"), [
+    (1, {}), (2, {}), (3, {}), (3, {"CMA_MPI_NODES": "0,0,1"}), (4, {"CMA_MPI_NODES": "0,1,1,0"}),
+    (2, {"CMA_MPI_DISABLE": "1"}),
+])
+def test_pkl5_over_the_plugin(n: int, env: dict[str, str]) -> None:
+    """mpi4py.util.pkl5 over the wrapper: every call, its arrays through cma (pickled.py)."""
+    expect_ok(n, "pickled.py", env=env)
+
+
 @pytest.mark.parametrize(("n", "env", "transport"), [
     (1, {}, "auto"), (2, {}, "cma"), (2, {}, "shm"), (2, {}, "vmfd"), (3, {}, "auto"),
     (3, {"CMA_MPI_NODES": "0,0,1"}, "auto"), (2, {"CMA_MPI_DISABLE": "1"}, "auto"),

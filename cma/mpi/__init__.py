@@ -44,18 +44,24 @@ node's cma communicator), ``mixedio`` (a mixed rank's waits and wildcard receive
 use), ``persistent`` (``Prequest``), ``libmpi`` (the MPI library's progress hook,
 through ctypes), ``specs`` (buffer specs), ``datatypes`` (derived datatypes as blocks),
 ``bootstrap``, ``mixed`` (wildcards across both channels), ``hierarchy`` (collectives
-over several nodes), ``errors``, ``mpiapi`` (what is taken from mpi4py) and ``shared``
-(``cma.shared_array`` per node).
+over several nodes), ``errors``, ``mpiapi`` (what is taken from mpi4py), ``shared``
+(``cma.shared_array`` per node) and ``pkl5`` (``mpi4py.util.pkl5`` over a wrapper goes
+through the wrapper).
 """
 
 from __future__ import annotations
 
-from . import shared  # noqa: F401 - registers cma.shared_array for cma.mpi.Comm
+from . import (
+    pkl5,
+    shared,  # noqa: F401 - registers cma.shared_array for cma.mpi.Comm
+)
 from .bootstrap import ENV_DISABLE, ENV_NODES, ENV_RANKS_PER_NODE
 from .comm import Comm, Message
 from .errors import PeerGoneError, TruncateError
 from .persistent import Prequest
 from .requests import Request
+
+pkl5.install()  # mpi4py.util.pkl5 over a wrapper goes through it
 
 __all__ = [
     "ENV_DISABLE", "ENV_NODES", "ENV_RANKS_PER_NODE", "Comm", "Message", "PeerGoneError",

@@ -207,11 +207,19 @@ def type_name(obj: object) -> str:
 
 
 def through_cma(test: unittest.TestCase) -> bool:
-    """Whether the test's ``self.COMM`` is a cma.mpi.Comm with a cma world, i.e. with peers on
-    this node: a one-rank wrapper (COMM_SELF, or COMM_WORLD under ``-n 1``) sends everything
-    through MPI. Asked of the class's COMM, of which setUp's ``Dup()`` is a copy (the Dup
-    itself has been freed by tearDown)."""
-    on_plugin = type_name(getattr(test, "COMM", None)).startswith("cma.mpi.")
+    """Whether the test's ``self.COMM`` sent through cma: a cma.mpi.Comm with a cma world,
+    i.e. with peers on this node (a one-rank wrapper, COMM_SELF, or COMM_WORLD under
+    ``-n 1``, sends everything through MPI), or a pkl5 communicator made over one.
+    Asked of the class's COMM, of which setUp's ``Dup()`` or ``pkl5.Intracomm(...)`` is a
+    copy (a Dup itself has been freed by tearDown)."""
+    comm = getattr(test, "COMM", None)
+    if type_name(comm).startswith("mpi4py.util.pkl5."):
+        pkl5 = sys.modules.get("cma.mpi.pkl5")  # (not imported in plain mode)
+        comm = None if pkl5 is None else pkl5.routed_to(comm)
+        if comm is None:
+            return False
+        return getattr(comm, "cma", None) is not None
+    on_plugin = type_name(comm).startswith("cma.mpi.")
     return on_plugin and getattr(getattr(type(test), "COMM", None), "cma", None) is not None
 
 

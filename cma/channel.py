@@ -257,8 +257,9 @@ class Outbox:
         """Whether a packet of ``nbytes`` payload bytes would be published now."""
         return self._place(packet_bytes(nbytes)) >= 0
 
-    def put_eager(self, tag: int, payload: memoryview, n: int) -> int:
-        """The hot path: one EAGER packet of at most eager_limit bytes.
+    def put_eager(self, tag: int, payload: memoryview, n: int, kind: int = EAGER) -> int:
+        """The hot path: one EAGER packet of at most eager_limit bytes (``kind``: EAGER with
+        its flags, OBJECT for a pickle stream).
 
         Returns RING_FULL (nothing published) when the ring is full or the tag does not fit
         a packet's word, else the receiver's sleeping flag: non-zero means the caller must
@@ -276,7 +277,7 @@ class Outbox:
             self.data[pos + HEADER_BYTES : pos + HEADER_BYTES + n] = payload
             self.eager_bytes += n
         try:
-            EAGER_HEADER.pack_into(self.data, pos, EAGER, tag, n)
+            EAGER_HEADER.pack_into(self.data, pos, kind, tag, n)
         except struct.error:
             return RING_FULL  # a tag beyond int64, left unpublished for the general path to refuse
         self.eager_count += 1
@@ -363,9 +364,10 @@ class Inbox:
             self.tail_published = t
             self.ctl[TAIL] = t
 
-    def take_eager(self, buf: memoryview, tag: int) -> int:
-        """The hot path: if the oldest packet is an EAGER one matching ``tag`` that fits in
-        ``buf``, copy it there, consume it and return its size (its tag in ``last_tag``).
+    def take_eager(self, buf: memoryview, tag: int, kind: int = EAGER) -> int:
+        """The hot path: if the oldest packet is an EAGER one (of ``kind``: EAGER with its
+        flags) matching ``tag`` that fits in ``buf``, copy it there, consume it and return
+        its size (its tag in ``last_tag``).
 
         RING_EMPTY: the ring is empty; NOT_EAGER: the oldest packet needs the general path.
         """
@@ -373,16 +375,16 @@ class Inbox:
         if self.head_word[0] == tail:
             return RING_EMPTY
         pos = tail & self.mask
-        kind, t, n = EAGER_HEADER.unpack_from(self.data, pos)
-        if kind != EAGER:
-            if kind != PAD:
+        found, t, n = EAGER_HEADER.unpack_from(self.data, pos)
+        if found != kind:
+            if found != PAD:
                 return NOT_EAGER
             pos = self._position()
             if pos < 0:
                 return RING_EMPTY
             tail = self.tail
-            kind, t, n = EAGER_HEADER.unpack_from(self.data, pos)
-            if kind != EAGER:
+            found, t, n = EAGER_HEADER.unpack_from(self.data, pos)
+            if found != kind:
                 return NOT_EAGER
         if t != tag and (tag != ANY_TAG or t < 0):
             return NOT_EAGER
@@ -403,6 +405,33 @@ class Inbox:
             self.tail_published = tail
             self.ctl[TAIL] = tail
         return n
+
+    def eager_size(self, tag: int, kind: int) -> int:
+        """The payload size of the oldest packet if it is an EAGER one of ``kind`` matching
+        ``tag`` (what ``take_eager`` would take), else RING_EMPTY or NOT_EAGER."""
+        pos = self._position()
+        if pos < 0:
+            return RING_EMPTY
+        found, t, n = EAGER_HEADER.unpack_from(self.data, pos)
+        if found != kind or t != tag and (tag != ANY_TAG or t < 0) or n > self.size:
+            return NOT_EAGER  # (a length beyond the ring: a corrupt peer, which take() names)
+        return n
+
+    def eager_at_head(self, tag: int) -> int:
+        """If the oldest packet is an EAGER one (with any flags) matching ``tag``, its
+        payload size (its tag in ``last_tag``; nothing is consumed), else RING_EMPTY or
+        NOT_EAGER. (An RTS is not reported: a probe must match it into the engine, for the
+        Irecv after the probe to start its copy at once; test_overlap.py.)"""
+        pos = self._position()
+        if pos < 0:
+            return RING_EMPTY
+        w = pos >> 3
+        words = self.words
+        t = words[w + 1]
+        if words[w] & KIND_MASK != EAGER or t != tag and (tag != ANY_TAG or t < 0):
+            return NOT_EAGER
+        self.last_tag = t
+        return words[w + 2]
 
     def head_of(self, kind: int, nbytes: int) -> int:
         """Where the oldest packet starts, in ``words``, if it is of ``kind`` with a payload of

@@ -48,7 +48,7 @@ from .protocol import Arrival, Matcher, RecvOp, SendOp, completed_recv
 from .requests import Message, Request, Status, null_recv
 from .stats import EagerCounts
 from .transports.xmap import View
-from .wire import ANY_SOURCE, ANY_TAG, BARRIER_TAG, PROC_NULL, TAG_MAX
+from .wire import ANY_SOURCE, ANY_TAG, BARRIER_TAG, EAGER, OBJECT, PROC_NULL, TAG_MAX
 from .world import ENV_TRANSPORT, ENV_WORLD, World, WorldFds, announce
 
 # An Isend of at least this many bytes (within the eager limit) that finds the ring full
@@ -148,6 +148,10 @@ def _export(base: Any, cut: tuple[int, int]) -> memoryview:
 
 
 # ------------------------------------------------------------------ Comm
+
+EAGER_OBJECT = EAGER | OBJECT  # the packet of an object message within the eager limit
+NOT_TAKEN = object()  # Comm.take_object found nothing it could take
+
 
 class Comm(Collectives):
     """A communicator of ``size`` ranks on one machine; this object is rank ``rank``.
@@ -824,28 +828,58 @@ class Comm(Collectives):
         ``bytearray``); cma.mpi's decodes as mpi4py does."""
         if not op.is_object:
             return bytearray(op.segments[0]) if op.segments else bytearray()
-        stream, *buffers = op.segments
+        try:
+            return self.unpickled(op.segments[0], op.segments[1:], op.matched_source,
+                                  op.matched_tag, op.nbytes)
+        except ProtocolError:
+            op.segments = []  # (as unpickled drops its own: see there)
+            raise
+        finally:
+            if op.view:
+                op.segments = []  # (the object's arrays alone keep the sender's buffers now)
+
+    @staticmethod
+    def unpickled(stream: Any, buffers: list[Any], source: int, tag: int, nbytes: int) -> Any:
+        """The object of a received pickle ``stream`` and its out-of-band ``buffers``."""
         try:
             return pickle.loads(stream, buffers=buffers)
         except Exception as exc:
             # The message was received whole and is consumed; the rings are untouched, so
             # the communicator stays usable, with this peer too. Its buffers are dropped
             # here: the traceback keeps this frame, and a view maps the peer's memory.
-            op.segments = []
+            buffers.clear()
             del stream, buffers
             raise ProtocolError(
-                f"rank {op.matched_source}'s object message (tag {op.matched_tag}, {op.nbytes} "
+                f"rank {source}'s object message (tag {tag}, {nbytes} "
                 f"bytes) does not unpickle here: {type(exc).__name__}: {exc}. Either its bytes "
                 "are not a pickle (the peer broke the protocol), or they name what this "
                 "process cannot rebuild (a class must be importable here, not defined in "
-                "the sender's __main__ only)", peer=op.matched_source) from exc
-        finally:
-            if op.view:
-                op.segments = []  # (the object's arrays alone keep the sender's buffers now)
+                "the sender's __main__ only)", peer=source) from exc
 
     def send(self, obj: Any, dest: int, tag: int = 0) -> None:
-        """Blocking send of a picklable object (``MPI.Comm.send``): ``isend(...).Wait()``."""
-        self.isend(obj, dest, tag).Wait()
+        """Blocking send of a picklable object (``MPI.Comm.send``): ``isend(...).Wait()``,
+        except that a pickle within the eager limit goes into the ring as ``Send``'s
+        message would (the general path cost ~15 us more a message: docs/api.md)."""
+        try:
+            outbox = self._fast_outboxes[dest] if dest >= 0 else None
+        except (IndexError, TypeError):  # (a rank out of range or not an int: refused below)
+            outbox = None
+        segments = None
+        if outbox is not None and type(tag) is int and tag >= 0:
+            segments = self._pickle(obj)
+            stream = segments[0]
+            n = stream.nbytes
+            if len(segments) == 1 and n <= self._eager_limit and not self._busy:
+                self._busy = 1
+                try:
+                    sleeping = outbox.put_eager(tag, stream, n, EAGER_OBJECT)
+                finally:
+                    self._busy = 0
+                if sleeping >= 0:
+                    if sleeping:
+                        self._ring(dest)
+                    return
+        self._isend_object(obj, dest, tag, sync=False, segments=segments).Wait()
 
     def isend(self, obj: Any, dest: int, tag: int = 0) -> Request:
         """Non-blocking send of a picklable object (``MPI.Comm.isend``); ``wait()`` returns ``None``.
@@ -871,15 +905,17 @@ class Comm(Collectives):
         ``Bsend``)."""
         return self._isend_object(obj, dest, tag, sync=False, buffered=True)
 
-    def _isend_object(self, obj: Any, dest: Any, tag: Any, sync: bool, buffered: bool = False
-                      ) -> Request:
+    def _isend_object(self, obj: Any, dest: Any, tag: Any, sync: bool, buffered: bool = False,
+                      segments: list[memoryview] | None = None) -> Request:
+        """``segments``: what ``_pickle(obj)`` returned already."""
         if self._progress is None:
             self._attach()
         dest = self._check_dest(dest)
         tag = self._check_tag(tag)
         if dest == PROC_NULL:
             return self.make_request(self, None)
-        segments = self._pickle(obj)
+        if segments is None:
+            segments = self._pickle(obj)
         self._refuse_beyond_memory(segments, "an object's receiver allocates what it pickled to",
                                    "send its large arrays with Send, into receive buffers of "
                                    "their own (a file mapping can be larger than memory)")
@@ -895,7 +931,47 @@ class Comm(Collectives):
         ``views=True``: see ``irecv``. A ``PROC_NULL`` source returns ``None``."""
         if views:
             return self.irecv(buf, source, tag, views=True).wait(status)
-        return self.irecv(buf, source, tag).wait(status)
+        obj = self.take_object(source, tag, status)
+        if obj is NOT_TAKEN:
+            return self.irecv(buf, source, tag).wait(status)
+        return obj
+
+    def take_object(self, source: int, tag: int, status: Status | None) -> Any:
+        """``recv``'s hot path, as ``Recv``'s: an object message whose whole pickle is at
+        the head of the ring, with no receive posted before, is taken from there (after a
+        spin, or a sleep until the peer's next packet, if the ring is empty); NOT_TAKEN
+        where the general path must receive."""
+        matcher = self._matcher
+        try:
+            peer = self._only_peer if source == ANY_SOURCE else source
+            inbox = self._fast_inboxes[peer] if peer >= 0 else None
+        except (IndexError, TypeError):
+            inbox = None
+        if inbox is None or type(tag) is not int or tag < ANY_TAG or matcher.posted \
+                or matcher.unexpected or self._busy:
+            return NOT_TAKEN
+        self._busy = 1
+        try:
+            n = inbox.eager_size(tag, EAGER_OBJECT)
+            spins = self._fast_spins
+            while n == RING_EMPTY and spins:
+                spins -= 1
+                n = inbox.eager_size(tag, EAGER_OBJECT)
+            if n >= 0:
+                stream = bytearray(n)
+                n = inbox.take_eager(memoryview(stream), tag, EAGER_OBJECT)
+        finally:
+            self._busy = 0
+        if n >= 0:
+            source, tag = self._inbox_peer[inbox], inbox.last_tag
+            if status is not None:
+                status.source = source
+                status.tag = tag
+                status.count = n
+            return self.unpickled(stream, [], source, tag, n)
+        if n == RING_EMPTY and self._await_late(inbox, tag):
+            return self.take_object(source, tag, status)  # (its packet is at the head now)
+        return NOT_TAKEN
 
     def irecv(self, buf: Any = None, source: int = ANY_SOURCE, tag: int = ANY_TAG,
               views: bool = False) -> Request:
@@ -983,7 +1059,32 @@ class Comm(Collectives):
 
     def Probe(self, source: int = ANY_SOURCE, tag: int = ANY_TAG,
               status: Status | None = None) -> Literal[True]:
-        """Wait until ``Iprobe`` would return True (``MPI.Comm.Probe``); fills ``status``."""
+        """Wait until ``Iprobe`` would return True (``MPI.Comm.Probe``); fills ``status``.
+
+        An eager message at the head of the ring, with no receive posted and none taken
+        out of the rings before it, is reported from there and left in the ring for the
+        receive that follows (its fast path then takes it)."""
+        matcher = self._matcher
+        try:
+            peer = self._only_peer if source == ANY_SOURCE else source
+            inbox = self._fast_inboxes[peer] if peer >= 0 else None
+        except (IndexError, TypeError):
+            inbox = None
+        if inbox is not None and type(tag) is int and tag >= ANY_TAG and not matcher.posted \
+                and not matcher.unexpected and not self._busy:
+            n = inbox.eager_at_head(tag)
+            spins = self._fast_spins
+            while n == RING_EMPTY and spins:
+                spins -= 1
+                n = inbox.eager_at_head(tag)
+            if n >= 0:
+                if status is not None:
+                    status.source = self._inbox_peer[inbox]
+                    status.tag = inbox.last_tag
+                    status.count = n
+                return True
+            if n == RING_EMPTY and self._await_late(inbox, tag):
+                return self.Probe(source, tag, status)  # (a packet is at the head now)
         progress = self._progress or self._attach()
         source = self._check_source(source)
         tag = self._check_tag(tag, wildcard=True)

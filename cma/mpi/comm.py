@@ -12,7 +12,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..collectives import OPS, Op
-from ..comm import AUTO
+from ..comm import AUTO, NOT_TAKEN
 from ..comm import Comm as CmaComm
 from ..comm import Message as CmaMessage
 from ..comm import Status as CmaStatus
@@ -411,7 +411,15 @@ class Comm(MPI.Intracomm):
         On-node any size; off-node mpi4py's own, whose default buffer is bounded.
         ``views=True`` (xmap on): arrays of an on-node sender's shared heap arrive as
         read-only views of its memory (``cma.Comm.recv``); any other object, as usual."""
-        if source in self._fast or self._mixed is not None and self._mixed.waits_in_cma(source, tag):
+        peer = self._fast.get(source)
+        if peer is not None and not views:
+            try:
+                obj = self._cma.take_object(peer, tag, status)  # type: ignore[union-attr,arg-type]
+            except CmaError as exc:
+                self._fail(exc, status)
+            if obj is not NOT_TAKEN:
+                return obj
+        if peer is not None or self._mixed is not None and self._mixed.waits_in_cma(source, tag):
             return _wait_or_withdraw(self._irecv(buf, source, tag, True, views), status, True)
         return mpi_recv_obj(self, buf, source, tag, status)
 

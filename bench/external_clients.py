@@ -5,8 +5,12 @@ What it measures, in one ``mpiexec -n 2`` job, each program once over plain mpi4
 ("plugin"):
 
 - ``mpi4py.bench.pingpong`` (shipped with mpi4py): its own mean one-way time per size,
-  with NumPy buffers (``-a numpy``) and bytearrays (``-a none``), 1 B .. 64 MiB. The
-  plugin series uses one ``cma.mpi.Comm(MPI.COMM_WORLD)`` made at the start.
+  with NumPy buffers (``-a numpy``) and bytearrays (``-a none``), 1 B .. 64 MiB; and
+  its object modes over NumPy arrays, pickled (``-p``: ``comm.send``/``comm.recv``) and
+  out of band (``-o``: the same calls on ``mpi4py.util.pkl5.Intracomm(comm)``). The
+  plugin series uses one ``cma.mpi.Comm(MPI.COMM_WORLD)`` made at the start. pkl5's
+  plain series runs pkl5 as mpi4py ships it: importing cma.mpi gives pkl5 its routed
+  view of ``MPI`` (cma/mpi/pkl5.py), which this bench takes back for that series.
 - ``demo/osu_latency.py``, ``osu_bw.py`` and ``osu_bibw.py`` from the sdist of the installed
   mpi4py, downloaded with pip at run time into ``$CMA_IPC_CACHE`` (default
   ``~/.cache/cma-ipc``) and reused from there: the plain series runs the source as it is,
@@ -49,7 +53,7 @@ import subprocess
 import sys
 import tarfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import CodeType, SimpleNamespace
@@ -58,6 +62,7 @@ from typing import Any
 import mpi4py
 import mpi4py.bench
 from mpi4py import MPI
+from mpi4py.util import pkl5
 
 import cma.mpi
 from cma.bench.guard import QUIET_RATIO, handoff_ratio
@@ -68,6 +73,8 @@ from cma.bench.sizes import format_size, parse_size
 SERIES = ("plain", "plugin")
 DEMOS = ("osu_latency", "osu_bw", "osu_bibw")
 ARRAYS = ("numpy", "none")
+# pingpong's object modes, each over NumPy arrays: pickled, and pkl5's out-of-band
+OBJECTS = {"pickle": ["-a", "numpy", "-p"], "pkl5": ["-a", "numpy", "-o"]}
 # pingpong's own options: its defaults (10000 loops, 1000 above 16 KiB, 10 above 1 MiB)
 # take minutes per series; these keep a round near 30 s with stable means
 PINGPONG_ARGS = "--skip 100 --loop 2000 --skip-large 10 --loop-large 200 --skip-huge 2 --loop-huge 20"
@@ -306,14 +313,17 @@ def run_demo(name: str, code: CodeType, stand_in: PluginStandIn | None) -> dict[
 @dataclass
 class Case:
     bench: str  # "pingpong" or "demo"
-    name: str  # "numpy", "none" (pingpong's -a) or the demo's name
+    name: str  # "numpy", "none" (pingpong's -a), "pickle", "pkl5" (OBJECTS) or the demo's name
     metric: str  # "us" (smaller is better) or "MB/s"
     # series -> (the call run on every rank, what to do after the agreement)
     prepare: Callable[[str], tuple[Callable[[], dict[int, float]], Callable[[], None]]]
 
     @property
     def title(self) -> str:
-        return f"pingpong -a {self.name}" if self.bench == "pingpong" else f"demo/{self.name}.py"
+        if self.bench == "demo":
+            return f"demo/{self.name}.py"
+        options = OBJECTS.get(self.name, ["-a", self.name])
+        return f"pingpong {' '.join(options)}"
 
 
 @dataclass
@@ -333,14 +343,30 @@ class Record:
 
 
 def pingpong_case(kind: str, comms: dict[str, MPI.Intracomm], args: list[str]) -> Case:
+    options = OBJECTS.get(kind, ["-a", kind])  # (as Case.title says)
+    shipped = kind == "pkl5"  # the plain series runs pkl5 without cma's view of MPI
+
     def prepare(series: str) -> tuple[Callable[[], dict[int, float]], Callable[[], None]]:
         def call() -> dict[int, float]:
-            result = mpi4py.bench.pingpong(comms[series], [*args, "-a", kind], verbose=False)
+            with pkl5_as_shipped(shipped and series == "plain"):
+                result = mpi4py.bench.pingpong(comms[series], [*args, *options], verbose=False)
             return {nbytes: mean * 1e6 for nbytes, mean, _ in result}
 
         return call, lambda: None
 
     return Case("pingpong", kind, "us", prepare)
+
+
+@contextlib.contextmanager
+def pkl5_as_shipped(wanted: bool) -> Iterator[None]:
+    """Give mpi4py.util.pkl5 mpi4py's own MPI module for the block, if ``wanted``."""
+    routed = pkl5.MPI
+    if wanted:
+        pkl5.MPI = MPI
+    try:
+        yield
+    finally:
+        pkl5.MPI = routed
 
 
 def demo_case(name: str, path: str, source: str) -> Case:
@@ -560,6 +586,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="rounds; even ones run plain first, odd ones the plugin (default 6)")
     parser.add_argument("--arrays", default=",".join(ARRAYS),
                         help="pingpong buffer kinds, comma-separated: numpy, none (default both)")
+    parser.add_argument("--objects", default=",".join(OBJECTS),
+                        help="pingpong's object modes over NumPy arrays, comma-separated: pickle (-p), "
+                             "pkl5 (-o) (default both; '' for none)")
     parser.add_argument("--min-size", type=parse_size, default=1, help="pingpong (default 1)")
     parser.add_argument("--max-size", type=parse_size, default=64 << 20,
                         help="pingpong (default 64M)")
@@ -578,26 +607,29 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--json", metavar="FILE", help="every record, rewritten after each series")
     args = parser.parse_args(argv)
     args.arrays = [] if args.no_pingpong else [a for a in args.arrays.split(",") if a]
+    args.objects = [] if args.no_pingpong else [o for o in args.objects.split(",") if o]
     args.demos = [] if args.no_demos else [d for d in args.demos.split(",") if d]
-    unknown = sorted(set(args.arrays) - set(ARRAYS)) + sorted(set(args.demos) - set(DEMOS))
+    unknown = sorted(set(args.arrays) - set(ARRAYS)) + sorted(set(args.objects) - set(OBJECTS)) + \
+        sorted(set(args.demos) - set(DEMOS))
     if unknown:
-        parser.error(f"unknown array kind or demo: {', '.join(unknown)}")
+        parser.error(f"unknown array kind, object mode or demo: {', '.join(unknown)}")
     return args
 
 
 def make_cases(run: Run) -> list[Case]:
     args, cases = run.args, []
-    if args.arrays:
+    kinds = args.arrays + args.objects
+    if kinds:
         # made once, before any series, so that every series of every round runs in a
         # process holding the same state; failing to make it is the plugin series' failure
         outcome = run.bounded(lambda: cma.mpi.Comm(MPI.COMM_WORLD))
         if outcome.failed:
             reason = "cma.mpi.Comm(MPI.COMM_WORLD) failed: " + next(e for e in outcome.errors if e)
-            for kind in args.arrays:
+            for kind in kinds:
                 run.broken[(kind, "plugin")] = reason
         pingpong_args = [*shlex.split(args.pingpong_args), "-m", str(args.min_size), "-n", str(args.max_size)]
         comms = {"plain": MPI.COMM_WORLD, "plugin": outcome.value}
-        cases += [pingpong_case(kind, comms, pingpong_args) for kind in args.arrays]
+        cases += [pingpong_case(kind, comms, pingpong_args) for kind in kinds]
     if args.demos:
         sources, why_not = demo_sources(run.ctl, args.demos)
         if why_not:

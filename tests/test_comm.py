@@ -760,7 +760,7 @@ SMALL_OBJECTS = [1, "text", {"a": [1, 2.5, None]}, np.arange(10), b"x" * 1000, (
 def test_small_objects_go_through_the_ring_without_the_engine(peer, monkeypatch):
     """send and recv of an object whose pickle fits one eager packet use the ring as Send
     and Recv do, making no request and posting no receive (through the engine a small
-    object took 19 us one-way against mpi4py's 2: docs/api.md, "Objects")."""
+    object took 19 us one-way against mpi4py's 2: docs/api.md, "Objects" under "Object messages")."""
     comm = peer.comm
     peer.start(op_echo_objects, len(SMALL_OBJECTS), 70)
 
@@ -783,9 +783,9 @@ def test_small_objects_go_through_the_ring_without_the_engine(peer, monkeypatch)
 def test_a_probed_message_stays_for_the_receives_fast_path(peer, monkeypatch, nbytes):
     """Probe reports an eager message at the head of the ring from there, so that the Recv
     after it takes it on its fast path (a Probe-then-Recv took 18 us through the engine
-    against mpi4py's 2: docs/api.md, "Objects"). 200 KiB: the largest sizes that go eager
-    with every transport (from 256 KiB a direct rendezvous's RTS, which a Probe matches
-    into the engine: test_overlap.py)."""
+    against mpi4py's 2: docs/api.md, "Objects" under "Object messages"). 200 KiB: among
+    the largest sizes that go eager with every transport (from 256 KiB a direct
+    rendezvous's RTS, which a Probe matches into the engine: test_overlap.py)."""
     comm = peer.comm
     general = []
     real = comm.general_recv

@@ -941,14 +941,8 @@ class Comm(Collectives):
         the head of the ring, with no receive posted before, is taken from there (after a
         spin, or a sleep until the peer's next packet, if the ring is empty); NOT_TAKEN
         where the general path must receive."""
-        matcher = self._matcher
-        try:
-            peer = self._only_peer if source == ANY_SOURCE else source
-            inbox = self._fast_inboxes[peer] if peer >= 0 else None
-        except (IndexError, TypeError):
-            inbox = None
-        if inbox is None or type(tag) is not int or tag < ANY_TAG or matcher.posted \
-                or matcher.unexpected or self._busy:
+        inbox = self._idle_inbox(source, tag)
+        if inbox is None:
             return NOT_TAKEN
         self._busy = 1
         try:
@@ -972,6 +966,22 @@ class Comm(Collectives):
         if n == RING_EMPTY and self._await_late(inbox, tag):
             return self.take_object(source, tag, status)  # (its packet is at the head now)
         return NOT_TAKEN
+
+    def _idle_inbox(self, source: int, tag: int) -> Inbox | None:
+        """The ring from ``source`` (a rank, or ANY_SOURCE with one peer) if a receive may
+        take from it directly: nothing posted, nothing queued unexpected, not inside cma,
+        ``tag`` a valid receive tag. (Recv keeps this inline: one call more costs every
+        message.)"""
+        matcher = self._matcher
+        try:
+            peer = self._only_peer if source == ANY_SOURCE else source
+            inbox = self._fast_inboxes[peer] if peer >= 0 else None
+        except (IndexError, TypeError):
+            return None
+        if inbox is None or type(tag) is not int or tag < ANY_TAG or matcher.posted \
+                or matcher.unexpected or self._busy:
+            return None
+        return inbox
 
     def irecv(self, buf: Any = None, source: int = ANY_SOURCE, tag: int = ANY_TAG,
               views: bool = False) -> Request:
@@ -1064,14 +1074,8 @@ class Comm(Collectives):
         An eager message at the head of the ring, with no receive posted and none taken
         out of the rings before it, is reported from there and left in the ring for the
         receive that follows (its fast path then takes it)."""
-        matcher = self._matcher
-        try:
-            peer = self._only_peer if source == ANY_SOURCE else source
-            inbox = self._fast_inboxes[peer] if peer >= 0 else None
-        except (IndexError, TypeError):
-            inbox = None
-        if inbox is not None and type(tag) is int and tag >= ANY_TAG and not matcher.posted \
-                and not matcher.unexpected and not self._busy:
+        inbox = self._idle_inbox(source, tag)
+        if inbox is not None:
             n = inbox.eager_at_head(tag)
             spins = self._fast_spins
             while n == RING_EMPTY and spins:

@@ -754,7 +754,8 @@ def op_echo_objects(comm, count, tag):
         comm.send(comm.recv(source=0, tag=tag), dest=0, tag=tag)
 
 
-SMALL_OBJECTS = [1, "text", {"a": [1, 2.5, None]}, np.arange(10), b"x" * 1000, (), 10**30]
+SMALL_OBJECTS = [1, "text", {"a": [1, 2.5, None]}, np.arange(10), b"x" * 1000, (), 10**30, None, True,
+                 2.5, 1j]
 
 
 def test_small_objects_go_through_the_ring_without_the_engine(peer, monkeypatch):

@@ -37,6 +37,7 @@
 #                 interleaved, into bw-mpi.txt.
 #   1h. external-clients - clients nobody here wrote, with only the one-line change:
 #                 mpi4py's own `mpi4py.bench pingpong` (NumPy and bytearray buffers,
+#                 and NumPy arrays as objects, pickled (-p) and through pkl5 (-o),
 #                 1 B .. 64 MiB) and the demo/osu_latency, osu_bw and osu_bibw programs of
 #                 the installed mpi4py's sdist (downloaded once with pip into
 #                 ~/.cache/cma-ipc, or $CMA_IPC_CACHE), each plain and through

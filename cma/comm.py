@@ -525,7 +525,12 @@ class Comm(Collectives):
             op, in_ring = direct.offer(outbox, mv, mv.nbytes, dest, sendtag)
         finally:
             self._busy = 0
-        self.Recv(recvbuf, source, recvtag, status)
+        progress = direct.progress
+        progress.offered = op if in_ring else None  # (its FIN may come during the receive)
+        try:
+            self.Recv(recvbuf, source, recvtag, status)
+        finally:
+            progress.offered = None
         done = False
         if in_ring and not self._busy:
             self._busy = me

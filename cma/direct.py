@@ -136,15 +136,14 @@ class DirectRendezvous:
         inbox = self.inboxes[dest]
         msgid = op.msgid
         spins = self.spins
-        while spins:
+        while True:  # (one look at least: with no spins, ranks outnumber CPUs)
             got = inbox.take_if(FIN, msgid)
             if got == 0:
                 self.progress.engine.direct_done(op)
                 return True
-            if got != RING_EMPTY:
-                break  # (another packet first: the engine takes it, and then the FIN)
+            if got != RING_EMPTY or not spins:
+                return False  # (another packet first: the engine takes it, and then the FIN)
             spins -= 1
-        return False
 
     def recv(self, inbox: Inbox, mv: memoryview, tag: int) -> int:
         """If the packet at the head of ``inbox`` is an RTS for this receive (``tag``) that
@@ -153,7 +152,12 @@ class DirectRendezvous:
         the ring, when the general path must take it; it also raises what it meets."""
         at = inbox.head_of(RTS, ONE_REGION_RTS.size)
         if at < 0:
-            return NOT_EAGER
+            # (a Sendrecv with one peer both ways: the FIN of its own offer may come first)
+            if not self.progress.took_offered_fin(inbox):
+                return NOT_EAGER
+            at = inbox.head_of(RTS, ONE_REGION_RTS.size)
+            if at < 0:
+                return NOT_EAGER if inbox.ready() else RING_EMPTY
         words = inbox.words
         t = words[at + 1]
         nbytes = words[at + 3]

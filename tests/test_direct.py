@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import JOIN_TIMEOUT, TRANSPORTS, run_pair, stop_process
+from conftest import JOIN_TIMEOUT, TRANSPORTS, run_pair, run_ranks, stop_process
 
 import cma
 from cma import direct
@@ -213,6 +213,72 @@ def test_a_sendrecv_offers_its_message_as_a_blocking_send_does(peer, transport, 
         assert mine == [nbytes], "the receive did not pull the peer's offer"
     else:
         assert got["direct"] == mine == []
+
+
+def _exchange_with_everyone(comm: cma.Comm) -> None:
+    """Connect every pair (a peer connecting is work that ends a receive's wait), then
+    line up."""
+    for peer in range(comm.size):
+        if peer != comm.rank:
+            comm.sendrecv(None, peer, TAG + 3, source=peer, recvtag=TAG + 3)
+    comm.Barrier()
+
+
+def _engine_calls(comm: cma.Comm) -> list[str]:
+    calls: list[str] = []
+    for name in ("general_recv", "general_send"):
+        def counted(*args: Any, _name: str = name, _call: Any = getattr(comm, name)) -> Any:
+            calls.append(_name)
+            return _call(*args)
+        setattr(comm, name, counted)
+    return calls
+
+
+def _sendrecv_to_1_from_last(comm: cma.Comm, nbytes: int) -> dict[str, Any]:
+    _exchange_with_everyone(comm)
+    calls = _engine_calls(comm)
+    buf = np.zeros(nbytes, np.uint8)
+    comm.Sendrecv(pattern(nbytes, 0), 1, TAG, buf, comm.size - 1, TAG)
+    engine = list(calls)
+    comm.Barrier()  # (a peer that exits meanwhile also ends a wait)
+    return {"same": bool((buf == pattern(nbytes, 2)).all()), "engine": engine}
+
+
+def _pull_from_rank_0(comm: cma.Comm, nbytes: int) -> bool:
+    _exchange_with_everyone(comm)
+    buf = np.zeros(nbytes, np.uint8)
+    comm.Recv(buf, source=0, tag=TAG)
+    if comm.rank == comm.size - 1:
+        _send_late_to_rank_0(comm, nbytes)
+    else:
+        comm.Barrier()
+    return bool((buf == pattern(nbytes, 0)).all())
+
+
+def _send_late_to_rank_0(comm: cma.Comm, nbytes: int) -> bool:
+    if comm.size > 2:
+        _exchange_with_everyone(comm)
+    time.sleep(SETTLE)  # (rank 1's FIN reaches rank 0 first, while its receive waits)
+    comm.Send(pattern(nbytes, 2), dest=0, tag=TAG)
+    comm.Barrier()
+    return True
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+@pytest.mark.parametrize("transport", PULLING)
+def test_a_sendrecv_takes_the_fin_of_its_offer_while_its_receive_waits(transport, ranks):
+    """Rank 0 Sendrecvs to rank 1 and from the last rank, which sends late: rank 1's FIN
+    comes while rank 0's receive waits, from another rank or (2 ranks) ahead of the
+    message in the same ring. The receive takes that FIN and goes on waiting, so it still
+    pulls the late offer on the fast path and the send needs no engine. (The FIN ended
+    the wait before, and that receive went through the engine, ~130 us of Python;
+    docs/architecture.md, "Direct rendezvous".)"""
+    nbytes = direct.DIRECT_FROM
+    funcs = [lambda c: _sendrecv_to_1_from_last(c, nbytes), lambda c: _pull_from_rank_0(c, nbytes),
+             lambda c: _send_late_to_rank_0(c, nbytes)][:ranks]
+    got, pulled, *_ = run_ranks(transport, cma.ChannelConfig(), funcs, timeout=60)
+    assert got["same"] and pulled
+    assert got["engine"] == [], "rank 0's Sendrecv went through the engine"
 
 
 # ------------------------------------------------------------------ faults

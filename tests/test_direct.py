@@ -225,12 +225,17 @@ def _exchange_with_everyone(comm: cma.Comm) -> None:
 
 
 def _engine_calls(comm: cma.Comm) -> list[str]:
+    """From now on, record each time ``comm`` takes its general (engine) paths."""
     calls: list[str] = []
+
+    def counting(name: str, call: Any) -> Any:
+        def counted(*args: Any) -> Any:
+            calls.append(name)
+            return call(*args)
+        return counted
+
     for name in ("general_recv", "general_send"):
-        def counted(*args: Any, _name: str = name, _call: Any = getattr(comm, name)) -> Any:
-            calls.append(_name)
-            return _call(*args)
-        setattr(comm, name, counted)
+        setattr(comm, name, counting(name, getattr(comm, name)))
     return calls
 
 

@@ -253,19 +253,22 @@ def _pull_from_rank_0(comm: cma.Comm, nbytes: int) -> bool:
     _exchange_with_everyone(comm)
     buf = np.zeros(nbytes, np.uint8)
     comm.Recv(buf, source=0, tag=TAG)
-    if comm.rank == comm.size - 1:
+    if comm.rank == comm.size - 1:  # (two ranks: this one also sends the late message)
         _send_late_to_rank_0(comm, nbytes)
     else:
         comm.Barrier()
     return bool((buf == pattern(nbytes, 0)).all())
 
 
-def _send_late_to_rank_0(comm: cma.Comm, nbytes: int) -> bool:
-    if comm.size > 2:
-        _exchange_with_everyone(comm)
+def _send_late_to_rank_0(comm: cma.Comm, nbytes: int) -> None:
     time.sleep(SETTLE)  # (rank 1's FIN reaches rank 0 first, while its receive waits)
     comm.Send(pattern(nbytes, 2), dest=0, tag=TAG)
     comm.Barrier()
+
+
+def _connect_then_send_late(comm: cma.Comm, nbytes: int) -> bool:
+    _exchange_with_everyone(comm)
+    _send_late_to_rank_0(comm, nbytes)
     return True
 
 
@@ -280,7 +283,7 @@ def test_a_sendrecv_takes_the_fin_of_its_offer_while_its_receive_waits(transport
     docs/architecture.md, "Direct rendezvous".)"""
     nbytes = direct.DIRECT_FROM
     funcs = [lambda c: _sendrecv_to_1_from_last(c, nbytes), lambda c: _pull_from_rank_0(c, nbytes),
-             lambda c: _send_late_to_rank_0(c, nbytes)][:ranks]
+             lambda c: _connect_then_send_late(c, nbytes)][:ranks]
     got, pulled, *_ = run_ranks(transport, cma.ChannelConfig(), funcs, timeout=60)
     assert got["same"] and pulled
     assert got["engine"] == [], "rank 0's Sendrecv went through the engine"

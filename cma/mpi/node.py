@@ -323,7 +323,9 @@ class NodeComm(CmaComm):
     def poll_requests(self) -> bool:
         """The hook's call from inside MPI: move cma, notice dead peers, start and finish
         persistent requests; whether to stay."""
-        if self._closed:
+        if self._closed or not self._needs_hook():
+            # (nothing of ours is waiting: packets taken from the rings now would be
+            # queued unexpected, and the receives that come for them would pay for that)
             return False
         self.progress()
         mixed = self._mixed
@@ -344,8 +346,13 @@ class NodeComm(CmaComm):
                 del self._persistent[tag]
             else:
                 preq.poll()
+        return self._needs_hook()
+
+    def _needs_hook(self) -> bool:
+        """Whether MPI's progress loop must move this communicator: requests of ours pending,
+        persistent ones, data peers wait for, or peers off this node (see RequestSet)."""
         progress = self._progress
-        return mixed is not None or bool(self._pending) or bool(self._persistent) or \
+        return self._mixed is not None or bool(self._pending) or bool(self._persistent) or \
             progress is not None and progress.in_flight()
 
     def _warn_deferred(self) -> None:

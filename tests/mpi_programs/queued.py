@@ -15,7 +15,14 @@ the sender waited in MPI's Barrier of the next step).
 fills its ring to rank 0 with eager Isends, then receives rank 0's blocking 256 KiB Send
 by the direct path, whose FIN finds that ring full, and goes into a plain MPI Barrier;
 rank 0's Send waits for that FIN (it waited for ever before the direct path armed the
-hook). Prints "OK <rank>" at the end.
+hook).
+
+``idle`` (argv): the other side of it. Once rank 1's requests are done, MPI's progress
+hook has nothing of cma's to move, so it must leave the rings alone: a packet it took
+out while rank 1 waited in plain MPI would be queued unexpected, and the receive that
+follows would go through the engine (under Open MPI, whose Barrier called the hook
+again after the last request, 3 runs in 8 of clients.py did). Prints "OK <rank>" at
+the end.
 """
 
 from __future__ import annotations
@@ -55,6 +62,25 @@ if sys.argv[1:] == ["fin"]:
     else:
         MPI.COMM_WORLD.Barrier()
         MPI.COMM_WORLD.Barrier()
+    print(f"OK {rank}", flush=True)
+    sys.exit(0)
+
+if sys.argv[1:] == ["idle"]:
+    got = np.empty(5, np.int32)
+    if rank == 0:
+        comm.Send(np.full(5, 1, np.int32), 1, 4)
+        comm.Recv(got, 1, 5)  # (cma's ring, which MPI's progress never touches here)
+        comm.Send(np.full(5, 2, np.int32), 1, 3)
+        MPI.COMM_WORLD.Send(b"x", 1, 9)
+    elif rank == 1:
+        comm.Irecv(got, 0, 4).Wait()  # a request: the hook serves this rank until it is done
+        comm.Send(got, 0, 5)
+        time.sleep(0.3)  # (rank 0's tag-3 packet is in the ring before MPI's first progress)
+        MPI.COMM_WORLD.Recv(bytearray(1), 0, 9)
+        assert not comm.cma._matcher.unexpected, "MPI's wait took a packet no request waited for"
+        comm.Recv(got, 0, 3)
+        assert got.tolist() == [2] * 5
+    MPI.COMM_WORLD.Barrier()
     print(f"OK {rank}", flush=True)
     sys.exit(0)
 

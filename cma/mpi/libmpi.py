@@ -136,7 +136,8 @@ class MpichHook(ProgressHook):
 
 
 class OpenMpiHook(ProgressHook):
-    """opal_progress_register: called on every opal_progress until unregistered."""
+    """opal_progress_register: called on every opal_progress until unregistered, which it
+    does itself once ``poll`` says no."""
 
     def __init__(self, poll: Callable[[], bool], lib: ctypes.CDLL) -> None:
         super().__init__(poll)
@@ -148,7 +149,11 @@ class OpenMpiHook(ProgressHook):
         self._callback = _OPAL_CALLBACK(self._progress)
 
     def _progress(self) -> int:
-        self._call()
+        if not self._call() and self._armed:
+            # Open MPI lets a callback unregister itself (its walk rereads the array); left
+            # registered, every opal_progress paid a call into Python (docs/mpi.md, "Requests")
+            self._unregister(self._callback)
+            self._armed = False
         return 0  # events progressed: opal only sums them
 
     def arm(self) -> None:

@@ -21,8 +21,9 @@ hook).
 hook has nothing of cma's to move, so it must leave the rings alone: a packet it took
 out while rank 1 waited in plain MPI would be queued unexpected, and the receive that
 follows would go through the engine (under Open MPI, whose Barrier called the hook
-again after the last request, 3 runs in 8 of clients.py did). Prints "OK <rank>" at
-the end.
+again after the last request, 3 runs in 8 of clients.py did). And it must be gone from
+MPI's progress loop: under Open MPI it stayed registered, and every plain MPI message
+paid a call into Python. Prints "OK <rank>" at the end.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import numpy as np
 from mpi4py import MPI
 
 import cma.mpi
+from cma.mpi.requests import SERVED
 
 comm = cma.mpi.Comm(MPI.COMM_WORLD)
 rank = comm.Get_rank()
@@ -78,6 +80,8 @@ if sys.argv[1:] == ["idle"]:
         time.sleep(0.3)  # (rank 0's tag-3 packet is in the ring before MPI's first progress)
         MPI.COMM_WORLD.Recv(bytearray(1), 0, 9)
         assert not comm.cma._matcher.unexpected, "MPI's wait took a packet no request waited for"
+        hook = SERVED._hook
+        assert hook is None or not hook._armed, "MPI's progress still calls into cma for nothing"
         comm.Recv(got, 0, 3)
         assert got.tolist() == [2] * 5
     MPI.COMM_WORLD.Barrier()

@@ -103,11 +103,11 @@ class NodeComm(CmaComm):
                 and buf == self._typed_spec and convert is send_view:
             return self._outgoing(typed)
         if buf.__class__ is tuple:  # (lists are cma's to convert and remember, as specs)
-            buf = self.spec_view(buf, convert)
-            if buf.__class__ is Typed:  # stands in for the view (protocol.Scattered)
-                if self._progress is None:
-                    self._attach()
-                return cast(memoryview, buf)
+            # (spec_view's result is convert's already, or a Typed standing in for the view:
+            # converted again, a tuple spec cost 1.15 us against 0.64 for its bytes alone)
+            if self._progress is None:
+                self._attach()
+            return cast(memoryview, self.spec_view(buf, convert))
         elif buf is None:  # mpi4py's message of nothing (towards PROC_NULL, say)
             buf = NO_BYTES
         return super().buffer_view(buf, convert)

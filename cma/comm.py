@@ -1176,6 +1176,7 @@ class Comm(Collectives):
         held = claim(self)  # (unmapping the rings under another thread's call could crash it)
         self._closed = True
         self._send_obj = self._recv_obj = self._send_base = self._recv_base = _NOTHING
+        self._last_inputs = self._last_bcast = None
         self._send_spec_view = self._recv_spec_view = memoryview(b"")
         try:
             if self._progress is not None:

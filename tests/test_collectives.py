@@ -665,6 +665,46 @@ def test_bad_root_dtype_op_and_counts_are_refused_on_every_rank(world: World) ->
                         "InvalidCount"]] * world.size
 
 
+def reused_buffers(comm: cma.Comm) -> list[Any]:
+    """The same arrays given to Allreduce, Reduce and Bcast call after call, while their
+    contents, the op, IN_PLACE and the root change in between (a communicator keeps what
+    it made of the last call's arrays and op for the next)."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    send, recv, buf = np.empty(3, np.int64), np.empty(3, np.int64), np.empty(4, np.int32)
+    out: list[Any] = []
+    for step in range(2 * size):
+        root = step % size
+        send[:] = rank + step
+        comm.Allreduce(send, recv, op=cma.SUM)
+        out.append(recv.tolist())
+        comm.Allreduce(send, recv, op=cma.MAX)
+        out.append(recv.tolist())
+        recv[:] = rank * step
+        comm.Allreduce(cma.IN_PLACE, recv, op=cma.SUM)
+        out.append(recv.tolist())
+        recv[:] = -1
+        comm.Reduce(send, recv, op=cma.SUM, root=root)  # (the root's role moves each step)
+        out.append(recv.tolist() if rank == root else None)
+        buf[:] = step if rank == root else -1
+        comm.Bcast(buf, root=root)
+        out.append(buf.tolist())
+    return out
+
+
+def test_reused_buffers_see_new_contents_ops_and_roots(world: World) -> None:
+    results = world.run(reused_buffers)
+    size = world.size
+    ranks = range(size)
+    for rank, got in enumerate(results):
+        expected: list[Any] = []
+        for step in range(2 * size):
+            root = step % size
+            total = sum(r + step for r in ranks)
+            expected += [[total] * 3, [size - 1 + step] * 3, [sum(r * step for r in ranks)] * 3,
+                         [total] * 3 if rank == root else None, [step] * 4]
+        assert got == expected
+
+
 def mpi4py_names(comm: cma.Comm) -> Any:
     import mpi4py
 

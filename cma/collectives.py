@@ -511,7 +511,7 @@ class Collectives:
             raw = last[2]  # (kept, as _reduce_inputs keeps its arrays: 0.9 us a call)
         else:
             raw = _message(buf, writable).view(np.uint8)
-            if buf.__class__ is np.ndarray:
+            if buf.__class__ is np.ndarray and raw.nbytes <= self._eager_limit:
                 self._last_bcast = (buf, writable, raw)
         if self.size == 1:
             return
@@ -592,7 +592,9 @@ class Collectives:
                 and last[3] == (result_here, blocks):
             return last[4]
         found = self._work_out_inputs(sendbuf, recvbuf, op, result_here, blocks)
-        if (sendbuf.__class__ is np.ndarray or _is_in_place(sendbuf)) \
+        # (small arrays only: where the 2.7 us shows, and no large array kept alive)
+        if found[0].nbytes <= self._eager_limit \
+                and (sendbuf.__class__ is np.ndarray or _is_in_place(sendbuf)) \
                 and (recvbuf.__class__ is np.ndarray or recvbuf is None):
             self._last_inputs = (sendbuf, recvbuf, op, (result_here, blocks), found)
         return found

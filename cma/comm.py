@@ -44,7 +44,7 @@ from .errors import (
     ProtocolError,
 )
 from .progress import Progress, claim, peer_slots
-from .protocol import Arrival, Matcher, RecvOp, SendOp, completed_recv
+from .protocol import Arrival, Matcher, RecvOp, SendOp, completed_recv, posted_recv
 from .requests import Message, Request, Status, null_recv
 from .stats import EagerCounts
 from .transports.xmap import View
@@ -726,22 +726,30 @@ class Comm(Collectives):
             inbox = self._fast_inboxes[peer] if peer >= 0 else None
         except (IndexError, TypeError):
             inbox = None
-        if inbox is not None and type(tag) is int and tag >= ANY_TAG:
+        if inbox is not None and type(tag) is int and ANY_TAG <= tag <= TAG_MAX:
             progress = self._progress
-            if matcher.posted and progress is not None:  # (None: closed, its ring ends dropped)
+            if matcher.posted and progress is not None and inbox.ready():  # (None: closed)
                 # Receives posted earlier match first: let them take what has arrived
                 # for them (a window of Irecvs then finds its messages waiting, below).
                 progress.drain_expected(peer)
-            if not matcher.posted and not matcher.unexpected and not self._busy:
-                # Already at the head of the ring with nothing ahead of it in matching
-                # order: complete now, as Recv would, instead of posting to the engine.
+            if not matcher.unexpected and progress is not None and not self._busy:
                 self._busy = 1
                 try:
-                    n = inbox.take_eager(mv, tag)
+                    if not matcher.posted:
+                        # Already at the head of the ring with nothing ahead of it in
+                        # matching order: complete now, as Recv would.
+                        n = inbox.take_eager(mv, tag)
+                        if n >= 0:
+                            op = completed_recv(source, tag, mv, peer, inbox.last_tag, n)
+                            return self.make_request(self, op)
+                    # Nothing that arrived can match it: post it as Engine.recv would,
+                    # without the general path's checks and calls (osu_bibw's window of
+                    # Irecvs before their messages: docs/mpi.md, "Windows of requests").
+                    op = posted_recv(source, tag, mv)
+                    matcher.posted.append(op)
                 finally:
                     self._busy = 0
-                if n >= 0:
-                    return self.make_request(self, completed_recv(source, tag, mv, peer, inbox.last_tag, n))
+                return self.make_request(self, op)
         return self.general_irecv(mv, source, tag)
 
     # Their general paths, apart for the same reason as general_send and general_recv.

@@ -311,25 +311,37 @@ class RecvOp:
         return -1 if self.buffer is None else self.buffer.nbytes
 
 
-def completed_recv(source: int, tag: int, buffer: memoryview, matched_source: int,
-                   matched_tag: int, nbytes: int) -> RecvOp:
-    """A buffer receive that completed as it was made (Comm.Irecv finding its message at
-    the head of the ring), built without the dataclass __init__: parsing its keywords cost
-    ~320 ns against ~120 here, a quarter of such an Irecv. The fields not set keep the
-    defaults the dataclass leaves on the class."""
+def posted_recv(source: int, tag: int, buffer: memoryview | Scattered) -> RecvOp:
+    """A buffer receive as ``Engine.recv`` posts it, built without the dataclass __init__:
+    parsing its keywords cost ~320 ns against ~120 here (Comm.Irecv's fast paths make
+    one per call). The fields not set keep the defaults the dataclass leaves on the class."""
     op = _new_recv_op(RecvOp)
     op.source = source
     op.tag = tag
     op.buffer = buffer
-    op.matched_source = matched_source
-    op.matched_tag = matched_tag
-    op.nbytes = nbytes
     op.segments = []
-    op.done = True
     return op
 
 
-# bound once: looking up object.__new__ per call cost ~30 ns of completed_recv's ~120
+def eager_received(op: RecvOp, matched_source: int, matched_tag: int, nbytes: int) -> None:
+    """``op`` received a plain eager message that a fast path copied into its buffer
+    straight from the ring: what ``Engine._receive_matched`` records for one that fits."""
+    op.matched_source = matched_source
+    op.matched_tag = matched_tag
+    op.nbytes = nbytes
+    op.done = True
+
+
+def completed_recv(source: int, tag: int, buffer: memoryview, matched_source: int,
+                   matched_tag: int, nbytes: int) -> RecvOp:
+    """A buffer receive that completed as it was made (Comm.Irecv finding its message at
+    the head of the ring): ``posted_recv``'s, with ``eager_received``'s fields."""
+    op = posted_recv(source, tag, buffer)
+    eager_received(op, matched_source, matched_tag, nbytes)
+    return op
+
+
+# bound once: looking up object.__new__ per call cost ~30 ns of posted_recv's ~120
 _new_recv_op = object.__new__
 
 
@@ -458,7 +470,9 @@ class Matcher:
             self.unexpected.remove(arrival)
         return arrival
 
-    def _posted_index(self, source: int, tag: int) -> int:
+    def posted_index(self, source: int, tag: int) -> int:
+        """Where in ``posted`` the earliest receive that takes an arrival from (source,
+        tag) is; -1 if none does."""
         for i, op in enumerate(self.posted):
             if source_matches(op.source, source) and tag_matches(op.tag, tag):
                 return i
@@ -466,11 +480,11 @@ class Matcher:
 
     def expects(self, source: int, tag: int) -> bool:
         """Whether a posted receive would take an arrival from ``source`` with ``tag``."""
-        return self._posted_index(source, tag) >= 0
+        return self.posted_index(source, tag) >= 0
 
     def take_posted(self, source: int, tag: int) -> RecvOp | None:
         """The earliest posted receive that matches an arrival from (source, tag), taken out; None if none."""
-        i = self._posted_index(source, tag)
+        i = self.posted_index(source, tag)
         return None if i < 0 else self.posted.pop(i)
 
 

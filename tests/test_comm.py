@@ -1804,14 +1804,18 @@ def test_irecv_takes_a_message_waiting_in_the_ring_at_once(monkeypatch):
     """An Irecv whose message is already next in the ring completes without posting a
     receive; one posted earlier first takes what arrived for it, so none is passed over."""
     posts = mp.get_context("fork").Value("i", 0)
-    engine_recv = cma.protocol.Engine.recv
+    engine_recv, fast_post = cma.protocol.Engine.recv, cma.comm.posted_recv
 
-    def counted_recv(self, *args):
-        with posts.get_lock():
-            posts.value += 1
-        return engine_recv(self, *args)
+    def counted(post):
+        def posting(*args):
+            with posts.get_lock():
+                posts.value += 1
+            return post(*args)
+        return posting
 
-    monkeypatch.setattr(cma.protocol.Engine, "recv", counted_recv)
+    # (posted either way: the engine's, or Irecv's own for a receive nothing arrived for)
+    monkeypatch.setattr(cma.protocol.Engine, "recv", counted(engine_recv))
+    monkeypatch.setattr(cma.comm, "posted_recv", counted(fast_post))
     first_posted, sent = (mp.get_context("fork").Event() for _ in range(2))
 
     def rank0(comm):
@@ -1837,6 +1841,61 @@ def test_irecv_takes_a_message_waiting_in_the_ring_at_once(monkeypatch):
     assert values == [0, 1, 2, 3]
     assert statuses == [(1, 10 + i, 64) for i in range(4)]
     assert posts.value == 1  # only the early Irecv was posted to the engine
+
+
+def test_a_window_of_posted_receives_takes_its_eager_messages_straight_from_the_ring(monkeypatch):
+    """Irecvs posted before their messages (osu_bibw's window) are filled from the ring
+    without the engine: no packet of a plain eager message that fits reaches
+    Engine.packet. A synchronous one (its sender waits for a FIN), one too large for its
+    buffer and one with ANY_TAG among them are still received as MPI says."""
+    packets = mp.get_context("fork").Value("i", 0)
+    engine_packet = cma.protocol.Engine.packet
+
+    def counted_packet(self, source, kind, *rest):
+        if kind == cma.wire.EAGER:
+            with packets.get_lock():
+                packets.value += 1
+        return engine_packet(self, source, kind, *rest)
+
+    monkeypatch.setattr(cma.protocol.Engine, "packet", counted_packet)
+    posted = mp.get_context("fork").Event()
+    tags = [1, 2, 1, 3, 1, 4]  # 3: synchronous; 4: 64 bytes, one more than its buffer
+
+    def rank0(comm):
+        comm.attach()
+        bufs = [np.zeros(8, np.int64) for _ in tags]
+        bufs[-1] = np.zeros(63, np.uint8)
+        requests = [comm.Irecv(buf, source=1, tag=cma.ANY_TAG if tag == 2 else tag)
+                    for buf, tag in zip(bufs, tags, strict=True)]
+        posted.set()
+        statuses = [cma.Status() for _ in tags]
+        try:
+            cma.Request.Waitall(requests[:-1], statuses)
+            requests[-1].Wait()
+        except TruncationError as exc:
+            truncated = exc.nbytes
+        else:
+            truncated = None
+        seen = [(s.source, s.tag, s.count) for s in statuses[:-1]]
+        return [int(buf[0]) for buf in bufs[:-1]], seen, truncated
+
+    def rank1(comm):
+        comm.attach()
+        assert posted.wait(5)
+        for i, tag in enumerate(tags[:-1]):
+            message = np.full(8, i, np.int64)
+            if tag == 3:
+                comm.Ssend(message, dest=0, tag=tag)
+            else:
+                comm.Send(message, dest=0, tag=tag)
+        comm.Send(np.zeros(64, np.uint8), dest=0, tag=4)
+        return True
+
+    (values, statuses, truncated), _ = run_pair("shm", None, rank0, rank1, timeout=10)
+    assert values == [0, 1, 2, 3, 4]
+    assert statuses == [(1, tag, 64) for tag in tags[:-1]]
+    assert truncated == 64
+    assert packets.value == 1  # the too-large one (a synchronous send is another kind)
 
 
 def test_irecv_leaves_in_the_ring_what_no_posted_receive_takes(monkeypatch):

@@ -66,6 +66,10 @@
 #                 numpy's, all the kernel's zero page), a written one and a bytearray,
 #                 plain and through cma.mpi, 256 KiB .. 2 MiB, into untouched-buffers.txt
 #                 (mpi.md: why -a numpy runs faster than -a none for both libraries).
+#   1o. request-window - bench/request_window.py (needs mpiexec): osu_bibw's window of
+#                 Irecvs and Isends at 8 B, plain and through cma.mpi, its time per message
+#                 split into posting, sending and delivering, into request-window.txt
+#                 (mpi.md, "Windows of requests"). ~1 minute.
 #   2. bw       - window of 64 Isends + ack, 4 KiB .. 4 MiB, --quick.
 #                 Writes bw.txt, bw.json, bw.png.
 #   3. latency --cold - a never-touched receive buffer each iteration,
@@ -120,6 +124,7 @@ if [ ${#launch[@]} -gt 0 ]; then
     "${launch[@]}" python bench/external_clients.py > docs/figures/external-clients.txt
     "${launch[@]}" python bench/datatypes.py > docs/figures/datatypes.txt
     "${launch[@]}" python bench/untouched_buffers.py --rounds 6 > docs/figures/untouched-buffers.txt
+    "${launch[@]}" python bench/request_window.py --size 8 --rounds 4 > docs/figures/request-window.txt
     python bench/scale.py --ranks 2 4 8 16 32 64 --json docs/figures/scale.json \
         --plot docs/figures/scale.png > docs/figures/scale.txt
     for collective in bcast reduce allreduce allgather alltoall; do

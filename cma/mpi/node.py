@@ -15,6 +15,7 @@ from ..comm import Request as CmaRequest
 from ..comm import Status as CmaStatus
 from ..comm import recv_view, send_view
 from ..errors import CmaError
+from ..progress import claim
 from ..protocol import RecvOp, SendOp
 from ..wire import ANY_SOURCE, ANY_TAG
 from ..world import World
@@ -444,6 +445,20 @@ class NodeComm(CmaComm):
             error = progress.exit_error(op.dest if isinstance(op, SendOp) else op.source)
             if error is not None:
                 req._fail(error)
+
+    def finish_sends(self) -> None:
+        """Wait until the packets queued behind full rings are in their peers' rings, and
+        buffered sends received (unless the peer exited): MPI_Finalize completes the
+        sends MPI called complete, and this queue dies with the process (run at exit,
+        before mpi4py's MPI_Finalize: ``ServedNodes.finish_sends``)."""
+        progress = self._progress
+        if progress is None or self._closed or not (progress.txq_pending or progress.buffered):
+            return
+        held = claim(self)
+        try:
+            progress.deliver_queued()
+        finally:
+            self._busy = held
 
     def close(self) -> None:
         """Close the world; requests still pending fail (nothing will complete them)."""

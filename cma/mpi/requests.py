@@ -21,6 +21,7 @@ that, not the copy, is what a window of small non-blocking messages pays over pl
 
 from __future__ import annotations
 
+import atexit
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -466,6 +467,16 @@ class ServedNodes:
         self._hook = make_hook(self._poll)
         if self._hook is not None:  # (a Ctrl-C in a callback from MPI: raised once MPI returns)
             DEFERRED.install(*HOOK_CALLBACKS, _query, _cancel)
+        # (registered after the hook's close, so run before it: atexit runs last in first out)
+        atexit.register(self.finish_sends)
+
+    def finish_sends(self) -> None:
+        """At exit, before mpi4py's MPI_Finalize: each communicator served delivers what
+        it queued behind full rings. Its eager sends were complete to MPI, and a peer
+        waiting for them waited for ever once this rank left (tests/mpi_programs/
+        exit_queued.py)."""
+        for node in list(self._nodes):
+            node.finish_sends()
 
     def raise_pending(self) -> None:
         """Raise what the callback caught (it may not unwind into the MPI library)."""

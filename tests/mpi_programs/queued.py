@@ -23,7 +23,12 @@ out while rank 1 waited in plain MPI would be queued unexpected, and the receive
 follows would go through the engine (under Open MPI, whose Barrier called the hook
 again after the last request, 3 runs in 8 of clients.py did). And it must be gone from
 MPI's progress loop: under Open MPI it stayed registered, and every plain MPI message
-paid a call into Python. Prints "OK <rank>" at the end.
+paid a call into Python.
+
+``exit`` (argv): rank 0's Isends queue behind the full ring as above, and rank 0 then
+exits with no other MPI call. Its eager sends were complete to MPI, which delivers them
+before MPI_Finalize; cma's queue dies with the process, so it is delivered at exit.
+Prints "OK <rank>" at the end.
 """
 
 from __future__ import annotations
@@ -85,6 +90,22 @@ if sys.argv[1:] == ["idle"]:
         comm.Recv(got, 0, 3)
         assert got.tolist() == [2] * 5
     MPI.COMM_WORLD.Barrier()
+    print(f"OK {rank}", flush=True)
+    sys.exit(0)
+
+if sys.argv[1:] == ["exit"]:
+    # Rank 0 makes no MPI call after its Waitall: it exits, and its queue must reach the
+    # ring before mpi4py's MPI_Finalize (rank 1 waited for ever before).
+    if rank == 0:
+        out = [np.full(SIZE, k, np.uint8) for k in range(COUNT)]
+        MPI.Request.Waitall([comm.Isend(buf, 1, 5) for buf in out])
+        assert comm.cma._progress.txq_pending, "nothing was queued: the scenario did not happen"
+    elif rank == 1:
+        time.sleep(0.5)  # (so that rank 0's sends fill the ring and queue behind it)
+        got = np.empty(SIZE, np.uint8)
+        for k in range(COUNT):
+            comm.Recv(got, 0, 5)
+            assert got[0] == k and got[-1] == k, (k, got[0])
     print(f"OK {rank}", flush=True)
     sys.exit(0)
 

@@ -33,6 +33,7 @@ from typing import Any
 
 from mpi4py import MPI
 
+import cma.comm
 import cma.mpi
 
 WINDOW = 64  # osu_bibw's window_size
@@ -95,7 +96,6 @@ def phases(comm: Any, world: MPI.Intracomm, rank: int, s_msg: list[Any], r_msg: 
         if rank == 1:
             for j in range(WINDOW):
                 sends[j] = comm.Isend(s_msg, 0, 6)
-            MPI.Request.Waitall(sends)
         world.Barrier()
         if rank == 0:  # arrived before its receive
             t = clock()
@@ -103,6 +103,8 @@ def phases(comm: Any, world: MPI.Intracomm, rank: int, s_msg: list[Any], r_msg: 
                 recvs[j] = comm.Irecv(r_msg, 1, 6)
             spent["arrived"] += clock() - t
             MPI.Request.Waitall(recvs)
+        else:  # (after the Barrier: a rendezvous send completes once received)
+            MPI.Request.Waitall(sends)
         world.Barrier()
     return {key: value / loops / WINDOW * 1e6 for key, value in spent.items()}
 
@@ -112,7 +114,11 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=8, help="message bytes (default 8)")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--loops", type=int, default=200)
+    parser.add_argument("--queued-copy-limit", type=int, metavar="BYTES",
+                        help="cma.comm.QUEUED_COPY_LIMIT for this run (A/B of that choice)")
     args = parser.parse_args()
+    if args.queued_copy_limit is not None:
+        cma.comm.QUEUED_COPY_LIMIT = args.queued_copy_limit
     world = MPI.COMM_WORLD
     if world.Get_size() != 2:
         raise SystemExit("run with mpiexec -n 2")
@@ -138,7 +144,8 @@ def main() -> None:
         keys = ["bibw", "bibw irecv", "bibw isend", "bibw wait", "posted", "deliver", "arrived", "isend"]
         library = MPI.Get_library_version().splitlines()[0]
         print(f"# osu_bibw's pattern, {args.size} B, window {WINDOW}, {args.rounds} rounds "
-              f"(order alternating), µs per message: median [min-max]; {library}")
+              f"(order alternating), µs per message: median [min-max]; {library}; "
+              f"QUEUED_COPY_LIMIT {cma.comm.QUEUED_COPY_LIMIT}")
         print(f"{'':12s}" + "".join(f"{name:>22s}" for name in libraries))
         for key in keys:
             cells = []

@@ -55,7 +55,7 @@ from .world import ENV_TRANSPORT, ENV_WORLD, World, WorldFds, announce
 # goes as a rendezvous, which won from here on, instead of a copy queued for the ring
 # (docs/architecture.md, "The eager fast path", has the runs). Send keeps queueing: two
 # ranks that Send to each other before receiving must not wait for each other's receive.
-QUEUED_COPY_LIMIT = 512 << 10
+QUEUED_COPY_LIMIT = 128 << 10
 
 _EMPTY = np.empty(0, np.uint8)  # Barrier's messages
 _NOTHING = object()  # what the view caches hold before the first call (never a user buffer)
@@ -671,7 +671,7 @@ class Comm(Collectives):
         """Non-blocking send of a buffer (``MPI.Comm.Isend``); do not change ``buf`` until it completes.
 
         A message within the eager limit is complete on return (copied into the ring, or
-        queued behind a full ring); from 512 KiB (QUEUED_COPY_LIMIT) one that finds the ring
+        queued behind a full ring); from 128 KiB (QUEUED_COPY_LIMIT) one that finds the ring
         full goes as a rendezvous instead."""
         if buf is self._send_obj:
             mv = self._send_view

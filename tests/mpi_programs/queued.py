@@ -44,7 +44,8 @@ from cma.mpi.requests import SERVED
 
 comm = cma.mpi.Comm(MPI.COMM_WORLD)
 rank = comm.Get_rank()
-COUNT, SIZE = 64, 256 << 10  # 16 MiB in all: twice the ring, each below the queued-copy limit
+COUNT, SIZE = 256, 64 << 10  # 16 MiB in all: twice the ring, each below the queued-copy limit
+DIRECT_SIZE = 256 << 10  # fin: a blocking Send the direct rendezvous takes (DIRECT_FROM)
 objects = sys.argv[1:] == ["objects"]
 FILL = (2 << 20) - 32  # four packets of exactly 2 MiB fill an 8 MiB ring
 
@@ -52,7 +53,7 @@ if sys.argv[1:] == ["fin"]:
     if rank == 1:
         fills = [comm.Isend(np.full(FILL, k, np.uint8), 0, 6) for k in range(4)]
         MPI.COMM_WORLD.Barrier()
-        got = np.empty(SIZE, np.uint8)
+        got = np.empty(DIRECT_SIZE, np.uint8)
         comm.Recv(got, 0, 5)
         assert got[0] == got[-1] == 7
         MPI.COMM_WORLD.Barrier()  # plain MPI: the queued FIN must still go out
@@ -60,7 +61,7 @@ if sys.argv[1:] == ["fin"]:
     elif rank == 0:
         MPI.COMM_WORLD.Barrier()
         time.sleep(0.05)  # (rank 1 waits in its Recv by now)
-        comm.Send(np.full(SIZE, 7, np.uint8), 1, 5)
+        comm.Send(np.full(DIRECT_SIZE, 7, np.uint8), 1, 5)
         got = np.empty(FILL, np.uint8)
         for k in range(4):
             comm.Recv(got, 1, 6)

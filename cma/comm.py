@@ -142,9 +142,15 @@ def recv_view(buf: Any) -> memoryview:
 
 def _export(base: Any, cut: tuple[int, int]) -> memoryview:
     """Bytes [start, stop) of a fresh export of a bytearray or mmap (see remember_spec);
-    the export itself where that is all of it (slicing it cost ~200 ns more here)."""
+    the export itself where that is all of it (slicing it cost ~200 ns more here). A
+    buffer that shrank below them since is refused, as converting the spec would."""
     mv = memoryview(base)
-    return mv if mv.nbytes == cut[1] and not cut[0] else mv[cut[0] : cut[1]]
+    if mv.nbytes == cut[1] and not cut[0]:
+        return mv
+    if mv.nbytes < cut[1]:
+        raise BufferError(f"buffer spec asks for bytes {cut[0]}..{cut[1]} of a {mv.nbytes}-byte "
+                          "buffer (it shrank since the spec was last used)")
+    return mv[cut[0] : cut[1]]
 
 
 # ------------------------------------------------------------------ Comm

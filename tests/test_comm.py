@@ -625,6 +625,31 @@ def test_spec_list_rebuilt_each_call(peer, kind, call):
         base.close()
 
 
+@pytest.mark.parametrize("call", ["Send", "Isend", "Sendrecv", "Recv", "Irecv"])
+def test_spec_list_over_a_bytearray_that_shrank_is_refused(peer, call):
+    """The cached cut of a bytearray spec names bytes the buffer no longer has: the call
+    refuses, as converting the spec afresh does, instead of moving the shorter rest."""
+    comm = peer.comm
+    base = bytearray(pattern(64, 1).tobytes())
+    sending = call in ("Send", "Isend", "Sendrecv")
+    if sending:
+        peer.start(op_recv_bytes, 100, 44)
+        comm.Send([base, 64, "B"], 1, 44)
+    else:
+        peer.start(op_send, [pattern(64, 2)], 45)
+        comm.Recv([base, 64, "B"], source=1, tag=45)
+    peer.result()
+    del base[32:]
+    spec = [base, 64, "B"]
+    with pytest.raises(CmaBufferError, match="shrank"):
+        if call == "Sendrecv":
+            comm.Sendrecv(spec, 1, 44, np.zeros(8, np.uint8), 1, 45)
+        else:
+            getattr(comm, call)(spec, 1, 44 if sending else 45)
+    with pytest.raises(CmaBufferError, match="asks for 64 bytes of a 32-byte buffer"):
+        getattr(comm, "Send" if sending else "Recv")([bytearray(32), 64, "B"], 1, 44)
+
+
 class _CudaArrayInterface:
     """An exporter of __cuda_array_interface__ only (mpi4py's tests fake GPU arrays so)."""
 

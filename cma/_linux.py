@@ -112,6 +112,17 @@ def advise_huge_pages(mm: mmap.mmap) -> None:
             raise
 
 
+def release_pages(mm: mmap.mmap, start: int, length: int) -> None:
+    """madvise(MADV_REMOVE) on bytes [start, start + length) of a shared mapping of a
+    memfd (both page aligned): the kernel frees the pages (a hole in the file), and every
+    process that maps them reads zeros until one writes them again."""
+    try:
+        mm.madvise(mmap.MADV_REMOVE, start, length)
+    except OSError as exc:
+        raise CmaError(f"cannot hand {length} bytes of shared memory back to the kernel: "
+                       f"{exc.strerror}") from exc
+
+
 def shmem_huge_pages() -> str:
     """The shmem THP setting (memfd included): "never", "advise", "always", ... or "unsupported"."""
     try:

@@ -36,11 +36,12 @@ see the start of the ring free by the time it reaches the end of the window.
 
 from __future__ import annotations
 
+import mmap
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ._linux import PAGE_SIZE
+from ._linux import PAGE_SIZE, buffer_address, release_pages
 from .errors import InvalidConfig, ProtocolError
 from .wire import ANY_TAG, EAGER, KIND_MASK
 
@@ -202,7 +203,8 @@ class Outbox:
     """Producer end of the ring from this rank to one peer."""
 
     __slots__ = ("ctl", "data", "words", "size", "window", "mask", "head", "head_word",
-                 "tail_seen", "staging", "filled", "peer_sleeping", "eager_bytes", "eager_count")
+                 "tail_seen", "staging", "filled", "peer_sleeping", "eager_bytes", "eager_count",
+                 "pages", "ring_at", "released_head", "quiet_head")
 
     def __init__(self, pair: memoryview, config: ChannelConfig, peer_sleeping: memoryview,
                  head_word: memoryview | None = None) -> None:
@@ -219,6 +221,15 @@ class Outbox:
         self.head = self.head_word[0]
         self.tail_seen = self.ctl[TAIL]
         self.filled = self.ctl[FILLED]
+        # the mapping whose pages release_free_pages hands back, and where the ring starts
+        # in it (None: the channel is no shared mapping, as in some tests); the head at the
+        # last release, and at the last look of Progress.release_quiet_rings
+        self.pages = pair.obj if isinstance(pair.obj, mmap.mmap) else None
+        self.ring_at = 0
+        if self.pages is not None:
+            with memoryview(self.pages) as whole:
+                self.ring_at = buffer_address(self.data) - buffer_address(whole)
+        self.released_head = self.quiet_head = self.head
 
     def _fits(self, end: int) -> bool:
         """Whether the ring may hold bytes up to the running count ``end``."""
@@ -305,6 +316,26 @@ class Outbox:
         self.head += need
         self.head_word[0] = self.head
         return True
+
+    def release_free_pages(self) -> int:
+        """Hand the kernel back the ring's whole pages that hold no packet; the system
+        calls that took (0-2). The free part, from the head to the reader's published tail a lap on, is
+        this writer's alone (the reader reads only below the head), so no one reads or
+        writes those pages meanwhile; a later packet there faults in a zeroed page."""
+        self.released_head = head = self.head
+        if self.pages is None:
+            return 0
+        self.tail_seen = tail = self.ctl[TAIL]
+        start = head & self.mask
+        end = start + tail + self.size - head  # may run past the ring's end: then two pieces
+        calls = 0
+        for first, last in ((start, min(end, self.size)), (0, end - self.size)):
+            first = -(-(self.ring_at + first) // PAGE_SIZE) * PAGE_SIZE  # whole pages only
+            last = (self.ring_at + last) // PAGE_SIZE * PAGE_SIZE
+            if last > first:
+                release_pages(self.pages, first, last - first)
+                calls += 1
+        return calls
 
     def publish_filled(self, count: int) -> None:
         """Tell the reader that ``count`` pipeline fragments in all have been filled."""

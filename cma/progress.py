@@ -98,6 +98,10 @@ SLEEP_MS = 10
 # the extra latency after an idle phase. Chosen, not measured.
 OUTSIDE_PAUSE_MIN = 20e-6
 OUTSIDE_PAUSE_MAX_MS = 1
+# A rank about to sleep hands back the pages of each ring it writes that has had no new
+# packet for this long (docs/architecture.md, "Memory per rank": touching an 8 MiB ring
+# again costs ~1 ms of page faults, so at most ~1 % of a pair that stays quiet this long).
+QUIET_SECONDS = 0.1
 
 Packet = tuple[int, int, int, bytes]  # kind, tag, aux, payload
 
@@ -194,6 +198,8 @@ class Progress:
         # send's for its FIN): only with a core to itself, since a spin when ranks
         # outnumber cores holds back the peer it waits for.
         self.fast_spins = 0 if self.oversubscribed else FAST_SPINS
+        # when a rank about to sleep next looks for quiet rings (release_quiet_rings)
+        self.quiet_look = time.perf_counter() + QUIET_SECONDS
         # A direct send whose FIN may come while this rank waits for something else (a
         # Sendrecv's offer during its receive): await_head takes that FIN itself.
         self.offered: SendOp | None = None
@@ -873,6 +879,8 @@ class Progress:
                 try:
                     if self._busy_elsewhere():
                         return inbox.ready()
+                    if time.perf_counter() >= self.quiet_look:
+                        self.release_quiet_rings()
                     gone = world.sleep(SLEEP_MS)
                     self.counts.control_syscalls += 1
                 finally:
@@ -922,12 +930,26 @@ class Progress:
             if (not idle or self._has_work()) and (self._poll() or self.accept()) \
                     or done is not None and done():
                 return
+            if time.perf_counter() >= self.quiet_look:
+                self.release_quiet_rings()
             gone = world.sleep(timeout_ms)
             self.counts.control_syscalls += 1
         finally:
             world.set_sleeping(0)
         if gone:
             self.bury(gone)
+
+    def release_quiet_rings(self) -> None:
+        """Hand back the pages of the rings this rank writes that got no packet since the
+        last look (at least QUIET_SECONDS ago) but did since the last release: a pair that
+        went quiet holds no more shared memory than its rings' control pages. Only the
+        writer may do it (Outbox.release_free_pages), so a rank does it as it goes to sleep."""
+        for out in self.outboxes.values():
+            head = out.head
+            if head == out.quiet_head and head != out.released_head:
+                self.counts.control_syscalls += out.release_free_pages()
+            out.quiet_head = head
+        self.quiet_look = time.perf_counter() + QUIET_SECONDS
 
     def _has_work(self) -> bool:
         """Whether a pass of progress would find anything to do; reads only, so a signal
@@ -1083,6 +1105,8 @@ class _BrokenEngine:
 # but not a pass of progress.
 _IDLE_CODE = frozenset({Progress.wait_until.__code__, Progress._wait_loop.__code__,
                         Progress.doze.__code__, Progress.exit_error.__code__,
+                        Progress.release_quiet_rings.__code__, Outbox.release_free_pages.__code__,
+                        _linux.release_pages.__code__,
                         Progress._has_work.__code__, Progress._newly_connected.__code__,
                         World.connected_to_me.__code__, Inbox.ready.__code__,
                         Inbox._position.__code__, BackgroundPulls.__bool__.__code__,

@@ -24,7 +24,7 @@ class EagerCounts:
         self.looped_messages = 0  # eager messages this rank sent to itself
         self.looped_bytes = 0
         self.queued_copy_bytes = 0  # copied into a bytes object before the ring (a full ring)
-        self.control_syscalls = 0  # doorbells rung and sleeps on our own
+        self.control_syscalls = 0  # doorbells rung, sleeps, ring pages handed back
         self.ring_messages_at_reset = 0
         self.ring_bytes_at_reset = 0
 

@@ -6,11 +6,13 @@ reader keeps up) and that packets come out in order, whole, whatever the interle
 
 from __future__ import annotations
 
+import os
 import random
 from collections import deque
 
 import pytest
 
+from cma import _linux
 from cma.channel import (
     EAGER,
     HEAD,
@@ -33,6 +35,24 @@ def ring():
     pair = memoryview(bytearray(CONFIG.pair_bytes))
     sleeping = memoryview(bytearray(8)).cast("q")
     return Outbox(pair, CONFIG, sleeping), Inbox(pair, CONFIG)
+
+
+@pytest.fixture
+def shared_ring():
+    """The ring over a shared mapping of a memfd, as a world's channels are: its writer
+    can hand pages back. Also the memfd, whose allocated bytes say how many it holds."""
+    fd = _linux.memfd_segment("test-ring", CONFIG.pair_bytes)
+    try:
+        pair = memoryview(_linux.map_shared(fd, CONFIG.pair_bytes))
+        sleeping = memoryview(bytearray(8)).cast("q")
+        yield Outbox(pair, CONFIG, sleeping), Inbox(pair, CONFIG), fd
+    finally:
+        os.close(fd)  # (the mapping goes with the last view of it)
+
+
+def allocated(fd: int) -> int:
+    """Bytes of memory a memfd holds."""
+    return os.fstat(fd).st_blocks * 512
 
 
 def put(out: Outbox, tag: int, n: int) -> bool:
@@ -101,15 +121,20 @@ def test_packet_waits_when_neither_the_end_nor_the_freed_start_holds_it(ring):
 
 
 @pytest.mark.parametrize("seed", range(20))
-def test_random_interleaving_keeps_every_packet_in_order(ring, seed):
+@pytest.mark.parametrize("releases", [False, True])
+def test_random_interleaving_keeps_every_packet_in_order(ring, shared_ring, seed, releases):
     """Both writers (put, put_eager) and both readers (take, take_eager) in random turns;
-    ``fits`` foretells every write."""
-    out, inbox = ring
+    ``fits`` foretells every write. ``releases``: over a shared mapping, the writer also
+    hands its free pages back now and then, which must lose no packet in flight."""
+    out, inbox = shared_ring[:2] if releases else ring
     rnd = random.Random(seed)
     in_flight: deque[tuple[int, int]] = deque()
     buf = memoryview(bytearray(BIG))
     sent = 0
     for _ in range(3000):
+        if releases and rnd.random() < 0.05:
+            out.release_free_pages()
+            continue
         if rnd.random() < 0.5:
             n = rnd.choice([0, 8, 1000, rnd.randrange(BIG + 1)])
             payload = bytes([sent % 256]) * n
@@ -209,3 +234,39 @@ def test_take_if_takes_only_the_empty_packet_named(ring):
     assert inbox.take_if(FIN, 4) == RING_EMPTY
     assert out.put(FIN, 0, 5, b"x")
     assert inbox.take_if(FIN, 5) == NOT_EAGER  # (a FIN has no payload)
+
+
+def test_the_writer_hands_back_the_free_pages_and_keeps_what_is_in_flight(shared_ring):
+    """release_free_pages frees every whole page from the head to the published tail a
+    lap on: the pages of packets not yet read stay, and so do their bytes."""
+    out, inbox, fd = shared_ring
+    page = _linux.PAGE_SIZE
+    assert allocated(fd) <= page  # (the control page)
+    while out.head < 4 * CONFIG.ring_bytes:  # laps of large packets: the window is touched
+        assert put(out, 1, BIG)
+        take(inbox)
+    inbox.publish_tail()
+    touched = allocated(fd)
+    assert touched >= page + BIG  # the control page and the pages those packets touched
+    # in flight while the pages go back (two that need no jump back to the start, which
+    # would leave the ring looking full: nothing free to hand back)
+    assert put(out, 2, 100) and put(out, 3, 5000)
+    assert out.release_free_pages() >= 1
+    in_flight = packet_bytes(100) + packet_bytes(5000)
+    # what stays: the control page and the pages the two packets (and the one before
+    # them, in the first of those pages) touch
+    assert allocated(fd) <= page + in_flight + 2 * page < touched
+    assert [take(inbox)[1:] for _ in range(2)] == [(2, 100), (3, 5000)]
+    inbox.publish_tail()
+    assert out.release_free_pages() >= 1
+    assert allocated(fd) <= 2 * page
+    for tag in range(4, 40):  # new packets through the released pages
+        assert put(out, tag, BIG)
+        assert take(inbox)[1:] == (tag, BIG)
+
+
+def test_a_ring_that_is_no_shared_mapping_hands_nothing_back(ring):
+    out, inbox = ring
+    assert put(out, 1, BIG)
+    assert out.release_free_pages() == 0
+    assert take(inbox)[1:] == (1, BIG)

@@ -14,11 +14,12 @@ import resource
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import TWO_WAY_PTRACE
+from conftest import TWO_WAY_PTRACE, run_pair
 from test_run import cma_run
 
 import cma
@@ -149,6 +150,49 @@ def test_a_rank_that_talks_to_one_peer_maps_one_peer_and_holds_its_fds_only(tmp_
         # cma does not reach it): no term in N (all N at attach held 3N plus a constant;
         # 3 per peer while auto also probed vmfd)
         assert figures["fds"] - alone <= FDS_PER_PEER * peers, (figures, alone)
+
+
+@pytest.mark.parametrize("wait", ["Recv", "Irecv-Wait"])
+def test_a_rank_hands_back_the_pages_of_a_ring_gone_quiet_while_it_sleeps(wait):
+    """Rank 0 sends 4 MiB of eager messages, then waits half a second for rank 1: its ring
+    to rank 1, quiet since, goes back to the kernel (the world's memfd holds less), and
+    later messages through it arrive whole. ``Recv`` sleeps in its fast path's
+    await_head, ``Irecv-Wait`` in the engine's doze."""
+    block, count = 64 << 10, 64
+
+    def rank0(comm):
+        comm.attach()
+        memfd = comm._progress.world.fds.memfd
+        for i in range(count):
+            comm.Send(np.full(block, i, np.uint8), dest=1, tag=1)
+        comm.Recv(np.zeros(1, np.uint8), source=1, tag=2)  # (rank 1 has all of them)
+        before = os.fstat(memfd).st_blocks * 512
+        if wait == "Recv":
+            comm.Recv(np.zeros(1, np.uint8), source=1, tag=3)
+        else:
+            comm.Irecv(np.zeros(1, np.uint8), source=1, tag=3).Wait()
+        after = os.fstat(memfd).st_blocks * 512
+        for i in range(8):
+            comm.Send(np.full(block, 100 + i, np.uint8), dest=1, tag=4)
+        return before, after
+
+    def rank1(comm):
+        got = np.empty(block, np.uint8)
+        for i in range(count):
+            comm.Recv(got, source=0, tag=1)
+            assert (got == i).all()
+        comm.Send(np.zeros(1, np.uint8), dest=0, tag=2)
+        time.sleep(0.5)  # (how long rank 0 waits: the scenario, not a wait for anything)
+        comm.Send(np.zeros(1, np.uint8), dest=0, tag=3)
+        for i in range(8):
+            comm.Recv(got, source=0, tag=4)
+            assert (got == 100 + i).all()
+        return True
+
+    (before, after), _ = run_pair("shm", None, rank0, rank1, timeout=RUN_TIMEOUT)
+    # the 8 MiB ring's writer keeps to its 4 MiB window while the reader keeps up
+    assert before >= 3 << 20, f"the messages touched only {before} bytes"
+    assert before - after >= 3 << 20, f"{before} bytes before the quiet spell, {after} after"
 
 
 def test_a_world_larger_than_the_soft_fd_limit_raises_it(tmp_path):

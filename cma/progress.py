@@ -653,10 +653,12 @@ class Progress:
                     if i < 0:
                         if only_expected:
                             break
-                    elif posted[i].buffer.__class__ is memoryview and peer not in joiner:
+                    elif posted[i].buffer.__class__ is memoryview and peer not in joiner \
+                            and not self.broken:
                         # A plain eager message for a posted buffer receive it fits: copied
                         # from the ring into the buffer, as Recv's fast path does, not through
-                        # the engine's packet and actions (docs/mpi.md, "Windows of requests")
+                        # the engine's packet and actions (docs/mpi.md, "Windows of requests");
+                        # a broken communicator's engine refuses it instead
                         op = posted[i]
                         n = box.take_eager(op.buffer, tag)  # type: ignore[arg-type]
                         if n >= 0:

@@ -40,7 +40,7 @@ from hypothesis import strategies as st
 
 import cma
 from cma.errors import BufferError as CmaBufferError
-from cma.errors import CmaError, InvalidRank, InvalidTag, PeerGone, TruncationError
+from cma.errors import CmaError, CommBroken, InvalidRank, InvalidTag, PeerGone, TruncationError
 from cma.transports import REGISTRY
 from cma.wire import BARRIER_TAG
 
@@ -1921,6 +1921,31 @@ def test_a_window_of_posted_receives_takes_its_eager_messages_straight_from_the_
     assert statuses == [(1, tag, 64) for tag in tags[:-1]]
     assert truncated == 64
     assert packets.value == 1  # the too-large one (a synchronous send is another kind)
+
+
+def test_a_posted_receive_of_a_broken_communicator_is_not_filled_from_the_ring():
+    """Once the communicator broke down (a signal in the middle of a packet's handling),
+    the drain refuses the message a posted Irecv waits for, as the engine does, instead
+    of copying it in: the ring's state is not to be trusted."""
+    sent = mp.get_context("fork").Event()
+
+    def rank0(comm):
+        comm.attach()
+        buf = np.zeros(8, np.int64)
+        request = comm.Irecv(buf, source=1, tag=1)  # posted: nothing arrived yet
+        assert sent.wait(JOIN_TIMEOUT)
+        comm._progress.break_down("a test broke it")
+        with pytest.raises(CommBroken, match="a test broke it"):
+            request.Wait()
+        return int(buf[0])
+
+    def rank1(comm):
+        comm.attach()
+        comm.Send(np.full(8, 5, np.int64), dest=0, tag=1)
+        sent.set()
+        return True
+
+    assert run_pair("shm", None, rank0, rank1, timeout=10) == [0, True]
 
 
 def test_irecv_leaves_in_the_ring_what_no_posted_receive_takes(monkeypatch):

@@ -63,6 +63,7 @@ class NodeComm(CmaComm):
         self._world = world
         self._oversubscribed = oversubscribed
         self._mpi = mpi  # the wrapper: its _fail runs the error handler, raises its exception
+        SERVED.track(self)
         self._ranks = list(ranks)  # cma rank -> rank of the wrapped communicator
         # peers elsewhere too: waits must keep MPI moving (set by cma.mpi.Comm, which
         # makes it; None on any other rank)
@@ -448,17 +449,26 @@ class NodeComm(CmaComm):
 
     def finish_sends(self) -> None:
         """Wait until the packets queued behind full rings are in their peers' rings, and
-        buffered sends received (unless the peer exited): MPI_Finalize completes the
-        sends MPI called complete, and this queue dies with the process (run at exit,
-        before mpi4py's MPI_Finalize: ``ServedNodes.finish_sends``)."""
+        buffered sends received (unless the peer exited or reads no more): MPI_Finalize
+        completes the sends MPI called complete, and this queue dies with the process (run
+        at exit, before mpi4py's MPI_Finalize: ``ServedNodes.finish_sends``)."""
         progress = self._progress
-        if progress is None or self._closed or not (progress.txq_pending or progress.buffered):
+        if progress is None or self._closed or progress.broken \
+                or not (progress.txq_pending or progress.buffered):
             return
         held = claim(self)
         try:
             progress.deliver_queued()
         finally:
             self._busy = held
+
+    def reads_no_more(self) -> None:
+        """At exit: tell the peers that this rank reads its rings no more, so that what
+        they queued for it is moot (``Progress.deliver_queued`` stops waiting for it)."""
+        progress = self._progress
+        if progress is not None and not self._closed and not progress.broken \
+                and progress.world.owned_here():
+            progress.world.mark_closed()
 
     def close(self) -> None:
         """Close the world; requests still pending fail (nothing will complete them)."""

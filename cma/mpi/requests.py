@@ -22,6 +22,7 @@ that, not the copy, is what a window of small non-blocking messages pays over pl
 from __future__ import annotations
 
 import atexit
+import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -426,6 +427,7 @@ class ServedNodes:
 
     def __init__(self) -> None:
         self._nodes: dict[NodeComm, None] = {}  # ordered, unlike a set
+        self._live: weakref.WeakSet[NodeComm] = weakref.WeakSet()  # every one not closed
         self._hook: ProgressHook | None = None
         self._made = False
 
@@ -444,8 +446,14 @@ class ServedNodes:
         if self._hook is not None:
             self._hook.arm()
 
+    def track(self, node: NodeComm) -> None:
+        """Remember ``node`` until it is dropped: at exit it delivers what it queued."""
+        self._live.add(node)
+
     def drop(self, node: NodeComm) -> None:
-        """Stop moving ``node`` from MPI's progress loop; with none left, the hook rests."""
+        """Stop moving ``node`` from MPI's progress loop (with none left, the hook rests),
+        and forget it (closed)."""
+        self._live.discard(node)
         self._nodes.pop(node, None)
         if not self._nodes and self._hook is not None:
             self._hook.rest()
@@ -471,12 +479,24 @@ class ServedNodes:
         atexit.register(self.finish_sends)
 
     def finish_sends(self) -> None:
-        """At exit, before mpi4py's MPI_Finalize: each communicator served delivers what
-        it queued behind full rings. Its eager sends were complete to MPI, and a peer
-        waiting for them waited for ever once this rank left (tests/mpi_programs/
-        exit_queued.py)."""
-        for node in list(self._nodes):
-            node.finish_sends()
+        """At exit, before mpi4py's MPI_Finalize: every communicator not closed tells its
+        peers that this rank reads no more, then delivers what it queued behind full
+        rings and the buffered sends its peers are to pull. Those sends were complete to
+        MPI, and a peer waiting for them waited for ever once this rank left
+        (tests/mpi_programs/queued.py, "exit"). The first step lets a peer that exits
+        too stop waiting to deliver what this rank will never receive, on any of their
+        communicators, so two exiting ranks do not wait for each other."""
+        nodes = list(self._live)
+        for node in nodes:
+            node.reads_no_more()
+        failed: list[CmaError] = []
+        for node in nodes:
+            try:
+                node.finish_sends()
+            except CmaError as exc:  # (the others still deliver theirs)
+                failed.append(exc)
+        if failed:
+            raise failed[0]
 
     def raise_pending(self) -> None:
         """Raise what the callback caught (it may not unwind into the MPI library)."""

@@ -26,8 +26,17 @@ MPI's progress loop: under Open MPI it stayed registered, and every plain MPI me
 paid a call into Python.
 
 ``exit`` (argv): rank 0's Isends queue behind the full ring as above, and rank 0 then
-exits with no other MPI call. Its eager sends were complete to MPI, which delivers them
-before MPI_Finalize; cma's queue dies with the process, so it is delivered at exit.
+exits with no other cma.mpi call. Its eager sends were complete to MPI, which delivers
+them before MPI_Finalize; cma's queue dies with the process, so it is delivered at exit.
+
+``unreceived`` (argv): the same, but rank 1 receives none of them and exits too: rank 0
+must not wait at exit for a reader that is gone to MPI_Finalize, which in turn waits
+for rank 0 (both waited for ever).
+
+``bsend-exit`` (argv): rank 0's buffered send, larger than the eager limit (a copy rank 1
+pulls), then rank 0 exits at once: the copy must live until rank 1 has pulled it (rank
+1's pull found rank 0's memory gone).
+
 Prints "OK <rank>" at the end.
 """
 
@@ -94,19 +103,34 @@ if sys.argv[1:] == ["idle"]:
     print(f"OK {rank}", flush=True)
     sys.exit(0)
 
-if sys.argv[1:] == ["exit"]:
-    # Rank 0 makes no MPI call after its Waitall: it exits, and its queue must reach the
-    # ring before mpi4py's MPI_Finalize (rank 1 waited for ever before).
+if sys.argv[1:] in (["exit"], ["unreceived"]):
+    # Rank 0 makes no cma.mpi call after its Waitall: it exits, and its queue must reach
+    # the ring before mpi4py's MPI_Finalize (rank 1 waited for ever before), unless rank 1
+    # reads no more.
     if rank == 0:
         out = [np.full(SIZE, k, np.uint8) for k in range(COUNT)]
         MPI.Request.Waitall([comm.Isend(buf, 1, 5) for buf in out])
         assert comm.cma._progress.txq_pending, "nothing was queued: the scenario did not happen"
+        MPI.COMM_WORLD.Send(b"q", 1, 9)  # (plain MPI: rank 1 reads cma's ring only after it)
     elif rank == 1:
-        time.sleep(0.5)  # (so that rank 0's sends fill the ring and queue behind it)
+        MPI.COMM_WORLD.Recv(bytearray(1), 0, 9)
         got = np.empty(SIZE, np.uint8)
-        for k in range(COUNT):
+        for k in range(COUNT if sys.argv[1] == "exit" else 0):
             comm.Recv(got, 0, 5)
             assert got[0] == k and got[-1] == k, (k, got[0])
+    print(f"OK {rank}", flush=True)
+    sys.exit(0)
+
+if sys.argv[1:] == ["bsend-exit"]:
+    BUFFERED = 4 << 20  # beyond the 2 MiB eager limit of two ranks: the peer pulls a copy
+    if rank == 0:
+        comm.Bsend(np.full(BUFFERED, 7, np.uint8), 1, 5)
+        assert comm.cma._progress.buffered, "no copy waits to be pulled: the scenario did not happen"
+    elif rank == 1:
+        time.sleep(0.3)  # (rank 0 has reached its exit: the pull must find the copy there)
+        got = np.zeros(BUFFERED, np.uint8)
+        comm.Recv(got, 0, 5)
+        assert (got == 7).all()
     print(f"OK {rank}", flush=True)
     sys.exit(0)
 

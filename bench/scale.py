@@ -17,7 +17,9 @@ library it reports:
   1 MiB by default: each rank holds two buffers of N times that, 32 GiB in all at 128
   ranks) and a 64 KiB ring exchange:
   seconds per iteration, the slowest rank;
-- shm growth: the machine's Shmem (/proc/meminfo) after the large all-to-all minus before.
+- shm growth: the machine's Shmem (/proc/meminfo) after the large all-to-all minus before;
+- the same growth, and shared memory resident per rank, after a quiet spell that follows
+  (every rank waits half a second in the library: cma hands back its quiet rings' pages).
 
 Run (from the repository root, with cma-ipc, mpi4py and an ``mpiexec`` installed)::
 
@@ -108,6 +110,8 @@ def summary(result: dict[str, Any]) -> dict[str, float]:
         "alltoall_big_ms": slowest("alltoall_big_s") * 1e3,
         "ring_64KiB_ms": slowest("ring_64KiB_s") * 1e3,
         "shm_growth_MiB": per_rank[0]["shmem_growth"] / MiB,
+        "shm_growth_quiet_MiB": per_rank[0]["shmem_growth_quiet"] / MiB,
+        "resident_quiet_MiB": mean("resident_quiet") / MiB,
     }
 
 
@@ -121,7 +125,9 @@ COLUMNS = [("ready_s", "ready s", "{:.2f}"), ("attach_s", "attach s", "{:.3f}"),
            ("alltoall_8B_steady_cpu_ms", "its CPU ms/rank", "{:.2f}"),
            ("alltoall_8B_steady_preempted", "preempted/rank", "{:.0f}"),
            ("alltoall_big_ms", "a2a big ms", "{:.1f}"),
-           ("shm_growth_MiB", "shm growth MiB", "{:.0f}"), ("ring_64KiB_ms", "ring 64KiB ms", "{:.3f}")]
+           ("shm_growth_MiB", "shm growth MiB", "{:.0f}"), ("ring_64KiB_ms", "ring 64KiB ms", "{:.3f}"),
+           ("shm_growth_quiet_MiB", "growth after quiet", "{:.0f}"),
+           ("resident_quiet_MiB", "resident after quiet", "{:.1f}")]
 
 
 def table(results: list[dict[str, Any]]) -> str:

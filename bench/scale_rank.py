@@ -4,6 +4,8 @@ It times how long the library takes to be ready, reads its own shared mappings a
 then times an 8 B all-to-all (pairwise ``Sendrecv`` rounds, as a code without a
 collective library would write it) twice, the second time with every pair connected,
 a large one (1 MiB unless told) and a ring exchange, and
+then waits through a quiet spell (each rank waits in the library for half a second
+while another is late to a barrier) and reads the machine's shared memory again, and
 sends its figures to rank 0, which prints them as one JSON line. Run it through
 bench/scale.py, which starts it.
 """
@@ -20,6 +22,7 @@ from typing import Any
 import numpy as np
 
 TAG = 5
+QUIET_SPELL_S = 0.5
 
 
 def shared_mappings() -> tuple[int, int]:
@@ -116,6 +119,16 @@ def main() -> None:
         ring[0], right, TAG, recvbuf=ring[1], source=left, recvtag=TAG))
     figures["mapped_after"], figures["resident_after"] = shared_mappings()
     figures["fds_after"] = len(os.listdir("/proc/self/fd"))
+
+    # A quiet spell: every rank waits in the library for QUIET_SPELL_S while another is
+    # late to a barrier (cma hands back the pages of rings gone quiet as a rank sleeps)
+    for late in sorted({0, 1 % size}):
+        if rank == late:
+            time.sleep(QUIET_SPELL_S)
+        comm.Barrier()
+    if rank == 0:
+        figures["shmem_growth_quiet"] = machine_shmem() - before
+    figures["resident_quiet"] = shared_mappings()[1]
 
     if rank == 0:
         ranks = [figures] + [comm.recv(source=r, tag=TAG + 1) for r in range(1, size)]

@@ -19,7 +19,7 @@ library it reports:
   seconds per iteration, the slowest rank;
 - shm growth: the machine's Shmem (/proc/meminfo) after the large all-to-all minus before;
 - the same growth, and shared memory resident per rank, after a quiet spell that follows
-  (every rank waits half a second in the library: cma hands back its quiet rings' pages).
+  (every rank waits 2.5 s in the library: cma hands back its quiet rings' pages).
 
 Run (from the repository root, with cma-ipc, mpi4py and an ``mpiexec`` installed)::
 

@@ -99,9 +99,9 @@ SLEEP_MS = 10
 OUTSIDE_PAUSE_MIN = 20e-6
 OUTSIDE_PAUSE_MAX_MS = 1
 # A rank about to sleep hands back the pages of each ring it writes that has had no new
-# packet for this long (docs/architecture.md, "Memory per rank": touching an 8 MiB ring
-# again costs ~1 ms of page faults, so at most ~1 % of a pair that stays quiet this long).
-QUIET_SECONDS = 0.1
+# packet for this long (docs/architecture.md, "Memory per rank": a pair's two 8 MiB rings
+# touched anew cost ~10 ms of page faults here, so at most ~1 % of a pair this quiet).
+QUIET_SECONDS = 1.0
 
 Packet = tuple[int, int, int, bytes]  # kind, tag, aux, payload
 

@@ -23,6 +23,7 @@ from conftest import TWO_WAY_PTRACE, run_pair
 from test_run import cma_run
 
 import cma
+import cma.progress
 from cma import _linux
 from cma.channel import ChannelConfig, channel_budget
 
@@ -153,11 +154,13 @@ def test_a_rank_that_talks_to_one_peer_maps_one_peer_and_holds_its_fds_only(tmp_
 
 
 @pytest.mark.parametrize("wait", ["Recv", "Irecv-Wait"])
-def test_a_rank_hands_back_the_pages_of_a_ring_gone_quiet_while_it_sleeps(wait):
+def test_a_rank_hands_back_the_pages_of_a_ring_gone_quiet_while_it_sleeps(wait, monkeypatch):
     """Rank 0 sends 4 MiB of eager messages, then waits half a second for rank 1: its ring
     to rank 1, quiet since, goes back to the kernel (the world's memfd holds less), and
     later messages through it arrive whole. ``Recv`` sleeps in its fast path's
-    await_head, ``Irecv-Wait`` in the engine's doze."""
+    await_head, ``Irecv-Wait`` in the engine's doze. (Quiet here after 0.1 s, not 1 s:
+    the forked ranks inherit the setting.)"""
+    monkeypatch.setattr(cma.progress, "QUIET_SECONDS", 0.1)
     block, count = 64 << 10, 64
 
     def rank0(comm):

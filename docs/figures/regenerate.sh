@@ -58,6 +58,9 @@
 #                 possible around the copies (one process_vm_readv; the ring's double copy,
 #                 whole and in pieces), 16 KiB .. 2 MiB, into copy-floor.txt: what cma's
 #                 paths could reach at best on this machine (mpi.md quotes it).
+#   1p. quiet-ring - bench/quiet_ring.py: what a pair pays to talk again after its rings'
+#                 pages went back to the kernel, against a quiet pause that kept them, into
+#                 quiet-ring.txt (architecture.md, "Memory per rank"). ~1 minute.
 #   1m. direct  - bench/direct_ab.py: the direct rendezvous against the eager ring in one
 #                 pair, blocks alternating, 64 KiB .. 2 MiB, into direct-ab.txt
 #                 (architecture.md, "Direct rendezvous": where DIRECT_FROM comes from).
@@ -135,6 +138,7 @@ fi
 
 python bench/copy_floor.py --pieces 64K,256K --rounds 3 > docs/figures/copy-floor.txt
 python bench/direct_ab.py > docs/figures/direct-ab.txt
+python bench/quiet_ring.py --bursts 31 --quiet 2.2 > docs/figures/quiet-ring.txt
 
 python -m cma.bench bw --transport all --min-size 4K --max-size 4M --quick "${guard[@]}" \
     --json docs/figures/bw.json --plot docs/figures/bw.png \

@@ -58,9 +58,6 @@
 #                 possible around the copies (one process_vm_readv; the ring's double copy,
 #                 whole and in pieces), 16 KiB .. 2 MiB, into copy-floor.txt: what cma's
 #                 paths could reach at best on this machine (mpi.md quotes it).
-#   1p. quiet-ring - bench/quiet_ring.py: what a pair pays to talk again after its rings'
-#                 pages went back to the kernel, against a quiet pause that kept them, into
-#                 quiet-ring.txt (architecture.md, "Memory per rank"). ~1 minute.
 #   1m. direct  - bench/direct_ab.py: the direct rendezvous against the eager ring in one
 #                 pair, blocks alternating, 64 KiB .. 2 MiB, into direct-ab.txt
 #                 (architecture.md, "Direct rendezvous": where DIRECT_FROM comes from).
@@ -73,6 +70,9 @@
 #                 Irecvs and Isends at 8 B, plain and through cma.mpi, its time per message
 #                 split into posting, sending and delivering, into request-window.txt
 #                 (mpi.md, "Windows of requests"). ~1 minute.
+#   1p. quiet-ring - bench/quiet_ring.py: what a pair pays to talk again after its rings'
+#                 pages went back to the kernel, against a quiet pause that kept them, into
+#                 quiet-ring.txt (architecture.md, "Memory per rank"). ~1 minute.
 #   2. bw       - window of 64 Isends + ack, 4 KiB .. 4 MiB, --quick.
 #                 Writes bw.txt, bw.json, bw.png.
 #   3. latency --cold - a never-touched receive buffer each iteration,

@@ -319,9 +319,10 @@ class Outbox:
 
     def release_free_pages(self) -> int:
         """Hand the kernel back the ring's whole pages that hold no packet; the system
-        calls that took (0-2). The free part, from the head to the reader's published tail a lap on, is
-        this writer's alone (the reader reads only below the head), so no one reads or
-        writes those pages meanwhile; a later packet there faults in a zeroed page."""
+        calls that took (0-2). The free part, from the head to the reader's published
+        tail a lap on, is this writer's alone (the reader reads only below the head), so
+        no one reads or writes those pages meanwhile; a later packet there faults in a
+        zeroed page."""
         self.released_head = head = self.head
         if self.pages is None:
             return 0

@@ -155,7 +155,7 @@ def test_a_rank_that_talks_to_one_peer_maps_one_peer_and_holds_its_fds_only(tmp_
 
 @pytest.mark.parametrize("wait", ["Recv", "Irecv-Wait"])
 def test_a_rank_hands_back_the_pages_of_a_ring_gone_quiet_while_it_sleeps(wait, monkeypatch):
-    """Rank 0 sends 4 MiB of eager messages, then waits half a second for rank 1: its ring
+    """Rank 0 sends 4 MiB of eager messages, then waits a second for rank 1: its ring
     to rank 1, quiet since, goes back to the kernel (the world's memfd holds less), and
     later messages through it arrive whole. ``Recv`` sleeps in its fast path's
     await_head, ``Irecv-Wait`` in the engine's doze. (Quiet here after 0.1 s, not 1 s:
@@ -185,7 +185,7 @@ def test_a_rank_hands_back_the_pages_of_a_ring_gone_quiet_while_it_sleeps(wait, 
             comm.Recv(got, source=0, tag=1)
             assert (got == i).all()
         comm.Send(np.zeros(1, np.uint8), dest=0, tag=2)
-        time.sleep(0.5)  # (how long rank 0 waits: the scenario, not a wait for anything)
+        time.sleep(1.0)  # (how long rank 0 waits: the scenario, not a wait for anything)
         comm.Send(np.zeros(1, np.uint8), dest=0, tag=3)
         for i in range(8):
             comm.Recv(got, source=0, tag=4)

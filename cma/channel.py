@@ -204,7 +204,7 @@ class Outbox:
 
     __slots__ = ("ctl", "data", "words", "size", "window", "mask", "head", "head_word",
                  "tail_seen", "staging", "filled", "peer_sleeping", "eager_bytes", "eager_count",
-                 "pages", "ring_at", "released_head", "quiet_head")
+                 "pages", "ring_at", "released", "quiet")
 
     def __init__(self, pair: memoryview, config: ChannelConfig, peer_sleeping: memoryview,
                  head_word: memoryview | None = None) -> None:
@@ -222,14 +222,15 @@ class Outbox:
         self.tail_seen = self.ctl[TAIL]
         self.filled = self.ctl[FILLED]
         # the mapping whose pages release_free_pages hands back, and where the ring starts
-        # in it (None: the channel is no shared mapping, as in some tests); the head at the
-        # last release, and at the last look of Progress.release_quiet_rings
+        # in it (None: the channel is no shared mapping, as in some tests); the ring's
+        # (head, published tail) at the last release, and at the last look of
+        # Progress.release_quiet_rings
         self.pages = pair.obj if isinstance(pair.obj, mmap.mmap) else None
         self.ring_at = 0
         if self.pages is not None:
             with memoryview(self.pages) as whole:
                 self.ring_at = buffer_address(self.data) - buffer_address(whole)
-        self.released_head = self.quiet_head = self.head
+        self.released = self.quiet = self.ends()
 
     def _fits(self, end: int) -> bool:
         """Whether the ring may hold bytes up to the running count ``end``."""
@@ -317,16 +318,20 @@ class Outbox:
         self.head_word[0] = self.head
         return True
 
+    def ends(self) -> tuple[int, int]:
+        """(head, the reader's published tail): while neither moves, the ring is quiet."""
+        return self.head, self.ctl[TAIL]
+
     def release_free_pages(self) -> int:
         """Hand the kernel back the ring's whole pages that hold no packet; the system
         calls that took (0-2). The free part, from the head to the reader's published
         tail a lap on, is this writer's alone (the reader reads only below the head), so
         no one reads or writes those pages meanwhile; a later packet there faults in a
         zeroed page."""
-        self.released_head = head = self.head
-        if self.pages is None:
-            return 0
-        self.tail_seen = tail = self.ctl[TAIL]
+        self.released = head, tail = self.ends()
+        if self.pages is None or not head - self.size <= tail <= head:
+            return 0  # (a tail outside that is a broken peer's: nothing is surely free)
+        self.tail_seen = tail
         start = head & self.mask
         end = start + tail + self.size - head  # may run past the ring's end: then two pieces
         calls = 0

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+import warnings
 from _thread import get_ident
 from collections import deque
 from collections.abc import Callable
@@ -942,15 +943,24 @@ class Progress:
             self.bury(gone)
 
     def release_quiet_rings(self) -> None:
-        """Hand back the pages of the rings this rank writes that got no packet since the
-        last look (at least QUIET_SECONDS ago) but did since the last release: a pair that
-        went quiet holds no more shared memory than its rings' control pages. Only the
-        writer may do it (Outbox.release_free_pages), so a rank does it as it goes to sleep."""
-        for out in self.outboxes.values():
-            head = out.head
-            if head == out.quiet_head and head != out.released_head:
-                self.counts.control_syscalls += out.release_free_pages()
-            out.quiet_head = head
+        """Hand back the pages of the rings this rank writes whose head and published tail
+        have not moved since the last look (at least QUIET_SECONDS ago) but did since the
+        last release (a reader that was late frees pages when it catches up): a pair that
+        went quiet holds no more shared memory than its rings' control pages and the
+        pages of packets not yet read. Only the writer may do it
+        (Outbox.release_free_pages), so a rank does it as it goes to sleep. Where the
+        kernel refuses, this rank stops trying and says so once: it only saves memory."""
+        try:
+            for out in self.outboxes.values():
+                ends = out.ends()
+                if ends == out.quiet and ends != out.released:
+                    self.counts.control_syscalls += out.release_free_pages()
+                out.quiet = ends
+        except CmaError as exc:
+            self.quiet_look = float("inf")
+            warnings.warn(f"rank {self.rank} keeps its rings' pages from now on: {exc}",
+                          RuntimeWarning, stacklevel=2)
+            return
         self.quiet_look = time.perf_counter() + QUIET_SECONDS
 
     def _has_work(self) -> bool:

@@ -185,14 +185,15 @@ def test_datatype_layouts() -> None:
 
 @pytest.mark.parametrize(("n", "kind"), [(2, "buffers"), (3, "buffers"), (2, "objects"),
                                          (2, "fin"), (2, "idle"), (2, "exit"), (3, "exit"),
-                                         (2, "unreceived"), (2, "bsend-exit")])
+                                         (2, "unreceived"), (2, "dropped"), (2, "bsend-exit")])
 def test_queued_messages_move_while_mpi_waits(n: int, kind: str) -> None:
     """Eager sends queued behind a full ring reach the peer while the sender waits in a
     plain MPI call (queued.py; it hung in MPI's Barrier before the hook stayed armed, and
     for objects before ``send`` armed it); so does a direct receive's FIN. With nothing
     left to move, MPI's wait leaves the rings to the receives ("idle"). A sender that
     exits right after its Waitall delivers its queue first ("exit": the receiver hung),
-    but not to a receiver that exits without reading ("unreceived": both hung), and a
+    but not to a receiver that exits without reading ("unreceived": both hung; "dropped",
+    whose wrapper was garbage collected before), and a
     buffered send's copy lives until it is pulled ("bsend-exit": the pull failed)."""
     expect_ok(n, "queued.py", kind)
 

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +24,8 @@ from conftest import TWO_WAY_PTRACE, run_pair
 from test_run import cma_run
 
 import cma
+import cma.channel
+import cma.errors
 import cma.progress
 from cma import _linux
 from cma.channel import ChannelConfig, channel_budget
@@ -153,34 +156,40 @@ def test_a_rank_that_talks_to_one_peer_maps_one_peer_and_holds_its_fds_only(tmp_
         assert figures["fds"] - alone <= FDS_PER_PEER * peers, (figures, alone)
 
 
-@pytest.mark.parametrize("wait", ["Recv", "Irecv-Wait"])
-def test_a_rank_hands_back_the_pages_of_a_ring_gone_quiet_while_it_sleeps(wait, monkeypatch):
-    """Rank 0 sends 4 MiB of eager messages, then waits a second for rank 1: its ring
-    to rank 1, quiet since, goes back to the kernel (the world's memfd holds less), and
-    later messages through it arrive whole. ``Recv`` sleeps in its fast path's
-    await_head, ``Irecv-Wait`` in the engine's doze. (Quiet here after 0.1 s, not 1 s:
-    the forked ranks inherit the setting.)"""
-    monkeypatch.setattr(cma.progress, "QUIET_SECONDS", 0.1)
-    block, count = 64 << 10, 64
+def _quiet_ring_pair(wait: str, reader: str, count: int = 64, block: int = 64 << 10):
+    """Rank 0 sends ``count`` eager messages of ``block`` bytes, then waits for rank 1 in
+    ``wait`` ("Recv": the fast path's await_head; "Irecv-Wait": the engine's doze) while
+    rank 1 reads them, at once or ("late") after a pause in which rank 0 goes quiet
+    first, and then for a second more. Rank 0 returns the bytes the world's memfd held
+    right after its sends and after that second, and the warnings it gave."""
 
     def rank0(comm):
+        with warnings.catch_warnings(record=True) as given:
+            warnings.simplefilter("always")
+            return (*sent_and_quiet(comm), [str(w.message) for w in given])
+
+    def sent_and_quiet(comm):
         comm.attach()
         memfd = comm._progress.world.fds.memfd
         for i in range(count):
             comm.Send(np.full(block, i, np.uint8), dest=1, tag=1)
-        comm.Recv(np.zeros(1, np.uint8), source=1, tag=2)  # (rank 1 has all of them)
-        before = os.fstat(memfd).st_blocks * 512
-        if wait == "Recv":
-            comm.Recv(np.zeros(1, np.uint8), source=1, tag=3)
-        else:
-            comm.Irecv(np.zeros(1, np.uint8), source=1, tag=3).Wait()
-        after = os.fstat(memfd).st_blocks * 512
+        sent = os.fstat(memfd).st_blocks * 512
+        receive = np.zeros(1, np.uint8)
+        for tag in (2, 3):  # (2: rank 1 has read them all)
+            if wait == "Recv":
+                comm.Recv(receive, source=1, tag=tag)
+            else:
+                comm.Irecv(receive, source=1, tag=tag).Wait()
+        quiet = os.fstat(memfd).st_blocks * 512
         for i in range(8):
             comm.Send(np.full(block, 100 + i, np.uint8), dest=1, tag=4)
-        return before, after
+        return sent, quiet
 
     def rank1(comm):
         got = np.empty(block, np.uint8)
+        comm.attach()
+        if reader == "late":
+            time.sleep(0.5)  # (rank 0 goes quiet, while its ring is still full of packets)
         for i in range(count):
             comm.Recv(got, source=0, tag=1)
             assert (got == i).all()
@@ -192,10 +201,39 @@ def test_a_rank_hands_back_the_pages_of_a_ring_gone_quiet_while_it_sleeps(wait, 
             assert (got == 100 + i).all()
         return True
 
-    (before, after), _ = run_pair("shm", None, rank0, rank1, timeout=RUN_TIMEOUT)
-    # the 8 MiB ring's writer keeps to its 4 MiB window while the reader keeps up
-    assert before >= 3 << 20, f"the messages touched only {before} bytes"
-    assert before - after >= 3 << 20, f"{before} bytes before the quiet spell, {after} after"
+    (sent, quiet, given), _ = run_pair("shm", None, rank0, rank1, timeout=RUN_TIMEOUT)
+    return sent, quiet, given
+
+
+@pytest.mark.parametrize("reader", ["prompt", "late"])
+@pytest.mark.parametrize("wait", ["Recv", "Irecv-Wait"])
+def test_a_rank_hands_back_the_pages_of_a_ring_gone_quiet_while_it_sleeps(wait, reader, monkeypatch):
+    """Once rank 0's ring to rank 1 is quiet (no packet written, none read) while rank 0
+    sleeps, its pages go back to the kernel: the world's memfd holds less, and later
+    messages through the ring arrive whole. A reader that was late, so that rank 0 went
+    quiet with its ring full, frees the pages when it catches up (they stayed held).
+    (Quiet here after 0.1 s, not 1 s: the forked ranks inherit the setting.)"""
+    monkeypatch.setattr(cma.progress, "QUIET_SECONDS", 0.1)
+    sent, quiet, given = _quiet_ring_pair(wait, reader)
+    # 4 MiB through the 8 MiB ring, whose writer keeps to a 4 MiB window while it can
+    assert sent >= 3 << 20, f"the messages touched only {sent} bytes"
+    assert sent - quiet >= 3 << 20, f"{sent} bytes after the messages, {quiet} after the quiet"
+    assert given == []
+
+
+def test_a_rank_whose_kernel_refuses_to_take_pages_back_keeps_them_and_says_so(monkeypatch):
+    """Handing pages back only saves memory: where madvise fails, the wait goes on and
+    the rank warns once that it keeps its rings' pages."""
+    monkeypatch.setattr(cma.progress, "QUIET_SECONDS", 0.1)
+
+    def refused(*_):
+        raise cma.errors.CmaError("cannot hand pages back: Function not implemented")
+
+    monkeypatch.setattr(cma.channel, "release_pages", refused)  # (inherited by the forks)
+    sent, quiet, given = _quiet_ring_pair("Recv", "prompt")
+    assert quiet >= sent >= 3 << 20  # kept
+    assert given == ["rank 0 keeps its rings' pages from now on: cannot hand pages back: "
+                     "Function not implemented"]
 
 
 def test_a_world_larger_than_the_soft_fd_limit_raises_it(tmp_path):

@@ -453,9 +453,9 @@ class NodeComm(CmaComm):
         completes the sends MPI called complete, and this queue dies with the process (run
         at exit, before mpi4py's MPI_Finalize: ``ServedNodes.finish_sends``)."""
         progress = self._progress
-        if progress is None or self._closed or progress.broken \
+        if progress is None or self._closed or progress.broken or not progress.world.owned_here() \
                 or not (progress.txq_pending or progress.buffered):
-            return
+            return  # (owned_here: a forked child's exit is not this rank's)
         held = claim(self)
         try:
             progress.deliver_queued()

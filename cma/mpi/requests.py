@@ -22,7 +22,6 @@ that, not the copy, is what a window of small non-blocking messages pays over pl
 from __future__ import annotations
 
 import atexit
-import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -427,7 +426,9 @@ class ServedNodes:
 
     def __init__(self) -> None:
         self._nodes: dict[NodeComm, None] = {}  # ordered, unlike a set
-        self._live: weakref.WeakSet[NodeComm] = weakref.WeakSet()  # every one not closed
+        # every one not closed, kept (as MPI keeps a communicator until it is freed: one
+        # dropped without Free must still tell its peers at exit that it reads no more)
+        self._live: dict[NodeComm, None] = {}
         self._hook: ProgressHook | None = None
         self._made = False
 
@@ -447,13 +448,13 @@ class ServedNodes:
             self._hook.arm()
 
     def track(self, node: NodeComm) -> None:
-        """Remember ``node`` until it is dropped: at exit it delivers what it queued."""
-        self._live.add(node)
+        """Keep ``node`` until it is dropped (closed): at exit it delivers what it queued."""
+        self._live[node] = None
 
     def drop(self, node: NodeComm) -> None:
         """Stop moving ``node`` from MPI's progress loop (with none left, the hook rests),
         and forget it (closed)."""
-        self._live.discard(node)
+        self._live.pop(node, None)
         self._nodes.pop(node, None)
         if not self._nodes and self._hook is not None:
             self._hook.rest()

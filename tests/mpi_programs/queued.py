@@ -33,6 +33,10 @@ them before MPI_Finalize; cma's queue dies with the process, so it is delivered 
 must not wait at exit for a reader that is gone to MPI_Finalize, which in turn waits
 for rank 0 (both waited for ever).
 
+``dropped`` (argv): as ``unreceived``, but rank 1 first drops its wrapper without
+``Free`` (its node communicator was garbage collected, and nothing at exit told rank 0
+that rank 1 reads no more: both waited for ever).
+
 ``bsend-exit`` (argv): rank 0's buffered send, larger than the eager limit (a copy rank 1
 pulls), then rank 0 exits at once: the copy must live until rank 1 has pulled it (rank
 1's pull found rank 0's memory gone).
@@ -42,6 +46,7 @@ Prints "OK <rank>" at the end.
 
 from __future__ import annotations
 
+import gc
 import sys
 import time
 
@@ -103,7 +108,7 @@ if sys.argv[1:] == ["idle"]:
     print(f"OK {rank}", flush=True)
     sys.exit(0)
 
-if sys.argv[1:] in (["exit"], ["unreceived"]):
+if sys.argv[1:] in (["exit"], ["unreceived"], ["dropped"]):
     # Rank 0 makes no cma.mpi call after its Waitall: it exits, and its queue must reach
     # the ring before mpi4py's MPI_Finalize (rank 1 waited for ever before), unless rank 1
     # reads no more.
@@ -114,6 +119,9 @@ if sys.argv[1:] in (["exit"], ["unreceived"]):
         MPI.COMM_WORLD.Send(b"q", 1, 9)  # (plain MPI: rank 1 reads cma's ring only after it)
     elif rank == 1:
         MPI.COMM_WORLD.Recv(bytearray(1), 0, 9)
+        if sys.argv[1] == "dropped":
+            del comm
+            gc.collect()
         got = np.empty(SIZE, np.uint8)
         for k in range(COUNT if sys.argv[1] == "exit" else 0):
             comm.Recv(got, 0, 5)

@@ -52,11 +52,11 @@ def kind_after(burst: int) -> str:
 
 def pause(comm: cma.Comm, kind: str, quiet: float) -> float:
     """Set up the pause of ``kind`` on this rank: its length, and whether a sleep in cma
-    hands back quiet rings (for "pages kept", never: the control)."""
+    hands back quiet rings (for "pages kept", never: the control, whose next look for
+    quiet rings is put off for good)."""
     progress = comm._progress
     assert progress is not None
     keep = kind == "quiet, pages kept"
-    cma.progress.QUIET_SECONDS = float("inf") if keep else QUIET_SECONDS
     progress.quiet_look = float("inf") if keep else time.perf_counter() + QUIET_SECONDS
     return 0.0 if kind == "warm" else quiet
 

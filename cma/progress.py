@@ -882,8 +882,7 @@ class Progress:
                 try:
                     if self._busy_elsewhere():
                         return inbox.ready()
-                    if time.perf_counter() >= self.quiet_look:
-                        self.release_quiet_rings()
+                    self.release_quiet_rings()
                     gone = world.sleep(SLEEP_MS)
                     self.counts.control_syscalls += 1
                 finally:
@@ -933,8 +932,7 @@ class Progress:
             if (not idle or self._has_work()) and (self._poll() or self.accept()) \
                     or done is not None and done():
                 return
-            if time.perf_counter() >= self.quiet_look:
-                self.release_quiet_rings()
+            self.release_quiet_rings()
             gone = world.sleep(timeout_ms)
             self.counts.control_syscalls += 1
         finally:
@@ -948,8 +946,11 @@ class Progress:
         last release (a reader that was late frees pages when it catches up): a pair that
         went quiet holds no more shared memory than its rings' control pages and the
         pages of packets not yet read. Only the writer may do it
-        (Outbox.release_free_pages), so a rank does it as it goes to sleep. Where the
+        (Outbox.release_free_pages), so a rank does it as it goes to sleep, at most every
+        QUIET_SECONDS (``quiet_look``). Where the
         kernel refuses, this rank stops trying and says so once: it only saves memory."""
+        if time.perf_counter() < self.quiet_look:
+            return
         try:
             for out in self.outboxes.values():
                 ends = out.ends()

@@ -15,7 +15,7 @@ from ..comm import Request as CmaRequest
 from ..comm import Status as CmaStatus
 from ..comm import recv_view, send_view
 from ..errors import CmaError
-from ..progress import claim
+from ..progress import Progress, claim
 from ..protocol import RecvOp, SendOp
 from ..wire import ANY_SOURCE, ANY_TAG
 from ..world import World
@@ -452,10 +452,9 @@ class NodeComm(CmaComm):
         buffered sends received (unless the peer exited or reads no more): MPI_Finalize
         completes the sends MPI called complete, and this queue dies with the process (run
         at exit, before mpi4py's MPI_Finalize: ``ServedNodes.finish_sends``)."""
-        progress = self._progress
-        if progress is None or self._closed or progress.broken or not progress.world.owned_here() \
-                or not (progress.txq_pending or progress.buffered):
-            return  # (owned_here: a forked child's exit is not this rank's)
+        progress = self._exiting_progress()
+        if progress is None or not (progress.txq_pending or progress.buffered):
+            return
         held = claim(self)
         try:
             progress.deliver_queued()
@@ -465,10 +464,17 @@ class NodeComm(CmaComm):
     def reads_no_more(self) -> None:
         """At exit: tell the peers that this rank reads its rings no more, so that what
         they queued for it is moot (``Progress.deliver_queued`` stops waiting for it)."""
-        progress = self._progress
-        if progress is not None and not self._closed and not progress.broken \
-                and progress.world.owned_here():
+        progress = self._exiting_progress()
+        if progress is not None:
             progress.world.mark_closed()
+
+    def _exiting_progress(self) -> Progress | None:
+        """What the steps at exit work on: the progress of a communicator attached, open,
+        whole, and attached by this process (a forked child's exit is not this rank's)."""
+        progress = self._progress
+        if progress is None or self._closed or progress.broken or not progress.world.owned_here():
+            return None
+        return progress
 
     def close(self) -> None:
         """Close the world; requests still pending fail (nothing will complete them)."""

@@ -804,7 +804,38 @@ class Comm(Collectives):
 
     def recv_view(self, source: int = ANY_SOURCE, tag: int = ANY_TAG,
                   status: Status | None = None) -> View:
-        """``Irecv_view(source, tag).wait(status)``: the message as a read-only ``cma.View``."""
+        """``Irecv_view(source, tag).wait(status)``: the message as a read-only ``cma.View``.
+
+        A heap buffer's RTS at the head of the ring is mapped without the engine (the
+        direct rendezvous, cma/direct.py), as a blocking ``Recv`` pulls one."""
+        direct = self._direct
+        if direct is not None and direct.xmap is not None and type(tag) is int and tag >= ANY_TAG:
+            try:
+                peer = self._only_peer if source == ANY_SOURCE else source
+                inbox = self._fast_inboxes[peer] if peer >= 0 else None
+            except (IndexError, TypeError):
+                inbox = None
+            matcher = self._matcher
+            # (a view released unannounced: the engine's pass sends its FIN first)
+            if inbox is not None and not matcher.posted and not matcher.unexpected \
+                    and not direct.xmap.released and not self._busy:
+                self._busy = 1
+                try:
+                    got = direct.view(inbox, tag)
+                    spins = self._fast_spins
+                    while got.__class__ is int and got == RING_EMPTY and spins:
+                        spins -= 1
+                        got = direct.view(inbox, tag)
+                finally:
+                    self._busy = 0
+                if isinstance(got, View):
+                    if status is not None:
+                        status.source = self._inbox_peer[inbox]
+                        status.tag = inbox.last_tag
+                        status.count = got.nbytes
+                    return got
+                if got.__class__ is int and got == RING_EMPTY and self._await_late(inbox, tag):
+                    return self.recv_view(source, tag, status)  # (its packet is at the head now)
         view: View = self.Irecv_view(source, tag).wait(status)
         return view
 

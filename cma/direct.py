@@ -11,6 +11,11 @@ general path with nothing lost: the receiver leaves the RTS in the ring for its 
 spinning or interrupted, leaves the rest to its engine, which knows the send already.
 The packets are the engine's own, so either side may be on either path.
 
+A send buffer in the shared heap, where xmap is on, is offered with its place in the heap
+too (an XMAP RTS): a receiver that may map the sender's heap copies it out of its mapping,
+and its ``recv_view`` hands the mapping out as a view, both without the engine; one that
+may not pulls it by its region.
+
 Why: the engine's RGET costs ~130 us of Python per message here, against a 10-120 us
 copy from 64 KiB to 1 MiB, so the ring's two copies were faster up to the 2 MiB eager
 limit (docs/architecture.md, "Direct rendezvous", has the runs).
@@ -26,19 +31,27 @@ from .channel import NOT_EAGER, RING_EMPTY, Inbox, Outbox
 from .connect import NEVER
 from .errors import CmaError
 from .protocol import (
+    ONE_HEAP_RTS,
     ONE_REGION_RTS,
     PULL,
+    XMAP,
     SendOp,
+    decode_one_heap_rts,
     decode_one_region_rts,
+    encode_one_heap_rts,
     encode_one_region_rts,
 )
+from .rcache import RegistrationCacheFull
 from .transports import REGISTRY
-from .wire import ANY_TAG, FIN, RTS
+from .transports.base import Region
+from .transports.xmap import View
+from .wire import ANY_TAG, FIN, RTS, HeapRef
 
 if TYPE_CHECKING:
     from .progress import Progress
 
 ENV_DIRECT_FROM = "CMA_DIRECT_FROM"
+HEAP_RTS_WORDS = ONE_HEAP_RTS.size // 8
 
 
 def direct_from(setting: str) -> int:
@@ -96,6 +109,12 @@ class DirectRendezvous:
         self.pull_via: dict[int, str] = {}  # per peer: _pull_via's answer
         self.fast_outboxes = progress.fast_outboxes
         self.owner = progress.owner
+        # xmap: a send buffer in the heap is offered by its HeapRef too (heap_of: where it
+        # lies, None off the heap), and a receiver that may map its peer's heap copies from
+        # its mapping or hands it out as a view (docs/guide.md section 5)
+        self.xmap = progress.xmap
+        self.heap_of = progress.engine.heap_of
+        self.mappable = self.policy.mappable
 
     def can_pull(self, peer: int) -> bool:
         """Whether ``peer`` has published that a transport of its reaches this rank's memory
@@ -120,7 +139,15 @@ class DirectRendezvous:
         the ring (else it is queued behind a full ring, and the engine sends it)."""
         progress = self.progress
         op = progress.engine.direct_send(dest, tag, mv)
-        rts = encode_one_region_rts(op.msgid, self.offers, _linux.local_address(mv), n)
+        ref = None
+        if self.heap_of is not None:
+            ref = self.heap_of(dest, mv)
+            if self.xmap is not None and self.xmap.given_back:
+                progress.announce_given_back()  # (a rank on fast paths only runs no pass)
+        if ref is None:
+            rts = encode_one_region_rts(op.msgid, self.offers, _linux.local_address(mv), n)
+        else:
+            rts = encode_one_heap_rts(op.msgid, self.offers, _linux.local_address(mv), n, ref)
         if not outbox.put(RTS, tag, n, rts):
             progress.transmit(dest, RTS, tag, n, rts)
             return op, False
@@ -150,12 +177,12 @@ class DirectRendezvous:
         fits ``mv`` and that the policy pulls: copy it into ``mv``, FIN the sender and
         return its size (its tag in ``inbox.last_tag``). NOT_EAGER, the packet left in
         the ring, when the general path must take it; it also raises what it meets."""
-        at = inbox.head_of(RTS, ONE_REGION_RTS.size)
+        at, size = self._rts_at(inbox)
         if at < 0:
             # (a Sendrecv with one peer both ways: the FIN of its own offer may come first)
             if not self.progress.took_offered_fin(inbox):
                 return NOT_EAGER
-            at = inbox.head_of(RTS, ONE_REGION_RTS.size)
+            at, size = self._rts_at(inbox)
             if at < 0:
                 return NOT_EAGER if inbox.ready() else RING_EMPTY
         words = inbox.words
@@ -163,11 +190,20 @@ class DirectRendezvous:
         nbytes = words[at + 3]
         if t != tag and (tag != ANY_TAG or t < 0) or nbytes > mv.nbytes:
             return NOT_EAGER
-        offer = decode_one_region_rts(words[at + 4 : at + 9], nbytes)
-        if offer is None:
-            return NOT_EAGER
-        msgid, offers, region = offer
         peer = inbox.peer
+        if size == ONE_HEAP_RTS.size:
+            heap_offer = decode_one_heap_rts(words[at + 4 : at + 4 + HEAP_RTS_WORDS], nbytes)
+            if heap_offer is None:
+                return NOT_EAGER
+            msgid, offers, region, ref = heap_offer
+            if peer in self.mappable:  # (as the engine answers it: from our mapping)
+                return self._read_heap(inbox, mv, region, ref, msgid, t)
+            offers &= ~XMAP
+        else:
+            offer = decode_one_region_rts(words[at + 4 : at + 9], nbytes)
+            if offer is None:
+                return NOT_EAGER
+            msgid, offers, region = offer
         if nbytes <= self.eager_limit:
             name = self.pull_via.get(peer)
             if name is None:
@@ -199,23 +235,103 @@ class DirectRendezvous:
                                 f"copied a message from rank {peer}; that message is half "
                                 "received and its sender waits")
             raise
-        try:
-            inbox.consume(ONE_REGION_RTS.size)
-            outbox = self.fast_outboxes[peer]
-            if outbox is None or not outbox.put(FIN, 0, msgid, b""):
-                progress.transmit(peer, FIN, 0, msgid, b"")  # (queued behind others)
-                self.owner.packets_queued()  # (it goes out in a later call: cma.mpi's hook)
-            elif outbox.peer_sleeping[0]:
-                self.ring(peer)
-        except BaseException as exc:
-            progress.break_down(f"{type(exc).__name__} interrupted rank {self.rank} while it "
-                                f"told rank {peer} that its message was received")
-            raise
+        self._received(inbox, size, msgid)
         stats = transport.stats
         stats.messages += 1
         stats.bytes += nbytes
         inbox.last_tag = t
         return nbytes
+
+    def _rts_at(self, inbox: Inbox) -> tuple[int, int]:
+        """Where the RTS at the head of ``inbox`` starts (as ``head_of``) and its payload's
+        size, if it is one the direct path reads (of one region, or of one heap buffer,
+        which a rank that cannot map it pulls by its region); (-1, 0) otherwise."""
+        at = inbox.head_of(RTS, ONE_REGION_RTS.size)
+        if at >= 0:
+            return at, ONE_REGION_RTS.size
+        at = inbox.head_of(RTS, ONE_HEAP_RTS.size)
+        if at >= 0:
+            return at, ONE_HEAP_RTS.size
+        return -1, 0
+
+    def _received(self, inbox: Inbox, size: int, msgid: int) -> None:
+        """Take the RTS (its payload ``size`` bytes) out of ``inbox`` and FIN its sender,
+        whose send of ``msgid`` is then complete (for a view: once the view is released)."""
+        peer = inbox.peer
+        try:
+            inbox.consume(size)
+            outbox = self.fast_outboxes[peer]
+            if outbox is None or not outbox.put(FIN, 0, msgid, b""):
+                self.progress.transmit(peer, FIN, 0, msgid, b"")  # (queued behind others)
+                self.owner.packets_queued()  # (it goes out in a later call: cma.mpi's hook)
+            elif outbox.peer_sleeping[0]:
+                self.ring(peer)
+        except BaseException as exc:
+            self.progress.break_down(f"{type(exc).__name__} interrupted rank {self.rank} while it "
+                                     f"told rank {peer} that its message was received")
+            raise
+
+    def _read_heap(self, inbox: Inbox, mv: memoryview, region: Region, ref: HeapRef,
+                   msgid: int, tag: int) -> int:
+        """``recv``'s copy of a heap buffer out of this rank's mapping of it (xmap)."""
+        xmap = self.xmap
+        assert xmap is not None
+        nbytes = region.nbytes
+        link = self.links[inbox.peer]
+        assert link is not None
+        try:
+            xmap.read_heap(link, (region,), (ref,), (mv if nbytes == mv.nbytes else mv[:nbytes],))
+        except (CmaError, RegistrationCacheFull):
+            return NOT_EAGER  # (the general path copies again, or copies some other way)
+        except BaseException as exc:
+            self.progress.break_down(f"{type(exc).__name__} interrupted rank {self.rank} while it "
+                                     f"copied a message from rank {inbox.peer}; that message is "
+                                     "half received and its sender waits")
+            raise
+        self._received(inbox, ONE_HEAP_RTS.size, msgid)
+        xmap.stats.messages += 1
+        xmap.stats.bytes += nbytes
+        inbox.last_tag = tag
+        return nbytes
+
+    def view(self, inbox: Inbox, tag: int) -> View | int:
+        """If the packet at the head of ``inbox`` is the RTS of a heap buffer for this
+        receive (``tag``) and this rank may map its sender's heap: a view of it (its tag in
+        ``inbox.last_tag``), the sender's FIN sent at its release. RING_EMPTY or NOT_EAGER
+        (the packet left in the ring) as ``recv``."""
+        at = inbox.head_of(RTS, ONE_HEAP_RTS.size)
+        if at < 0:
+            return NOT_EAGER if inbox.ready() else RING_EMPTY
+        xmap = self.xmap
+        assert xmap is not None
+        words = inbox.words
+        t = words[at + 1]
+        nbytes = words[at + 3]
+        peer = inbox.peer
+        if t != tag and (tag != ANY_TAG or t < 0) or peer not in self.mappable:
+            return NOT_EAGER
+        offer = decode_one_heap_rts(words[at + 4 : at + 4 + HEAP_RTS_WORDS], nbytes)
+        if offer is None:
+            return NOT_EAGER
+        msgid, _, _, ref = offer
+        link = self.links[peer]
+        assert link is not None
+        try:
+            held, lease = xmap.map_view(link, ref, nbytes)
+        except (CmaError, RegistrationCacheFull):
+            return NOT_EAGER  # (the general path raises it, or hands out a copy)
+        progress = self.progress
+        try:
+            view = xmap.hand_out([held], peer, msgid, [lease], progress.release_views)[0]
+            inbox.consume(ONE_HEAP_RTS.size)
+        except BaseException as exc:
+            progress.break_down(f"{type(exc).__name__} interrupted rank {self.rank} while it "
+                                f"mapped a message from rank {peer}; its sender waits")
+            raise
+        xmap.stats.messages += 1
+        xmap.stats.bytes += nbytes
+        inbox.last_tag = t
+        return view
 
     def _pull_via(self, peer: int, offers: int) -> str:
         """The transport that pulls a rendezvous within the eager limit from ``peer`` (the

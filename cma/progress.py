@@ -225,9 +225,9 @@ class Progress:
         self.closing = False
         # a peer that connects to this rank sets this word: then poll maps the pair
         self.connects = world.connects
-        # Blocking Send/Recv's direct rendezvous (direct.py), except where pulls run in the
-        # background (overlap) or a send buffer in the heap is offered for mapping (xmap)
-        self.direct = DirectRendezvous(self) if not overlap and self.xmap is None else None
+        # Blocking Send/Recv's direct rendezvous (direct.py), and recv_view's, except where
+        # pulls run in the background (overlap)
+        self.direct = DirectRendezvous(self) if not overlap else None
         for peer in self.peers:
             if connection.links[peer] is not None:  # (a world of two: connected at attach)
                 self._add(peer)
@@ -490,7 +490,7 @@ class Progress:
             if peer not in self.dead and not self.broken and not self.closing:
                 self.run(self.engine.view_released(peer, msgid))
 
-    def _announce_given_back(self) -> None:
+    def announce_given_back(self) -> None:
         """Tell the peers that mapped our heap segments which of them we gave back."""
         assert self.xmap is not None
         for dest, segments in self.xmap.take_given_back().items():
@@ -590,7 +590,7 @@ class Progress:
             if xmap.released:
                 self.release_views()
             if xmap.given_back:
-                self._announce_given_back()
+                self.announce_given_back()
             moved = True
         return moved
 

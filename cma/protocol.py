@@ -147,6 +147,33 @@ def decode_one_region_rts(words: Sequence[int], nbytes: int) -> tuple[int, int, 
     return msgid, offers, Region(addr, size)
 
 
+# An RTS of one buffer in the sender's shared heap, as encode_rts lays it out (msgid,
+# offers with XMAP, 1, size, address, then the six words of its HeapRef): what the direct
+# rendezvous writes for a heap buffer where xmap is on, and its Recv or recv_view reads.
+ONE_HEAP_RTS = struct.Struct(f"{5 + HEAP_REF_WORDS}q")
+
+
+def encode_one_heap_rts(msgid: int, offers: int, addr: int, nbytes: int, ref: HeapRef) -> bytes:
+    """``encode_rts(msgid, offers | XMAP, [nbytes], [Region(addr, nbytes)], [ref])``, fast."""
+    return ONE_HEAP_RTS.pack(msgid, offers | XMAP, 1, nbytes, addr, *ref)
+
+
+def decode_one_heap_rts(words: Sequence[int], nbytes: int) -> tuple[int, int, Region, HeapRef] | None:
+    """The msgid, offers, region and HeapRef of an RTS (its ``ONE_HEAP_RTS`` words) if it
+    offers one buffer of ``nbytes`` in the sender's heap, as ``decode_rts`` checks it; else
+    None (``decode_rts`` reads it, and names what is wrong with it)."""
+    msgid, offers, nseg, size, addr = words[:5]
+    ref = HeapRef(*words[5:])
+    if nseg != 1 or size != nbytes or offers & (PULL | XMAP) != PULL | XMAP \
+            or offers & ~(PULL | PUSH | PIPELINE | XMAP) \
+            or size < 0 or not 0 <= addr <= ADDRESS_LIMIT - size \
+            or not (0 <= ref.segment and 1 <= ref.generation and 0 <= ref.offset
+                    and ref.offset + size <= ref.extent <= ADDRESS_LIMIT and 0 <= ref.fd
+                    and 0 <= ref.inode):
+        return None
+    return msgid, offers, Region(addr, size), ref
+
+
 @dataclass
 class RtsInfo:
     msgid: int

@@ -35,6 +35,7 @@ from cma.protocol import (
     RTS,
     SPLIT,
     SYNC,
+    XMAP,
     Complete,
     Deliver,
     Engine,
@@ -52,9 +53,11 @@ from cma.protocol import (
     Transmit,
     completed_recv,
     decode_cts,
+    decode_one_heap_rts,
     decode_one_region_rts,
     decode_rts,
     encode_cts,
+    encode_one_heap_rts,
     encode_one_region_rts,
     encode_rts,
     slice_regions,
@@ -65,7 +68,7 @@ from cma.protocol import (
     tag_matches,
 )
 from cma.transports.base import Region
-from cma.wire import BARRIER_TAG, MORE
+from cma.wire import BARRIER_TAG, MORE, HeapRef
 
 ALL = PULL | PUSH | PIPELINE
 LIMIT = 64  # eager limit used by most tests: small, so rendezvous sizes are cheap
@@ -661,6 +664,40 @@ def test_a_one_region_rts_decodes_to_its_msgid_offers_and_region():
 ])
 def test_anything_but_a_pullable_one_region_rts_is_left_to_decode_rts(words, nbytes):
     assert decode_one_region_rts(words, nbytes) is None
+
+
+HEAP = HeapRef(segment=3, generation=2, offset=8192, extent=1 << 20, fd=17, inode=4242)
+
+
+def test_a_one_heap_rts_is_the_rts_encode_rts_writes_for_one_heap_buffer():
+    """The direct rendezvous of a heap buffer writes the engine's own packet too."""
+    addr, n = 0x7F00_1234_5000, 300_000
+    packet = encode_one_heap_rts(9, ALL, addr, n, HEAP)
+    assert packet == encode_rts(9, ALL | XMAP, [n], [Region(addr, n)], [HEAP])
+    rts = decode_rts(packet)
+    assert (rts.msgid, rts.offers, rts.regions, rts.heap) == (9, ALL | XMAP, [Region(addr, n)], [HEAP])
+    assert decode_one_heap_rts(words_of(packet), n) == (9, ALL | XMAP, Region(addr, n), HEAP)
+    assert decode_one_region_rts(words_of(packet)[:5], n) is None  # (XMAP: not a region's RTS)
+
+
+@pytest.mark.parametrize("change, nbytes", [
+    ({2: 2}, 4096),  # two buffers claimed
+    ({}, 4095),  # not the size the header says
+    ({1: ALL & ~PULL | XMAP}, 4096),  # no pull offered
+    ({1: ALL}, 4096),  # no XMAP offered
+    ({1: ALL | XMAP | 0x40}, 4096),  # an offer this rank does not know
+    ({4: (1 << 56) - 4095}, 4096),  # past the end of any address space
+    ({6: 0}, 4096),  # generation 0: never a segment's
+    ({7: -1}, 4096),  # a negative offset
+    ({8: 8192 + 4095}, 4096),  # the buffer runs past the segment's extent
+    ({9: -1}, 4096),  # a negative fd
+    ({10: -1}, 4096),  # a negative inode
+])
+def test_anything_but_a_mappable_one_heap_rts_is_left_to_decode_rts(change, nbytes):
+    words = list(words_of(encode_one_heap_rts(9, ALL, 0x1000, 4096, HEAP)))
+    for at, value in change.items():
+        words[at] = value
+    assert decode_one_heap_rts(words, nbytes) is None
 
 
 def direct_rts(net: Net, data: bytes, tag: int = 2) -> SendOp:

@@ -552,3 +552,101 @@ def test_a_fork_while_the_fd_server_serves_a_heap_segment_leaves_the_child_able_
         if child.is_alive():
             child.kill()
             child.join(5)
+
+
+# ------------------------------------------------------------------ the direct rendezvous of heap buffers
+
+MID = 512 << 10  # from the direct rendezvous's 256 KiB up to the default eager limit, 2 MiB
+
+
+def _send_mid_heap_array(comm: cma.Comm) -> None:
+    a = cma.empty(MID, np.uint8)
+    a[:] = pattern(MID, 41)
+    comm.Send(a, 0, 4)  # returns once the view below is released
+    comm.Send(a, 0, 5)
+    comm.Barrier()
+
+
+def _view_then_recv_mid(comm: cma.Comm) -> list:
+    status = cma.Status()
+    view = comm.recv_view(cma.ANY_SOURCE, cma.ANY_TAG, status)
+    out = [bool((view == pattern(MID, 41)).all()), xmap_stats(comm)["views_held"],
+           (status.source, status.tag, status.count)]
+    view.release()
+    buf = np.empty(MID, np.uint8)
+    comm.Recv(buf, 1, 5)
+    stats = comm.stats()
+    out += [bool((buf == pattern(MID, 41)).all()), stats["xmap"]["messages"],
+            stats["xmap"]["user_copies"], stats["eager"]["messages"]]
+    comm.Barrier()
+    return out
+
+
+def test_a_heap_buffer_within_the_eager_limit_sent_by_a_blocking_send_is_mapped():
+    """From 256 KiB a blocking Send offers a heap buffer directly, with its place in the
+    heap: the receiver's recv_view is the sender's memory (its status filled in for the
+    wildcards) and its Recv one copy out of the mapping, not the eager ring's two."""
+    got, _ = run_ranks("auto", ChannelConfig(), [_view_then_recv_mid, _send_mid_heap_array],
+                       timeout=60, xmap=True)
+    viewed, views_held, status, received, through_xmap, user_copies, eager = got
+    assert viewed and views_held == 1 and status == (1, 4, MID)
+    # (half the bytes counted were the view's, which copied none)
+    assert received and (through_xmap, user_copies, eager) == (2, 0.5, 0)
+
+
+def _send_then_give_back(comm: cma.Comm) -> None:
+    first, second = cma.empty(SIZE, np.uint8), cma.empty(SIZE, np.uint8)  # two segments
+    first[:], second[:] = pattern(SIZE, 51), pattern(SIZE, 52)
+    comm.Send(first, 0, 1)
+    del first  # given back
+    gc.collect()
+    comm.Send(second, 0, 2)  # offered directly: it announces the first one's end before
+    comm.Barrier()
+
+
+def _recv_two_segments(comm: cma.Comm) -> list:
+    buf = np.empty(SIZE, np.uint8)
+    comm.Recv(buf, 1, 1)
+    comm.Recv(buf, 1, 2)
+    stats = xmap_stats(comm)
+    out = [bool((buf == pattern(SIZE, 52)).all()), stats["mappings"], stats["cache_invalidations"]]
+    comm.Barrier()
+    return out
+
+
+def test_a_sender_on_the_direct_path_announces_the_segments_it_gave_back():
+    """A sender whose every call takes a fast path runs no progress pass: its next direct
+    offer tells the receiver of the segment given back, which drops its mapping at once."""
+    got, _ = run_ranks("auto", CONFIG, [_recv_two_segments, _send_then_give_back], timeout=60,
+                       xmap=True)
+    assert got == [True, 1, 1]
+
+
+def _recv_and_view_unmappable(comm: cma.Comm) -> list:
+    comm.attach()
+    comm._progress.connection.policy.mappable.clear()  # as if mapping rank 1 had failed
+    buf = np.empty(SIZE, np.uint8)
+    comm.Recv(buf, 1, 1)
+    view = comm.recv_view(1, 2)
+    stats = comm.stats()
+    out = [bool((buf == pattern(SIZE, 61)).all()), bool((view == pattern(SIZE, 61)).all()),
+           stats["xmap"]["messages"], stats["xmap"]["views_held"], stats["cma"]["messages"]]
+    view.release()
+    comm.Barrier()
+    return out
+
+
+def _send_heap_array_twice(comm: cma.Comm) -> None:
+    a = cma.empty(SIZE, np.uint8)
+    a[:] = pattern(SIZE, 61)
+    comm.Send(a, 0, 1)
+    comm.Send(a, 0, 2)
+    comm.Barrier()
+
+
+def test_a_receiver_that_cannot_map_the_heap_pulls_a_directly_offered_heap_buffer():
+    """The heap buffer's RTS carries its region too: a receiver that may not map the
+    sender's heap pulls it with the kernel's one copy, and its view is a copy."""
+    got, _ = run_ranks("cma", CONFIG, [_recv_and_view_unmappable, _send_heap_array_twice],
+                       timeout=60, xmap=True)
+    assert got == [True, True, 0, 0, 2]

@@ -461,6 +461,8 @@ class Comm(MPI.Intracomm):
         peer = self._fast.get(source)
         if peer is not None and self._cma is not None:
             try:
+                if status is None:  # (the direct rendezvous's view; it fills cma's Status only)
+                    return self._cma.recv_view(peer, tag)
                 return self._cma.Irecv_view(peer, tag).wait(status)  # type: ignore[arg-type]  # (a node request: MPI's Status)
             except CmaError as exc:
                 self._fail(exc)

@@ -29,6 +29,7 @@ if comm.Get_rank() == 1:
     comm.Send([a, n, MPI.BYTE], 0, 2)
     comm.Send(a, 0, 3)  # returns once rank 0 released its view
     comm.Send(np.full(100, 3, np.uint8), 0, 4)  # eager: a view of a copy
+    comm.Send(a, 0, 6)  # viewed with no status: the direct rendezvous's view, on the node
     b = cma.empty(n, np.uint8)
     b[:] = 5
     comm.send({"b": b}, 0, 5)  # on the node: returns once rank 0 dropped its view
@@ -51,11 +52,15 @@ else:
     ok = ok and bool((small == 3).all()) and not small.flags.writeable
     stats = xmap_stats()
     ok = ok and (apart or stats["messages"] == 3 and stats["user_copies"] == 2 / 3)
+    with comm.recv_view(1, 6) as view:
+        ok = ok and isinstance(view, cma.View) and bool((view == 7).all()) and view.size == n
+    stats = xmap_stats()
+    ok = ok and (apart or stats["messages"] == 4 and stats["user_copies"] == 2 / 4)
     # an object of heap arrays: views of rank 1's memory on the node, copies through MPI
     got = comm.recv(source=1, tag=5, views=True)
     ok = ok and bool((got["b"] == 5).all()) and got["b"].flags.writeable == apart
     stats = xmap_stats()
-    ok = ok and (apart or stats["messages"] == 4 and stats["views_held"] >= 1)
+    ok = ok and (apart or stats["messages"] == 5 and stats["views_held"] >= 1)
     del got  # (rank 1's send returns once this view is gone and the Barrier moved the FIN)
 comm.Barrier()
 if ok:

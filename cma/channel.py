@@ -88,6 +88,11 @@ CONNECTS = 4
 # the number of this rank's doorbell fd in its own process, for peers to take with
 # pidfd_getfd (World.open_pair); -1 (never published) sends them to its fd server
 DOORBELL = 5
+# the CPUs this rank may run on, a bitmap of CPU_WORDS words (CPU c at bit c % 64 of word
+# c // 64, folded modulo CPU_WORDS * 64 on larger machines): peers count the CPUs of the
+# whole world, as a launcher that pins each rank to its own core leaves each mask one CPU
+CPUS = 6
+CPU_WORDS = 8
 # in a reach word: the rank has probed the peer (a mask of 0 alone would read as "not yet")
 REACH_PUBLISHED = 1 << 62
 

@@ -311,8 +311,9 @@ class Comm(Collectives):
             None if type(self).operation_completed is Comm.operation_completed
             else self.operation_completed,
             overlap=bool(self._transport_options.get("overlap")), owner=self,
-            oversubscribed=self.size > _linux.usable_cpus() if self._oversubscribed is None
-            else self._oversubscribed)
+            # (the CPUs of the ranks attached by now: a world of two has connected its pair)
+            oversubscribed=self.size > _linux.usable_cpus(world.published_cpus())
+            if self._oversubscribed is None else self._oversubscribed)
         self._direct = self._progress.direct
         if self._direct is not None:
             self._direct_from = DIRECT_FROM

@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from . import _linux
 from .channel import (
     CONNECTS,
+    CPU_WORDS,
+    CPUS,
     DOORBELL,
     LAUNCHED,
     PHASE,
@@ -307,7 +309,28 @@ class World:
         self.expose_fd("doorbell", lambda: os.dup(bell))
         self.header[self._word(self.rank, DOORBELL)] = bell
         self.header[self._word(self.rank, PID)] = os.getpid()
+        bitmap = [0] * CPU_WORDS
+        for cpu in os.sched_getaffinity(0):
+            cpu %= CPU_WORDS * 64
+            bitmap[cpu >> 6] |= 1 << (cpu & 63)
+        for i, word in enumerate(bitmap):
+            # (as a signed word: the header holds int64s)
+            self.header[self._word(self.rank, CPUS + i)] = word - (1 << 64) if word >> 63 else word
         self.header[self._word(self.rank, PHASE)] = PHASE_PUBLISHED
+
+    def published_cpus(self) -> set[int]:
+        """The CPUs that this rank and every rank that has attached so far may run on."""
+        cpus = set(os.sched_getaffinity(0))
+        for rank in range(self.size):
+            if self.header[self._word(rank, PHASE)] < PHASE_PUBLISHED:
+                continue
+            for i in range(CPU_WORDS):
+                word = self.header[self._word(rank, CPUS + i)] & ((1 << 64) - 1)
+                while word:
+                    low = word & -word
+                    cpus.add(i * 64 + low.bit_length() - 1)
+                    word ^= low
+        return cpus
 
     def open_pair(self, peer: int) -> None:
         """Connect ``peer``'s end of the pair: wait until it has attached, map the two

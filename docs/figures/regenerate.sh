@@ -147,12 +147,16 @@ python -m cma.bench bw --transport all --min-size 4K --max-size 4M --quick "${gu
 python -m cma.bench latency --transport all --min-size 64K --max-size 16M --quick --cold \
     "${guard[@]}" > docs/figures/latency-cold.txt
 
-# xmap (docs/figures/xmap.txt was made by hand, with mpiexec -n 2 for the warm table):
+# xmap (docs/figures/xmap.txt and xmap-2026-12-04.txt were made by hand, with mpiexec -n 2 for the
+# warm table; 2026-12-04's recv_view run with --iterations 200 --warmup 20 --rounds 3):
 # python -m cma.bench latency --transport xmap,auto --baseline memcpy,memcpy2,mpi4py \
 #     --min-size 64K --max-size 64M --quick --rounds 3
 # python -m cma.bench latency --transport xmap --baseline none --cold --min-size 4M --max-size 64M --quick --rounds 3
 # python -m cma.bench latency --transport xmap --baseline none --recv-view --min-size 64K --max-size 1G --quick
 # python bench/xmap_reduce.py --size 64M --repeat 7
+# the same against Ray, multiprocessing.shared_memory and torch.multiprocessing, in a venv of
+# its own (pip install -e . ray torch): figures/peers-2026-12-04.txt
+# python bench/peers.py --json docs/figures/peers-2026-12-04.json
 
 # every sample of the latency run is ~12 MB of JSON: keep it compressed in the repository
 gzip -f docs/figures/latency.json

@@ -93,6 +93,7 @@ DOORBELL = 5
 # whole world, as a launcher that pins each rank to its own core leaves each mask one CPU
 CPUS = 6
 CPU_WORDS = 8
+assert CPUS + CPU_WORDS <= RANK_BLOCK_WORDS
 # in a reach word: the rank has probed the peer (a mask of 0 alone would read as "not yet")
 REACH_PUBLISHED = 1 << 62
 

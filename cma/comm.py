@@ -197,9 +197,9 @@ class Comm(Collectives):
         # there is one: direct.py)
         self._direct: DirectRendezvous | None = None
         self._direct_from = NEVER
-        self._fast_spins = FAST_SPINS  # (Progress.fast_spins, from attach)
+        self._fast_spins = FAST_SPINS  # (Progress.fast_spins, from attach; spins_changed)
         # Whether this machine's ranks outnumber their CPUs (None: this world's size
-        # against the CPUs this process may use, decided at attach; cma.mpi knows better)
+        # against the CPUs its ranks may use, counted from attach on; cma.mpi knows better)
         self._oversubscribed: bool | None = None
         self._closed = False
         self._world: World | None = None
@@ -304,6 +304,9 @@ class Comm(Collectives):
         self._world = world
         connection = Connection(world, self.rank, self._transport_name, self._transport_options,
                                 self._user_thresholds)
+        # (the CPUs of the ranks attached by now, peers that connect later added by
+        # Progress: a world of two has connected its pair)
+        cpus = world.published_cpus() if self._oversubscribed is None else None
         self._progress = Progress(
             world, connection, self._matcher, self._fast_outboxes, self._fast_inboxes, self._inbox_peer,
             self._eager_counts, self._ring,
@@ -311,9 +314,8 @@ class Comm(Collectives):
             None if type(self).operation_completed is Comm.operation_completed
             else self.operation_completed,
             overlap=bool(self._transport_options.get("overlap")), owner=self,
-            # (the CPUs of the ranks attached by now: a world of two has connected its pair)
-            oversubscribed=self.size > _linux.usable_cpus(world.published_cpus())
-            if self._oversubscribed is None else self._oversubscribed)
+            oversubscribed=self.size > _linux.usable_cpus(cpus)
+            if cpus is not None else bool(self._oversubscribed), cpus=cpus)
         self._direct = self._progress.direct
         if self._direct is not None:
             self._direct_from = DIRECT_FROM
@@ -374,7 +376,7 @@ class Comm(Collectives):
         if outbox is not None and type(tag) is int and tag >= 0:
             direct = self._direct
             if n >= self._direct_from and mv.__class__ is memoryview and direct is not None \
-                    and tag <= TAG_MAX and direct.can_pull(dest):
+                    and tag <= TAG_MAX and (direct.can_pull(dest) or direct.can_map(dest, mv)):
                 me = get_ident()
                 if not self._busy:
                     # (held as the general paths hold it, through the wait for a send the
@@ -459,6 +461,11 @@ class Comm(Collectives):
         FIN); it goes out during this rank's next call into cma. cma.mpi makes sure a wait
         inside MPI is such a call."""
 
+    def spins_changed(self) -> None:
+        """Progress found that this rank has a CPU to itself after all (its later peers'
+        masks): the fast paths spin from now on."""
+        self._fast_spins = self._progress.fast_spins if self._progress is not None else FAST_SPINS
+
     def waits_alone(self) -> bool:
         """Hook: whether this rank's waits need move nothing but cma (``Recv`` may then sleep
         until its peer's next packet without the engine); cma.mpi's mixed ranks must keep
@@ -522,7 +529,7 @@ class Comm(Collectives):
                 or dest.__class__ is not int or not 0 <= dest < self.size:
             return False
         outbox = self._fast_outboxes[dest]
-        if outbox is None or not direct.can_pull(dest):
+        if outbox is None or not (direct.can_pull(dest) or direct.can_map(dest, mv)):
             return False
         me = get_ident()
         if self._busy:  # (tested right before it is set, as in Send)

@@ -157,12 +157,15 @@ class Progress:
                  inbox_peer: dict[Inbox, int], counts: EagerCounts,
                  ring: Callable[[int], None],
                  completed: Callable[[SendOp | RecvOp], None] | None, overlap: bool,
-                 owner: Any, oversubscribed: bool) -> None:
+                 owner: Any, oversubscribed: bool, cpus: set[int] | None = None) -> None:
         """``matcher``, ``fast_outboxes``, ``fast_inboxes`` and ``inbox_peer`` are the
         communicator's, filled here; ``ring(peer)`` rings a peer's doorbell, and
         ``completed(op)``, if given, is told of every operation the engine completes.
         ``owner``: the communicator, whose ``_busy`` word the entries claim (``claim``).
-        ``oversubscribed``: the machine's ranks outnumber the CPUs they can run on."""
+        ``oversubscribed``: the machine's ranks outnumber the CPUs they can run on;
+        ``cpus``, if it was decided on them: the CPUs of the ranks counted, to which those of
+        each peer that connects later are added (World.cpus_of), so that a rank that
+        attached first stops counting itself crowded once the ranks' masks say otherwise."""
         self.owner = owner
         self.world = world
         self.rank = rank = world.rank
@@ -190,11 +193,9 @@ class Progress:
         # with N-1 peers costs one comparison: docs/architecture.md, "The heads matrix").
         self.heads_row = world.heads_row()
         self.heads_drained = b""
-        # The ring ends the fast paths may use right now: a peer's outbox leaves
-        # fast_outboxes while packets to it wait in txq (order), and the inboxes leave
-        # fast_inboxes while packets to ourselves wait in loopback.
         self.oversubscribed = oversubscribed
         connection.policy.crowded = oversubscribed
+        self.cpus = cpus
         # How often a fast path polls an empty ring (a blocking receive's, a direct
         # send's for its FIN): only with a core to itself, since a spin when ranks
         # outnumber cores holds back the peer it waits for.
@@ -204,6 +205,9 @@ class Progress:
         # A direct send whose FIN may come while this rank waits for something else (a
         # Sendrecv's offer during its receive): await_head takes that FIN itself.
         self.offered: SendOp | None = None
+        # The ring ends the fast paths may use right now: a peer's outbox leaves
+        # fast_outboxes while packets to it wait in txq (order), and the inboxes leave
+        # fast_inboxes while packets to ourselves wait in loopback.
         self.fast_outboxes = fast_outboxes
         self.fast_inboxes = fast_inboxes
         self.inbox_peer = inbox_peer
@@ -269,11 +273,27 @@ class Progress:
         self.inbox_peer[inbox] = peer
         self.connected = [*self.connected, peer]
         self.heads_drained = b""  # (its ring may hold packets from before it connected)
+        if self.oversubscribed and self.cpus is not None:
+            self._count_cpus_of(peer)
         if not self.broken and not self.closing:
             if not self.txq[peer]:
                 self.fast_outboxes[peer] = outbox
             if not self.loopback:
                 self.fast_inboxes[peer] = inbox
+
+    def _count_cpus_of(self, peer: int) -> None:
+        """Add the CPUs ``peer`` may run on to those counted; with as many as ranks (and
+        the cgroup's quota allowing), stop waiting as ranks that share CPUs wait."""
+        cpus = self.cpus
+        assert cpus is not None
+        cpus |= self.world.cpus_of(peer)
+        if len(cpus) < self.size or self.size > _linux.usable_cpus(cpus):
+            return  # (usable_cpus reads the cgroup's files: not per connect)
+        self.oversubscribed = self.connection.policy.crowded = False
+        self.fast_spins = FAST_SPINS
+        if self.direct is not None:
+            self.direct.spins = FAST_SPINS
+        self.owner.spins_changed()
 
     def accept(self) -> bool:
         """Connect the peers that have connected to this rank since it last looked; True

@@ -27,7 +27,7 @@ import selectors
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from . import _linux
@@ -309,27 +309,36 @@ class World:
         self.expose_fd("doorbell", lambda: os.dup(bell))
         self.header[self._word(self.rank, DOORBELL)] = bell
         self.header[self._word(self.rank, PID)] = os.getpid()
+        self.publish_cpus(os.sched_getaffinity(0))
+        self.header[self._word(self.rank, PHASE)] = PHASE_PUBLISHED
+
+    def publish_cpus(self, cpus: Iterable[int]) -> None:
+        """Write the CPUs this rank may run on into its header block (``CPUS``)."""
         bitmap = [0] * CPU_WORDS
-        for cpu in os.sched_getaffinity(0):
+        for cpu in cpus:
             cpu %= CPU_WORDS * 64
             bitmap[cpu >> 6] |= 1 << (cpu & 63)
         for i, word in enumerate(bitmap):
             # (as a signed word: the header holds int64s)
             self.header[self._word(self.rank, CPUS + i)] = word - (1 << 64) if word >> 63 else word
-        self.header[self._word(self.rank, PHASE)] = PHASE_PUBLISHED
 
     def published_cpus(self) -> set[int]:
-        """The CPUs that this rank and every rank that has attached so far may run on."""
-        cpus = set(os.sched_getaffinity(0))
+        """The CPUs that the ranks attached so far (this one included) may run on."""
+        cpus: set[int] = set()
         for rank in range(self.size):
-            if self.header[self._word(rank, PHASE)] < PHASE_PUBLISHED:
-                continue
-            for i in range(CPU_WORDS):
-                word = self.header[self._word(rank, CPUS + i)] & ((1 << 64) - 1)
-                while word:
-                    low = word & -word
-                    cpus.add(i * 64 + low.bit_length() - 1)
-                    word ^= low
+            if self.header[self._word(rank, PHASE)] >= PHASE_PUBLISHED:
+                cpus |= self.cpus_of(rank)
+        return cpus
+
+    def cpus_of(self, rank: int) -> set[int]:
+        """The CPUs that ``rank`` published at attach (folded as ``publish`` folds them)."""
+        cpus = set()
+        for i in range(CPU_WORDS):
+            word = self.header[self._word(rank, CPUS + i)] & ((1 << 64) - 1)
+            while word:
+                low = word & -word
+                cpus.add(i * 64 + low.bit_length() - 1)
+                word ^= low
         return cpus
 
     def open_pair(self, peer: int) -> None:

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 
 import cma
+from cma import _linux, channel
+from cma.world import PHASE_PUBLISHED, World
 
 RUN_TIMEOUT = 120
 
@@ -194,15 +196,78 @@ if comm.Get_rank() == 0:
 """
 
 
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to pin two ranks apart")
+@pytest.mark.skipif(_linux.usable_cpus() < 2, reason="needs two usable CPUs to pin two ranks apart")
 def test_ranks_pinned_to_a_core_each_do_not_count_as_oversubscribed(tmp_path):
     """Oversubscription counts the CPUs of the world's ranks, not of the rank alone: ranks
     pinned to a core each (cma-bench --bind, taskset per rank, a launcher's binding) have
     one CPU each in their masks. Counted alone they yielded instead of spinning and pulled
-    instead of splitting: cma-bench's 64 MiB took 6.8 ms against 3.7 unpinned."""
+    instead of splitting (docs/architecture.md, "Waiting when ranks outnumber CPUs", has
+    the times)."""
     code, out, err, _ = cma_run(["-n", "2"], SPREAD, tmp_path)
     assert code == 0, err
     assert (tmp_path / "spread").read_text() == "ok"
+
+
+LATE_SPREAD = """
+import os, sys, time
+import cma
+from cma import _linux
+
+comm = cma.COMM_WORLD
+rank, size = comm.Get_rank(), comm.Get_size()
+# a machine of a CPU per rank, each rank pinned to its own (this one may have fewer: the
+# masks the ranks publish and the count of them are what is tested)
+os.sched_getaffinity = lambda pid: {rank}
+_linux.cgroup_cpu_quota = lambda *args: None
+flag = os.path.join(sys.argv[1], "attached")
+if rank == 0:
+    comm.attach()  # before the others: its own mask is all it counts
+    alone = comm._progress.oversubscribed
+    open(flag, "w").close()
+else:
+    while not os.path.exists(flag):
+        time.sleep(0.01)
+    comm.attach()
+for peer in range(size):
+    if peer != rank:
+        comm.send(rank, dest=peer)
+assert sorted(comm.recv(source=peer) for peer in range(size) if peer != rank) == \
+    [peer for peer in range(size) if peer != rank]
+progress = comm._progress
+state = (progress.oversubscribed, progress.connection.policy.crowded, comm._fast_spins > 0,
+         progress.direct.spins > 0)
+assert state == (False, False, True, True), state
+comm.Barrier()
+if rank == 0:
+    open(os.path.join(sys.argv[1], "late"), "w").write(f"alone crowded {alone}")
+"""
+
+
+def test_a_rank_that_attached_first_counts_the_cpus_of_the_peers_that_connect_later(tmp_path):
+    """In a world of three, a rank that attaches before the others have published their
+    masks counts its own CPU alone and takes itself for crowded; as each peer connects it
+    adds that peer's, and with a CPU per rank its fast paths spin again."""
+    code, out, err, _ = cma_run(["-n", "3"], LATE_SPREAD, tmp_path)
+    assert code == 0, err
+    assert (tmp_path / "late").read_text() == "alone crowded True"
+
+
+def test_published_cpus_are_the_union_of_the_masks_each_counted_once():
+    """A mask wider than the published bitmap folds onto it, and the rank's own CPUs are
+    counted from what it published, never twice (CPU 600 and its fold 88 both counted)."""
+    bits = channel.CPU_WORDS * 64
+    world = World.__new__(World)  # (its header alone: nothing attached)
+    world.size = 2
+    words = channel.PREAMBLE_WORDS + 2 * channel.RANK_BLOCK_WORDS
+    world.header = memoryview(bytearray(8 * words)).cast("q")  # (as World maps it)
+    for rank, cpus in ((0, {1, bits + 88}), (1, {88, 3, 2 * bits - 1})):
+        world.rank = rank
+        world.publish_cpus(cpus)
+        world.header[world._word(rank, channel.PHASE)] = PHASE_PUBLISHED
+    assert world.published_cpus() == {1, 3, 88, bits - 1}
+    world.header[world._word(1, channel.PHASE)] = 0  # not attached yet
+    assert world.published_cpus() == {1, 88}
+    assert world.cpus_of(1) == {3, 88, bits - 1}
 
 
 def test_any_source_from_many_ranks(tmp_path):

@@ -26,12 +26,13 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from . import _linux
+from . import _linux, heap
 from .channel import NOT_EAGER, RING_EMPTY, Inbox, Outbox
 from .connect import NEVER
 from .errors import CmaError
 from .protocol import (
     ONE_HEAP_RTS,
+    ONE_HEAP_RTS_WORDS,
     ONE_REGION_RTS,
     PULL,
     XMAP,
@@ -41,7 +42,6 @@ from .protocol import (
     encode_one_heap_rts,
     encode_one_region_rts,
 )
-from .rcache import RegistrationCacheFull
 from .transports import REGISTRY
 from .transports.base import Region
 from .transports.xmap import View
@@ -51,7 +51,6 @@ if TYPE_CHECKING:
     from .progress import Progress
 
 ENV_DIRECT_FROM = "CMA_DIRECT_FROM"
-HEAP_RTS_WORDS = ONE_HEAP_RTS.size // 8
 
 
 def direct_from(setting: str) -> int:
@@ -115,6 +114,9 @@ class DirectRendezvous:
         self.xmap = progress.xmap
         self.heap_of = progress.engine.heap_of
         self.mappable = self.policy.mappable
+        # xmap's reach bit (after the transports' bits; 0 with xmap off): a peer that has
+        # it towards this rank maps its heap, and needs no pull for a buffer there
+        self.map_bit = 1 << len(names) if self.xmap is not None else 0
 
     def can_pull(self, peer: int) -> bool:
         """Whether ``peer`` has published that a transport of its reaches this rank's memory
@@ -127,28 +129,37 @@ class DirectRendezvous:
             known = self.pullers[peer] = bool(world.reach(peer, self.rank) & self.pull_bits)
         return known
 
+    def can_map(self, peer: int, mv: memoryview) -> bool:
+        """Whether ``peer`` maps this rank's heap and ``mv`` lies in it: a peer that cannot
+        pull takes such a buffer out of its mapping (``can_pull``'s alternative)."""
+        world = self.world
+        return bool(self.map_bit) and world.reach_published(peer, self.rank) \
+            and bool(world.reach(peer, self.rank) & self.map_bit) and heap.locate(mv) is not None
+
     def send(self, outbox: Outbox, mv: memoryview, n: int, dest: int, tag: int) -> SendOp | None:
         """Offer ``mv`` (``n`` > 0 bytes, C-contiguous) to ``dest`` and spin until it has
         copied it: None. Otherwise the send, the engine's, for the caller to wait on."""
         op, in_ring = self.offer(outbox, mv, n, dest, tag)
         return None if in_ring and self.fin_came(op, dest) else op
 
-    def offer(self, outbox: Outbox, mv: memoryview, n: int, dest: int, tag: int
+    def offer(self, outbox: Outbox | None, mv: memoryview, n: int, dest: int, tag: int
               ) -> tuple[SendOp, bool]:
         """Offer ``mv`` to ``dest``: the send, the engine's, and whether its RTS went into
         the ring (else it is queued behind a full ring, and the engine sends it)."""
         progress = self.progress
-        op = progress.engine.direct_send(dest, tag, mv)
         ref = None
-        if self.heap_of is not None:
-            ref = self.heap_of(dest, mv)
-            if self.xmap is not None and self.xmap.given_back:
-                progress.announce_given_back()  # (a rank on fast paths only runs no pass)
+        xmap, heap_of = self.xmap, self.heap_of
+        if xmap is not None and heap_of is not None:  # (both or neither: xmap on)
+            if xmap.given_back:  # (a rank on fast paths only runs no pass)
+                progress.announce_given_back()
+                outbox = self.fast_outboxes[dest]  # (None if an UNMAP waits for room: after it)
+            ref = heap_of(dest, mv)
+        op = progress.engine.direct_send(dest, tag, mv)
         if ref is None:
             rts = encode_one_region_rts(op.msgid, self.offers, _linux.local_address(mv), n)
         else:
             rts = encode_one_heap_rts(op.msgid, self.offers, _linux.local_address(mv), n, ref)
-        if not outbox.put(RTS, tag, n, rts):
+        if outbox is None or not outbox.put(RTS, tag, n, rts):
             progress.transmit(dest, RTS, tag, n, rts)
             return op, False
         if outbox.peer_sleeping[0]:
@@ -192,7 +203,7 @@ class DirectRendezvous:
             return NOT_EAGER
         peer = inbox.peer
         if size == ONE_HEAP_RTS.size:
-            heap_offer = decode_one_heap_rts(words[at + 4 : at + 4 + HEAP_RTS_WORDS], nbytes)
+            heap_offer = decode_one_heap_rts(words[at + 4 : at + 4 + ONE_HEAP_RTS_WORDS], nbytes)
             if heap_offer is None:
                 return NOT_EAGER
             msgid, offers, region, ref = heap_offer
@@ -281,7 +292,7 @@ class DirectRendezvous:
         assert link is not None
         try:
             xmap.read_heap(link, (region,), (ref,), (mv if nbytes == mv.nbytes else mv[:nbytes],))
-        except (CmaError, RegistrationCacheFull):
+        except CmaError:  # (RegistrationCacheFull too)
             return NOT_EAGER  # (the general path copies again, or copies some other way)
         except BaseException as exc:
             self.progress.break_down(f"{type(exc).__name__} interrupted rank {self.rank} while it "
@@ -310,7 +321,7 @@ class DirectRendezvous:
         peer = inbox.peer
         if t != tag and (tag != ANY_TAG or t < 0) or peer not in self.mappable:
             return NOT_EAGER
-        offer = decode_one_heap_rts(words[at + 4 : at + 4 + HEAP_RTS_WORDS], nbytes)
+        offer = decode_one_heap_rts(words[at + 4 : at + 4 + ONE_HEAP_RTS_WORDS], nbytes)
         if offer is None:
             return NOT_EAGER
         msgid, _, _, ref = offer
@@ -318,7 +329,7 @@ class DirectRendezvous:
         assert link is not None
         try:
             held, lease = xmap.map_view(link, ref, nbytes)
-        except (CmaError, RegistrationCacheFull):
+        except CmaError:  # (RegistrationCacheFull too)
             return NOT_EAGER  # (the general path raises it, or hands out a copy)
         progress = self.progress
         try:

@@ -151,6 +151,7 @@ def decode_one_region_rts(words: Sequence[int], nbytes: int) -> tuple[int, int, 
 # offers with XMAP, 1, size, address, then the six words of its HeapRef): what the direct
 # rendezvous writes for a heap buffer where xmap is on, and its Recv or recv_view reads.
 ONE_HEAP_RTS = struct.Struct(f"{5 + HEAP_REF_WORDS}q")
+ONE_HEAP_RTS_WORDS = ONE_HEAP_RTS.size // 8
 
 
 def encode_one_heap_rts(msgid: int, offers: int, addr: int, nbytes: int, ref: HeapRef) -> bytes:
@@ -167,11 +168,16 @@ def decode_one_heap_rts(words: Sequence[int], nbytes: int) -> tuple[int, int, Re
     if nseg != 1 or size != nbytes or offers & (PULL | XMAP) != PULL | XMAP \
             or offers & ~(PULL | PUSH | PIPELINE | XMAP) \
             or size < 0 or not 0 <= addr <= ADDRESS_LIMIT - size \
-            or not (0 <= ref.segment and 1 <= ref.generation and 0 <= ref.offset
-                    and ref.offset + size <= ref.extent <= ADDRESS_LIMIT and 0 <= ref.fd
-                    and 0 <= ref.inode):
+            or not _places(ref, size):
         return None
     return msgid, offers, Region(addr, size), ref
+
+
+def _places(ref: HeapRef, size: int) -> bool:
+    """Whether ``ref`` can place a buffer of ``size`` bytes in a heap segment."""
+    return (0 <= ref.segment and 1 <= ref.generation and 0 <= ref.offset
+            and ref.offset + size <= ref.extent <= ADDRESS_LIMIT and 0 <= ref.fd
+            and 0 <= ref.inode)
 
 
 @dataclass
@@ -220,9 +226,7 @@ def decode_rts(payload: bytes | memoryview, peer: int = -1) -> RtsInfo:
         heap = [HeapRef(*words[at + i * HEAP_REF_WORDS : at + (i + 1) * HEAP_REF_WORDS])
                 for i in range(nseg)]
         for ref, size in zip(heap, sizes, strict=True):
-            if not (0 <= ref.segment and 1 <= ref.generation and 0 <= ref.offset
-                    and ref.offset + size <= ref.extent <= ADDRESS_LIMIT and 0 <= ref.fd
-                    and 0 <= ref.inode):
+            if not _places(ref, size):
                 raise ProtocolError(f"rank {peer} broke the protocol: an RTS places a buffer of "
                                     f"{size} bytes in its heap at {ref}, which no segment "
                                     "holds", peer=peer)
@@ -810,10 +814,11 @@ class Engine:
         return op, [Transmit(dest, RTS | flag, tag, nbytes, rts)]
 
     def direct_send(self, dest: int, tag: int, segment: memoryview) -> SendOp:
-        """A send of ``segment`` whose RTS (one region, every transfer mode offered: the direct
-        rendezvous) the I/O layer writes itself, registered before that RTS goes out: a CTS
-        or FIN for it is then the engine's to take whenever the I/O layer stops waiting,
-        however it stops (an interrupt included)."""
+        """A send of ``segment`` whose RTS (of one buffer, every transfer mode offered, and
+        its place in the heap if it lies there: the direct rendezvous) the I/O layer writes
+        itself, registered before that RTS goes out: a CTS or FIN for it is then the
+        engine's to take whenever the I/O layer stops waiting, however it stops (an
+        interrupt included)."""
         op = SendOp(dest, tag, [segment], segment.nbytes, False, next(self._ids))
         op.awaits_cts = op.awaits_fin = True
         self.sends[op.msgid] = op

@@ -23,6 +23,7 @@ import cma
 from cma import heap
 from cma.channel import ChannelConfig
 from cma.errors import PeerGone
+from cma.wire import KIND_MASK, RTS
 
 # a small eager limit: rendezvous (and so xmap) from 16 KiB, with small buffers
 CONFIG = ChannelConfig(eager_limit=16 << 10, ring_bytes=64 << 10, frag_size=16 << 10, stage_slots=4)
@@ -36,6 +37,22 @@ def pattern(n: int, seed: int) -> np.ndarray:
 
 def xmap_stats(comm: cma.Comm) -> dict[str, float]:
     return comm.stats().get("xmap", {})
+
+
+def engine_packet_kinds(comm: cma.Comm) -> list[int]:
+    """Attach ``comm`` and record the kind of every packet its engine handles from then on:
+    the direct rendezvous takes an RTS without the engine, the general path with it."""
+    comm.attach()
+    assert comm._progress is not None
+    engine = comm._progress.engine
+    handle = engine.packet
+    kinds: list[int] = []
+
+    def packet(source: int, kind: int, *rest: object) -> object:
+        kinds.append(kind & KIND_MASK)
+        return handle(source, kind, *rest)  # type: ignore[arg-type]
+    engine.packet = packet  # type: ignore[method-assign]
+    return kinds
 
 
 def fd_count() -> int:
@@ -568,6 +585,7 @@ def _send_mid_heap_array(comm: cma.Comm) -> None:
 
 
 def _view_then_recv_mid(comm: cma.Comm) -> list:
+    kinds = engine_packet_kinds(comm)
     status = cma.Status()
     view = comm.recv_view(cma.ANY_SOURCE, cma.ANY_TAG, status)
     out = [bool((view == pattern(MID, 41)).all()), xmap_stats(comm)["views_held"],
@@ -577,7 +595,7 @@ def _view_then_recv_mid(comm: cma.Comm) -> list:
     comm.Recv(buf, 1, 5)
     stats = comm.stats()
     out += [bool((buf == pattern(MID, 41)).all()), stats["xmap"]["messages"],
-            stats["xmap"]["user_copies"], stats["eager"]["messages"]]
+            stats["xmap"]["user_copies"], stats["eager"]["messages"], RTS in kinds]
     comm.Barrier()
     return out
 
@@ -585,13 +603,33 @@ def _view_then_recv_mid(comm: cma.Comm) -> list:
 def test_a_heap_buffer_within_the_eager_limit_sent_by_a_blocking_send_is_mapped():
     """From 256 KiB a blocking Send offers a heap buffer directly, with its place in the
     heap: the receiver's recv_view is the sender's memory (its status filled in for the
-    wildcards) and its Recv one copy out of the mapping, not the eager ring's two."""
+    wildcards) and its Recv one copy out of the mapping, not the eager ring's two, both
+    without the engine."""
     got, _ = run_ranks("auto", ChannelConfig(), [_view_then_recv_mid, _send_mid_heap_array],
                        timeout=60, xmap=True)
-    viewed, views_held, status, received, through_xmap, user_copies, eager = got
+    viewed, views_held, status, received, through_xmap, user_copies, eager, engine_rts = got
     assert viewed and views_held == 1 and status == (1, 4, MID)
     # (half the bytes counted were the view's, which copied none)
-    assert received and (through_xmap, user_copies, eager) == (2, 0.5, 0)
+    assert received and (through_xmap, user_copies, eager, engine_rts) == (2, 0.5, 0, False)
+
+
+def _send_mid_heap_array_to_a_receiver_that_cannot_pull(comm: cma.Comm) -> None:
+    comm.attach()
+    assert comm._direct is not None
+    comm._direct.pullers[0] = False  # as if rank 0's process_vm_readv were refused
+    _send_mid_heap_array(comm)
+
+
+def test_a_receiver_that_maps_the_heap_but_cannot_pull_takes_a_directly_offered_heap_buffer():
+    """A receiver that may map the sender's heap needs no pull for a buffer there: the
+    blocking Send offers it directly all the same (it went through the eager ring, a copy
+    for recv_view, when the direct path asked for a pull)."""
+    got, _ = run_ranks("auto", ChannelConfig(),
+                       [_view_then_recv_mid, _send_mid_heap_array_to_a_receiver_that_cannot_pull],
+                       timeout=60, xmap=True)
+    viewed, views_held, status, received, through_xmap, user_copies, eager, engine_rts = got
+    assert viewed and views_held == 1 and status == (1, 4, MID)
+    assert received and (through_xmap, user_copies, eager, engine_rts) == (2, 0.5, 0, False)
 
 
 def _send_then_give_back(comm: cma.Comm) -> None:
@@ -623,22 +661,24 @@ def test_a_sender_on_the_direct_path_announces_the_segments_it_gave_back():
 
 
 def _recv_and_view_unmappable(comm: cma.Comm) -> list:
-    comm.attach()
+    kinds = engine_packet_kinds(comm)
     comm._progress.connection.policy.mappable.clear()  # as if mapping rank 1 had failed
-    buf = np.empty(SIZE, np.uint8)
+    buf = np.empty(MID, np.uint8)
     comm.Recv(buf, 1, 1)
+    pulled_directly = RTS not in kinds
     view = comm.recv_view(1, 2)
     stats = comm.stats()
-    out = [bool((buf == pattern(SIZE, 61)).all()), bool((view == pattern(SIZE, 61)).all()),
-           stats["xmap"]["messages"], stats["xmap"]["views_held"], stats["cma"]["messages"]]
+    out = [bool((buf == pattern(MID, 61)).all()), bool((view == pattern(MID, 61)).all()),
+           stats["xmap"]["messages"], stats["xmap"]["views_held"], stats["cma"]["messages"],
+           pulled_directly]
     view.release()
     comm.Barrier()
     return out
 
 
 def _send_heap_array_twice(comm: cma.Comm) -> None:
-    a = cma.empty(SIZE, np.uint8)
-    a[:] = pattern(SIZE, 61)
+    a = cma.empty(MID, np.uint8)
+    a[:] = pattern(MID, 61)
     comm.Send(a, 0, 1)
     comm.Send(a, 0, 2)
     comm.Barrier()
@@ -646,7 +686,8 @@ def _send_heap_array_twice(comm: cma.Comm) -> None:
 
 def test_a_receiver_that_cannot_map_the_heap_pulls_a_directly_offered_heap_buffer():
     """The heap buffer's RTS carries its region too: a receiver that may not map the
-    sender's heap pulls it with the kernel's one copy, and its view is a copy."""
-    got, _ = run_ranks("cma", CONFIG, [_recv_and_view_unmappable, _send_heap_array_twice],
+    sender's heap pulls it with the kernel's one copy on the direct path (a size that it
+    pulls whole: within the eager limit), and its view is a copy."""
+    got, _ = run_ranks("cma", ChannelConfig(), [_recv_and_view_unmappable, _send_heap_array_twice],
                        timeout=60, xmap=True)
-    assert got == [True, True, 0, 0, 2]
+    assert got == [True, True, 0, 0, 2, True]

@@ -108,6 +108,7 @@ class DirectRendezvous:
         self.pull_via: dict[int, str] = {}  # per peer: _pull_via's answer
         self.fast_outboxes = progress.fast_outboxes
         self.owner = progress.owner
+        self.joiner = progress.joiner  # (a peer in it has sent part of a split control packet)
         # xmap: a send buffer in the heap is offered by its HeapRef too (heap_of: where it
         # lies, None off the heap), and a receiver that may map its peer's heap copies from
         # its mapping or hands it out as a view (docs/guide.md section 5)
@@ -257,6 +258,8 @@ class DirectRendezvous:
         """Where the RTS at the head of ``inbox`` starts (as ``head_of``) and its payload's
         size, if it is one the direct path reads (of one region, or of one heap buffer,
         which a rank that cannot map it pulls by its region); (-1, 0) otherwise."""
+        if inbox.peer in self.joiner:
+            return -1, 0  # (the head is the next piece of a split packet, not a packet)
         at = inbox.head_of(RTS, ONE_REGION_RTS.size)
         if at >= 0:
             return at, ONE_REGION_RTS.size
@@ -310,7 +313,7 @@ class DirectRendezvous:
         receive (``tag``) and this rank may map its sender's heap: a view of it (its tag in
         ``inbox.last_tag``), the sender's FIN sent at its release. RING_EMPTY or NOT_EAGER
         (the packet left in the ring) as ``recv``."""
-        at = inbox.head_of(RTS, ONE_HEAP_RTS.size)
+        at = inbox.head_of(RTS, ONE_HEAP_RTS.size) if inbox.peer not in self.joiner else -1
         if at < 0:
             return NOT_EAGER if inbox.ready() else RING_EMPTY
         xmap = self.xmap
@@ -333,7 +336,7 @@ class DirectRendezvous:
             return NOT_EAGER  # (the general path raises it, or hands out a copy)
         progress = self.progress
         try:
-            view = xmap.hand_out([held], peer, msgid, [lease], progress.release_views)[0]
+            view = xmap.hand_out([held], peer, msgid, [lease], progress.flush_released_views)[0]
             inbox.consume(ONE_HEAP_RTS.size)
         except BaseException as exc:
             progress.break_down(f"{type(exc).__name__} interrupted rank {self.rank} while it "

@@ -493,7 +493,7 @@ class Progress:
             self.run(self.engine.map_refused(op, action.peer, action.rts))
             return
         views = xmap.hand_out([held for held, _ in mapped], action.peer, action.msgid,
-                              [lease for _, lease in mapped], self.release_views)
+                              [lease for _, lease in mapped], self.flush_released_views)
         if op.is_object or len(views) > 1:  # (load_object unpickles from them)
             op.segments = [view.data for view in views]
         else:
@@ -509,6 +509,25 @@ class Progress:
             xmap.view_released(leases)
             if peer not in self.dead and not self.broken and not self.closing:
                 self.run(self.engine.view_released(peer, msgid))
+
+    def flush_released_views(self) -> None:
+        """``View.release``'s flush, from any thread: the FINs at once if no call is inside
+        the communicator; else that call's next pass sends them (``release_views``), woken
+        by the doorbell if it sleeps. (Unclaimed, a release in a second thread moved the
+        engine and the rings under the first one's feet.)"""
+        owner = self.owner
+        me = get_ident()
+        held = owner._busy
+        if not held:  # (tested and set with no call or taken jump between: claim's rule)
+            owner._busy = me
+        else:
+            if not self.closing:
+                _linux.ring_doorbell(self.world.fds.doorbells[self.rank])
+            return
+        try:
+            self.release_views()
+        finally:
+            owner._busy = 0
 
     def announce_given_back(self) -> None:
         """Tell the peers that mapped our heap segments which of them we gave back."""

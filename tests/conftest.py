@@ -28,6 +28,7 @@ import cma._linux
 from cma.comm import _shared_fds
 from cma.errors import FdAlreadyClosed
 from cma.transports import REGISTRY
+from cma.wire import KIND_MASK
 from cma.world import WorldFds
 
 # A shell starts a background job (`cmd &` without job control, as a CI script may) with
@@ -365,3 +366,19 @@ def run_ranks(transport, config, funcs, timeout=30.0, **options):
 def run_pair(transport, config, func0, func1, timeout=30.0):
     """Run rank 0 and rank 1 of a fresh pair in two children; a hang fails, never blocks."""
     return run_ranks(transport, config, [func0, func1], timeout)
+
+
+def engine_packet_kinds(comm: cma.Comm) -> list[int]:
+    """Attach ``comm`` and record the kind of every packet its engine handles from then on:
+    the direct rendezvous takes an RTS without the engine, the general path with it."""
+    comm.attach()
+    assert comm._progress is not None
+    engine = comm._progress.engine
+    handle = engine.packet
+    kinds: list[int] = []
+
+    def packet(source: int, kind: int, *rest: object) -> object:
+        kinds.append(kind & KIND_MASK)
+        return handle(source, kind, *rest)  # type: ignore[arg-type]
+    engine.packet = packet  # type: ignore[method-assign]
+    return kinds

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import JOIN_TIMEOUT, TRANSPORTS, run_pair, run_ranks, stop_process
+from conftest import JOIN_TIMEOUT, TRANSPORTS, engine_packet_kinds, run_pair, run_ranks, stop_process
 
 import cma
 from cma import direct
@@ -102,6 +102,33 @@ def test_a_blocking_send_is_pulled_with_one_copy(peer, transport, nbytes):
     assert (stats["user_copies"], stats["kernel_copies"]) == (copies.user, copies.kernel)
     assert got["stats"]["eager"]["messages"] == 0
     assert eager_sent == 0
+
+
+def _recv_while_a_split_packet_is_joined(comm: cma.Comm) -> list:
+    kinds = engine_packet_kinds(comm)
+    progress = comm._progress
+    # as if rank 1 had sent the first, empty, piece of a split packet: its next packet is
+    # that packet's next piece, which the engine joins, whatever it looks like alone
+    progress.joiner.partial[1] = bytearray()
+    buf = np.zeros(1 << 20, np.uint8)
+    comm.Recv(buf, 1, TAG)
+    out = [bool((buf == pattern(1 << 20, 5)).all()), RTS in kinds, 1 in progress.joiner]
+    comm.Barrier()
+    return out
+
+
+def _send_direct(comm: cma.Comm) -> None:
+    comm.Send(pattern(1 << 20, 5), 0, TAG)
+    comm.Barrier()
+
+
+def test_the_direct_path_leaves_the_ring_to_the_engine_while_a_split_packet_is_joined():
+    """While a peer's control packet split in pieces is half joined, the packet at the head
+    of its ring is a piece (an RTS kind and size alone do not make it an offer): the
+    receive takes the general path, whose engine joins it."""
+    got = run_ranks("cma", cma.ChannelConfig(), [_recv_while_a_split_packet_is_joined, _send_direct],
+                    timeout=60)
+    assert got == [[True, True, False], None]
 
 
 def op_post_then_recv(comm: cma.Comm, nbytes: int, seed: int) -> bool:

@@ -12,18 +12,19 @@ import gc
 import multiprocessing as mp
 import os
 import textwrap
+import threading
 import time
 
 import numpy as np
 import pytest
-from conftest import run_ranks, stop_process
+from conftest import engine_packet_kinds, run_ranks, stop_process
 from test_run import cma_run
 
 import cma
 from cma import heap
 from cma.channel import ChannelConfig
 from cma.errors import PeerGone
-from cma.wire import KIND_MASK, RTS
+from cma.wire import RTS
 
 # a small eager limit: rendezvous (and so xmap) from 16 KiB, with small buffers
 CONFIG = ChannelConfig(eager_limit=16 << 10, ring_bytes=64 << 10, frag_size=16 << 10, stage_slots=4)
@@ -37,22 +38,6 @@ def pattern(n: int, seed: int) -> np.ndarray:
 
 def xmap_stats(comm: cma.Comm) -> dict[str, float]:
     return comm.stats().get("xmap", {})
-
-
-def engine_packet_kinds(comm: cma.Comm) -> list[int]:
-    """Attach ``comm`` and record the kind of every packet its engine handles from then on:
-    the direct rendezvous takes an RTS without the engine, the general path with it."""
-    comm.attach()
-    assert comm._progress is not None
-    engine = comm._progress.engine
-    handle = engine.packet
-    kinds: list[int] = []
-
-    def packet(source: int, kind: int, *rest: object) -> object:
-        kinds.append(kind & KIND_MASK)
-        return handle(source, kind, *rest)  # type: ignore[arg-type]
-    engine.packet = packet  # type: ignore[method-assign]
-    return kinds
 
 
 def fd_count() -> int:
@@ -691,3 +676,41 @@ def test_a_receiver_that_cannot_map_the_heap_pulls_a_directly_offered_heap_buffe
     got, _ = run_ranks("cma", ChannelConfig(), [_recv_and_view_unmappable, _send_heap_array_twice],
                        timeout=60, xmap=True)
     assert got == [True, True, 0, 0, 2, True]
+
+
+def _release_in_another_thread_while_receiving(comm: cma.Comm) -> list:
+    comm.attach()
+    engine = comm._progress.engine
+    fin_threads: list[int] = []
+    view_released = engine.view_released
+
+    def recording(peer: int, msgid: int) -> object:
+        fin_threads.append(threading.get_ident())
+        return view_released(peer, msgid)
+    engine.view_released = recording  # type: ignore[method-assign]
+    view = comm.recv_view(1, 1)
+    releaser = threading.Thread(target=lambda: (time.sleep(0.3), view.release()))
+    releaser.start()
+    buf = np.empty(8, np.uint8)
+    comm.Recv(buf, 1, 2)  # sent once the view is released: this thread waits inside
+    releaser.join(10)
+    out = [not releaser.is_alive(), fin_threads == [threading.get_ident()], int(buf[0])]
+    comm.Barrier()
+    return out
+
+
+def _send_heap_then_small(comm: cma.Comm) -> None:
+    a = cma.empty(SIZE, np.uint8)
+    a[:] = 3
+    comm.Send(a, 0, 1)  # returns once rank 0's other thread has released the view
+    comm.Send(np.full(8, 9, np.uint8), 0, 2)
+    comm.Barrier()
+
+
+def test_a_view_released_in_another_thread_sends_its_fin_from_the_thread_inside():
+    """View.release from a second thread while the first waits inside the communicator
+    leaves the FIN to the first (woken by its doorbell): a release that moved the engine
+    and the rings from the second thread raced the first's wait on them."""
+    got, _ = run_ranks("auto", CONFIG, [_release_in_another_thread_while_receiving,
+                                        _send_heap_then_small], timeout=60, xmap=True)
+    assert got == [True, True, 9]

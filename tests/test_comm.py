@@ -1927,12 +1927,13 @@ def test_a_posted_receive_of_a_broken_communicator_is_not_filled_from_the_ring()
     """Once the communicator broke down (a signal in the middle of a packet's handling),
     the drain refuses the message a posted Irecv waits for, as the engine does, instead
     of copying it in: the ring's state is not to be trusted."""
-    sent = mp.get_context("fork").Event()
+    posted, sent = (mp.get_context("fork").Event() for _ in range(2))
 
     def rank0(comm):
         comm.attach()
         buf = np.zeros(8, np.int64)
         request = comm.Irecv(buf, source=1, tag=1)  # posted: nothing arrived yet
+        posted.set()
         assert sent.wait(JOIN_TIMEOUT)
         comm._progress.break_down("a test broke it")
         with pytest.raises(CommBroken, match="a test broke it"):
@@ -1941,6 +1942,7 @@ def test_a_posted_receive_of_a_broken_communicator_is_not_filled_from_the_ring()
 
     def rank1(comm):
         comm.attach()
+        assert posted.wait(JOIN_TIMEOUT)  # (sent earlier, Irecv itself may take it)
         comm.Send(np.full(8, 5, np.int64), dest=0, tag=1)
         sent.set()
         return True

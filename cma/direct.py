@@ -196,7 +196,11 @@ class DirectRendezvous:
                 return NOT_EAGER
             at, size = self._rts_at(inbox)
             if at < 0:
-                return NOT_EAGER if inbox.ready() else RING_EMPTY
+                if not inbox.ready():
+                    return RING_EMPTY
+                at, size = self._rts_at(inbox)  # (one may have come between the two looks)
+                if at < 0:
+                    return NOT_EAGER
         words = inbox.words
         t = words[at + 1]
         nbytes = words[at + 3]
@@ -315,7 +319,12 @@ class DirectRendezvous:
         (the packet left in the ring) as ``recv``."""
         at = inbox.head_of(RTS, ONE_HEAP_RTS.size) if inbox.peer not in self.joiner else -1
         if at < 0:
-            return NOT_EAGER if inbox.ready() else RING_EMPTY
+            if not inbox.ready():
+                return RING_EMPTY
+            # (a packet may have come between the two looks: an empty ring is no offer)
+            at = inbox.head_of(RTS, ONE_HEAP_RTS.size) if inbox.peer not in self.joiner else -1
+            if at < 0:
+                return NOT_EAGER
         xmap = self.xmap
         assert xmap is not None
         words = inbox.words

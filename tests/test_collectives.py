@@ -819,3 +819,28 @@ def test_bench_times_collectives_and_counts_their_copies(tmp_path: Any, kind: st
     else:
         # allreduce at 2 ranks: each rank sends its vector once (recursive doubling)
         assert 2 * 2 <= user <= 3 * 2 and kernel == 0
+
+
+
+@pytest.mark.parametrize(("kind", "kernel_copies"), [("bcast", 1.0), ("allreduce", 2.0)])
+def test_bench_times_the_object_forms(tmp_path: Any, kind: str, kernel_copies: float) -> None:
+    """``cma-bench bcast|allreduce --objects``: a dict holding a 4 MiB array broadcast (its
+    array out of band: one kernel copy per byte), the array allreduced as an object (to
+    rank 0, summed there, back: two)."""
+    from conftest import TWO_WAY_PTRACE
+
+    from cma.bench.cli import main
+
+    out = tmp_path / "bench.json"
+    nbytes = 4 << 20
+    code = main([kind, "--objects", "-n", "2", "--min-size", str(nbytes), "--max-size",
+                 str(nbytes), "--iterations", "3", "--warmup", "1", "--json", str(out)])
+    assert code == 0
+    report = json.loads(out.read_text())
+    (series,) = report["series"]
+    (result,) = series["results"]
+    assert report["objects"] and result["size"] == nbytes and len(result["rank_means_us"]) == 2
+    if TWO_WAY_PTRACE:
+        # (the pickles' few hundred bytes travel with the arrays, or eager)
+        assert result["kernel_copied"] / nbytes == pytest.approx(kernel_copies, abs=1e-3)
+        assert result["user_copied"] / nbytes < 1e-3

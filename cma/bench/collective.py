@@ -70,9 +70,19 @@ class CollectiveSeries:
     error: str = ""
 
 
-def operation(comm: Any, kind: str, nbytes: int) -> Callable[[], None]:
-    """The collective to time, with its buffers made (every page written) beforehand."""
+def operation(comm: Any, kind: str, nbytes: int, objects: bool = False) -> Callable[[], None]:
+    """The collective to time, with its buffers made (every page written) beforehand;
+    ``objects``: the object form (``bcast`` of a dict holding an array of ``nbytes``,
+    ``allreduce`` of the array itself, as Python objects are reduced, with ``+``)."""
     size = comm.Get_size()
+    if objects:
+        array = np.full(nbytes, 1, np.uint8)
+        if kind == "bcast":
+            message = {"step": 1, "name": "weights", "array": array}
+            return lambda: comm.bcast(message if comm.Get_rank() == 0 else None, 0)
+        if kind == "allreduce":
+            return lambda: comm.allreduce(array)
+        raise ValueError(f"{kind} has no object form here (bcast and allreduce do)")
     if kind == "bcast":
         buf = np.full(nbytes, 1, np.uint8)
         return lambda: comm.Bcast(buf, 0)
@@ -114,7 +124,7 @@ def _copied(stats: dict[str, dict[str, float]] | None) -> tuple[float, float, fl
 
 
 def run_sizes(comm: Any, kind: str, plan: Sequence[tuple[int, int, int]],
-              counter: Any = None) -> list[CollectiveResult]:
+              counter: Any = None, objects: bool = False) -> list[CollectiveResult]:
     """Every size of ``plan`` ((size, iterations, warmup), ...) on this rank; rank 0
     returns the results gathered from all ranks, the others an empty list. ``counter``
     has the ``stats()`` to read (default: ``comm``'s, if it has any)."""
@@ -122,7 +132,7 @@ def run_sizes(comm: Any, kind: str, plan: Sequence[tuple[int, int, int]],
     counter = comm if counter is None else counter
     has_stats = callable(getattr(counter, "reset_stats", None))
     for nbytes, iterations, warmup in plan:
-        run = operation(comm, kind, nbytes)
+        run = operation(comm, kind, nbytes, objects)
         measure(comm, run, 0, warmup + 1)
         if has_stats:
             counter.reset_stats()  # (no message of the warm-up is left: its last barrier came after)
@@ -142,17 +152,18 @@ def run_sizes(comm: Any, kind: str, plan: Sequence[tuple[int, int, int]],
     return out
 
 
-def _child(comm: cma.Comm, kind: str, plan: Sequence[tuple[int, int, int]], cpu: int | None) -> None:
+def _child(comm: cma.Comm, kind: str, plan: Sequence[tuple[int, int, int]], cpu: int | None,
+           objects: bool) -> None:
     if cpu is not None:
         os.sched_setaffinity(0, {cpu})
     try:
-        run_sizes(comm, kind, plan)
+        run_sizes(comm, kind, plan, objects=objects)
     finally:
         comm.close()
 
 
 def run_world(kind: str, transport: str, ranks: int, plan: Sequence[tuple[int, int, int]],
-              bind: bool) -> CollectiveSeries:
+              bind: bool, objects: bool = False) -> CollectiveSeries:
     """One series: a cma world of ``ranks`` ranks with ``transport``, this process rank 0."""
     series = CollectiveSeries(f"cma {transport}", ranks)
     cpus = sorted(os.sched_getaffinity(0))
@@ -166,14 +177,14 @@ def run_world(kind: str, transport: str, ranks: int, plan: Sequence[tuple[int, i
     try:
         for r in range(1, ranks):
             proc = ctx.Process(target=_child, name=f"cma-bench-rank{r}", daemon=True,
-                               args=(comms[r], kind, plan, cpus[r] if pin else None))
+                               args=(comms[r], kind, plan, cpus[r] if pin else None, objects))
             proc.start()
             procs.append(proc)
         for comm in comms[1:]:
             comm.close()
         if pin:
             os.sched_setaffinity(0, {cpus[0]})
-        series.results = run_sizes(comms[0], kind, plan)
+        series.results = run_sizes(comms[0], kind, plan, objects=objects)
     except Exception as exc:  # noqa: BLE001 - reported in the table, the other series go on
         series.error = f"{type(exc).__name__}: {exc}"
     finally:
@@ -187,7 +198,8 @@ def run_world(kind: str, transport: str, ranks: int, plan: Sequence[tuple[int, i
     return series
 
 
-def run_mpi(kind: str, plan: Sequence[tuple[int, int, int]], bind: bool) -> list[CollectiveSeries]:
+def run_mpi(kind: str, plan: Sequence[tuple[int, int, int]], bind: bool,
+            objects: bool = False) -> list[CollectiveSeries]:
     """Under mpiexec: mpi4py's collective on COMM_WORLD, then cma.mpi.Comm's (cma's
     collectives when every rank is on this node), over the same processes."""
     from mpi4py import MPI
@@ -198,18 +210,19 @@ def run_mpi(kind: str, plan: Sequence[tuple[int, int, int]], bind: bool) -> list
     cpus = sorted(os.sched_getaffinity(0))
     if bind and world.Get_size() <= len(cpus):
         os.sched_setaffinity(0, {cpus[world.Get_rank()]})
-    out = [CollectiveSeries("mpi4py", world.Get_size(), run_sizes(world, kind, plan))]
+    out = [CollectiveSeries("mpi4py", world.Get_size(), run_sizes(world, kind, plan, objects=objects))]
     wrapped = cma.mpi.Comm(world)
     try:
         out.append(CollectiveSeries("cma.mpi", world.Get_size(),
-                                    run_sizes(wrapped, kind, plan, counter=wrapped.cma)))
+                                    run_sizes(wrapped, kind, plan, counter=wrapped.cma,
+                                              objects=objects)))
     finally:
         if wrapped.cma is not None:
             wrapped.cma.close()  # (not Free: that would free COMM_WORLD)
     return out
 
 
-def format_report(kind: str, series: Sequence[CollectiveSeries]) -> str:
+def format_report(kind: str, series: Sequence[CollectiveSeries], objects: bool = False) -> str:
     ok = [s for s in series if s.results]
     if not ok:
         return "\n".join(f"{s.name}: {s.error}" for s in series)
@@ -223,7 +236,8 @@ def format_report(kind: str, series: Sequence[CollectiveSeries]) -> str:
         row = [format_size(nbytes)] + [format_number(m) for m in means]
         row += [f"{m / means[0]:.2f}x" for m in means[1:]]
         rows.append(row)
-    parts = [f"{kind}, {ok[0].ranks} ranks: time per collective, mean over iterations "
+    form = " (objects)" if objects else ""
+    parts = [f"{kind}{form}, {ok[0].ranks} ranks: time per collective, mean over iterations "
              "averaged over ranks (barrier between iterations not timed); a / b: a's time "
              "over b's",
              render_table(headers, rows)]
@@ -259,6 +273,10 @@ def build_parser(kind: str) -> argparse.ArgumentParser:
     parser.add_argument("--bind", action=argparse.BooleanOptionalAction, default=True,
                         help="pin rank r to CPU r when there are as many CPUs as ranks")
     parser.add_argument("--json", metavar="FILE", help="write the results to FILE")
+    if kind in ("bcast", "allreduce"):
+        parser.add_argument("--objects", action="store_true",
+                            help="the object form: bcast of a dict holding an array of SIZE "
+                                 "bytes, allreduce of the array (summed with +)")
     return parser
 
 
@@ -268,6 +286,7 @@ def main(kind: str, argv: Sequence[str]) -> int:
         print("cma-bench: -n must be at least 1", file=sys.stderr)
         return 2
     sizes = size_range(args.min_size, args.max_size)
+    objects = bool(getattr(args, "objects", False))
     plan = []
     for nbytes in sizes:
         iterations, warmup = counts_for("latency", nbytes, window=1, quick=args.quick,
@@ -275,16 +294,16 @@ def main(kind: str, argv: Sequence[str]) -> int:
         plan.append((nbytes, iterations, warmup))
     world = mpi_world()
     if world is not None:
-        series = run_mpi(kind, plan, args.bind)
+        series = run_mpi(kind, plan, args.bind, objects)
         if world.Get_rank() != 0:
             return 0
     else:
-        series = [run_world(kind, t.strip(), args.ranks, plan, args.bind)
+        series = [run_world(kind, t.strip(), args.ranks, plan, args.bind, objects)
                   for t in args.transport.split(",") if t.strip()]
-    print(format_report(kind, series), flush=True)
+    print(format_report(kind, series, objects), flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"tool": "cma-bench", "kind": kind, "argv": list(argv),
+            json.dump({"tool": "cma-bench", "kind": kind, "objects": objects, "argv": list(argv),
                        "machine": machine_info(), "plan": plan,
                        "series": [asdict(s) for s in series]}, f, indent=1)
             f.write("\n")

@@ -91,14 +91,16 @@ class Op:
     predefined operation is commutative.
     """
 
-    __slots__ = ("name", "_combine", "_objects", "_combines")
+    __slots__ = ("name", "_combine", "_objects", "_combines", "_into")
 
     def __init__(self, name: str, combine: Callable[[np.ndarray, np.ndarray], None],
-                 objects: Callable[[Any, Any], Any]) -> None:
+                 objects: Callable[[Any, Any], Any],
+                 into: Callable[[np.ndarray, np.ndarray, np.ndarray], None] | None = None) -> None:
         self.name = name
         self._combine = combine
         self._objects = objects
         self._combines: set[np.dtype] = set()  # dtypes check() has accepted (0.7 us each)
+        self._into = into
 
     def __call__(self, a: Any, b: Any) -> Any:
         if isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.dtype == b.dtype \
@@ -111,6 +113,15 @@ class Op:
     def combine(self, inout: np.ndarray, incoming: np.ndarray) -> None:
         """``inout = inout op incoming``, elementwise, into ``inout``'s memory."""
         self._combine(inout, incoming)
+
+    def combine_into(self, out: np.ndarray, a: np.ndarray, incoming: np.ndarray) -> None:
+        """``out = a op incoming``, elementwise (``combine`` on a copy of ``a`` in ``out``,
+        in one pass where the op is a ufunc)."""
+        if self._into is not None:
+            self._into(out, a, incoming)
+        else:
+            np.copyto(out, a)
+            self._combine(out, incoming)
 
     def check(self, dtype: np.dtype) -> None:
         """Raise ``InvalidDatatype`` if this operation cannot combine arrays of ``dtype``
@@ -138,6 +149,12 @@ def _ufunc(ufunc: np.ufunc) -> Callable[[np.ndarray, np.ndarray], None]:
     return combine
 
 
+def _ufunc_into(ufunc: np.ufunc) -> Callable[[np.ndarray, np.ndarray, np.ndarray], None]:
+    def combine_into(out: np.ndarray, a: np.ndarray, incoming: np.ndarray) -> None:
+        ufunc(a, incoming, out=out)
+    return combine_into
+
+
 def _loc(better: np.ufunc) -> Callable[[np.ndarray, np.ndarray], None]:
     """MINLOC/MAXLOC over a structured dtype of two fields, (value, index): the better
     value wins, a tie goes to the smaller index (MPI's rule)."""
@@ -157,16 +174,16 @@ def _maxloc_objects(a: Any, b: Any) -> Any:
     return a if (a[0], -a[1]) >= (b[0], -b[1]) else b
 
 
-SUM = Op("SUM", _ufunc(np.add), operator.add)
-PROD = Op("PROD", _ufunc(np.multiply), operator.mul)
-MIN = Op("MIN", _ufunc(np.minimum), min)
-MAX = Op("MAX", _ufunc(np.maximum), max)
-LAND = Op("LAND", _ufunc(np.logical_and), lambda a, b: a and b)
-LOR = Op("LOR", _ufunc(np.logical_or), lambda a, b: a or b)
-LXOR = Op("LXOR", _ufunc(np.logical_xor), lambda a, b: bool(a) != bool(b))
-BAND = Op("BAND", _ufunc(np.bitwise_and), operator.and_)
-BOR = Op("BOR", _ufunc(np.bitwise_or), operator.or_)
-BXOR = Op("BXOR", _ufunc(np.bitwise_xor), operator.xor)
+SUM = Op("SUM", _ufunc(np.add), operator.add, _ufunc_into(np.add))
+PROD = Op("PROD", _ufunc(np.multiply), operator.mul, _ufunc_into(np.multiply))
+MIN = Op("MIN", _ufunc(np.minimum), min, _ufunc_into(np.minimum))
+MAX = Op("MAX", _ufunc(np.maximum), max, _ufunc_into(np.maximum))
+LAND = Op("LAND", _ufunc(np.logical_and), lambda a, b: a and b, _ufunc_into(np.logical_and))
+LOR = Op("LOR", _ufunc(np.logical_or), lambda a, b: a or b, _ufunc_into(np.logical_or))
+LXOR = Op("LXOR", _ufunc(np.logical_xor), lambda a, b: bool(a) != bool(b), _ufunc_into(np.logical_xor))
+BAND = Op("BAND", _ufunc(np.bitwise_and), operator.and_, _ufunc_into(np.bitwise_and))
+BOR = Op("BOR", _ufunc(np.bitwise_or), operator.or_, _ufunc_into(np.bitwise_or))
+BXOR = Op("BXOR", _ufunc(np.bitwise_xor), operator.xor, _ufunc_into(np.bitwise_xor))
 MINLOC = Op("MINLOC", _loc(np.less), min)  # (value, index) tuples compare as MPI ranks them
 MAXLOC = Op("MAXLOC", _loc(np.greater), _maxloc_objects)
 OPS = {op.name: op for op in (SUM, PROD, MIN, MAX, LAND, LOR, LXOR, BAND, BOR, BXOR,
@@ -619,16 +636,18 @@ class Collectives:
         self._coll_start(root)
         source, result, ours = self._reduce_inputs(sendbuf, recvbuf, op,
                                                    result_here=self.rank == root)
+        ring = self.size > 1 and source.nbytes >= REDUCE_RING_FROM
         if result is not None and result is not source:
             if result.size != source.size:
                 raise BufferError(f"recvbuf holds {result.size} elements, sendbuf {source.size}")
-            np.copyto(result, source)
+            if not ring:  # (the ring reads its input where it lies)
+                np.copyto(result, source)
         if self.size == 1:
             return
-        if source.nbytes >= REDUCE_RING_FROM:
-            acc = result if result is not None else source.copy()
+        if ring:
+            acc = result if result is not None else np.empty_like(source)
             cut = _cuts(acc.size, self.size)
-            self._reduce_scatter_ring(acc, ours, cut)
+            self._reduce_scatter_ring(acc, ours, cut, None if acc is source else source)
             self._gather_blocks(acc, cut, root)
         else:
             self._reduce_binomial(source, result, ours, root)
@@ -653,17 +672,28 @@ class Collectives:
                 op.combine(acc, tmp)
             mask <<= 1
 
-    def _reduce_scatter_ring(self, acc: np.ndarray, op: Op, cut: list[int]) -> None:
-        """Ring reduce-scatter in place: afterwards block ``rank`` of ``acc`` (elements
-        cut[rank]:cut[rank+1]) holds the combination of every rank's block."""
+    def _reduce_scatter_ring(self, acc: np.ndarray, op: Op, cut: list[int],
+                             source: np.ndarray | None = None) -> None:
+        """Ring reduce-scatter: afterwards block ``rank`` of ``acc`` (elements
+        cut[rank]:cut[rank+1]) holds the combination of every rank's block. The input is
+        ``acc`` itself, or ``source``: then ``acc`` needs no copy of it first, since each
+        block of the input is read once, sent or combined into ``acc`` (a copy of 16 MiB
+        took about a fifth of a 2-rank Allreduce's time: docs/guide.md section 7); the
+        other blocks of ``acc`` are left partial or untouched."""
         size, rank = self.size, self.rank
         right, left = (rank + 1) % size, (rank - 1) % size
         tmp = np.empty(max(cut[i + 1] - cut[i] for i in range(size)), acc.dtype)
         for step in range(size - 1):
             out, into = (rank - step - 1) % size, (rank - step - 2) % size
             incoming = tmp[: cut[into + 1] - cut[into]]
-            self._sendrecv(acc[cut[out] : cut[out + 1]], right, incoming, left)
-            op.combine(acc[cut[into] : cut[into + 1]], incoming)
+            # (block out was combined at the step before; at the first, it is the input's)
+            sent = acc if source is None or step else source
+            self._sendrecv(sent[cut[out] : cut[out + 1]], right, incoming, left)
+            if source is None:
+                op.combine(acc[cut[into] : cut[into + 1]], incoming)
+            else:
+                op.combine_into(acc[cut[into] : cut[into + 1]], source[cut[into] : cut[into + 1]],
+                                incoming)
 
     def _allgather_ring(self, data: np.ndarray, cut: list[int]) -> None:
         """Ring allgather in place: each rank starts with block ``rank`` (cut[rank]:
@@ -689,15 +719,17 @@ class Collectives:
         self._coll_start()
         source, result, ours = self._reduce_inputs(sendbuf, recvbuf, op, result_here=True)
         assert result is not None
+        ring = self.size > 1 and result.nbytes >= ALLREDUCE_RING_FROM and result.size >= self.size
         if result is not source:
             if result.size != source.size:
                 raise BufferError(f"recvbuf holds {result.size} elements, sendbuf {source.size}")
-            np.copyto(result, source)
+            if not ring:  # (the ring reads its input where it lies)
+                np.copyto(result, source)
         if self.size == 1:
             return
-        if result.nbytes >= ALLREDUCE_RING_FROM and result.size >= self.size:
+        if ring:
             cut = _cuts(result.size, self.size)
-            self._reduce_scatter_ring(result, ours, cut)
+            self._reduce_scatter_ring(result, ours, cut, None if result is source else source)
             self._allgather_ring(result, cut)
         else:
             self._allreduce_doubling(result, ours)
@@ -740,18 +772,21 @@ class Collectives:
             data = _message(recvbuf, writable=True, blocks=self.size)
             count = data.size // self.size
             result = data[:count]
-            acc = data.copy()  # (MPI leaves the rest of recvbuf as it was)
+            source = data  # (into acc, not recvbuf: MPI leaves the rest of recvbuf as it was)
         else:
             result = _message(recvbuf, writable=True)
             count = result.size
             source = _message(sendbuf, writable=False, blocks=self.size)
             if source.size < count * self.size:
                 raise BufferError(f"sendbuf holds {source.size} elements, needs {count * self.size}")
-            acc = source[: count * self.size].copy()
-        ours.check(acc.dtype)
+            source = source[: count * self.size]
+        ours.check(source.dtype)
         cut = [i * count for i in range(self.size + 1)]
         if self.size > 1:
-            self._reduce_scatter_ring(acc, ours, cut)
+            acc = np.empty_like(source)
+            self._reduce_scatter_ring(acc, ours, cut, source)
+        else:
+            acc = source
         mine = acc[cut[self.rank] : cut[self.rank + 1]]
         if mine.ctypes.data != result.ctypes.data:
             np.copyto(result, mine)
@@ -781,18 +816,21 @@ class Collectives:
             if result.size < total:
                 raise BufferError(f"recvbuf holds {result.size} elements, the input is "
                                   f"sum(recvcounts) = {total}")
-            acc = result[:total].copy()  # (MPI leaves the rest of recvbuf as it was)
+            source = result[:total]  # (into acc, not recvbuf: MPI leaves the rest as it was)
         else:
             if result.size != counts[self.rank]:
                 raise BufferError(f"recvbuf holds {result.size} elements, recvcounts"
                                   f"[{self.rank}] is {counts[self.rank]}")
-            acc = _message(sendbuf, writable=False).copy()
-            if acc.size != total:
-                raise BufferError(f"sendbuf holds {acc.size} elements, sum(recvcounts) is {total}")
-        ours.check(acc.dtype)
+            source = _message(sendbuf, writable=False)
+            if source.size != total:
+                raise BufferError(f"sendbuf holds {source.size} elements, sum(recvcounts) is {total}")
+        ours.check(source.dtype)
         cut = [sum(counts[:i]) for i in range(self.size + 1)]
         if self.size > 1:
-            self._reduce_scatter_ring(acc, ours, cut)
+            acc = np.empty_like(source)
+            self._reduce_scatter_ring(acc, ours, cut, source)
+        else:
+            acc = source
         mine = acc[cut[self.rank] : cut[self.rank + 1]]
         np.copyto(result[: mine.size], mine)
 

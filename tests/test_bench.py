@@ -979,6 +979,21 @@ def test_cli_mpi_series_with_buffer_forms_and_waitall(tmp_path: Path) -> None:
     assert WAITALL_NOTE in stdout and "bw/mpi4py[numpy]" in stdout
 
 
+@needs_mpiexec
+@pytest.mark.parametrize("kind", ["bcast", "allreduce"])
+def test_cli_mpi_object_collectives_in_either_order(tmp_path: Path, kind: str) -> None:
+    """cma-bench bcast|allreduce --objects under mpiexec, cma.mpi's series timed first: both
+    series come out, mpi4py's first in the report (the ratios' baseline)."""
+    out = tmp_path / "out.json"
+    stdout = mpi_job(["-m", "cma.bench", kind, "--objects", "--cma-first", "--min-size", "1K",
+                      "--max-size", "64K", "--iterations", "3", "--warmup", "1", "--json", str(out)])
+    doc = json.loads(out.read_text())
+    assert doc["objects"] and doc["cma_first"]
+    assert [(s["name"], len(s["results"]), s["error"]) for s in doc["series"]] == [
+        ("mpi4py", 7, ""), ("cma.mpi", 7, "")]
+    assert f"{kind} (objects), 2 ranks" in stdout
+
+
 def test_help_lists_every_pattern(capsys: pytest.CaptureFixture[str]) -> None:
     """``cma-bench --help`` names the collectives too (they are parsed apart, in collective.py)."""
     from cma.bench.cli import KINDS, main

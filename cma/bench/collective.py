@@ -40,6 +40,21 @@ COLLECTIVES = {
     "allgather": "Allgather of SIZE bytes from every rank (osu_allgather)",
     "alltoall": "Alltoall of SIZE bytes to every rank (osu_alltoall)",
 }
+# glibc serves an allocation with a fresh mmap (every page faulted in, ~6 us a page in this
+# VM) until it has freed an mmapped chunk at least as large, which raises its threshold (to
+# 32 MiB at most). Sizes run upwards, so whichever series ran first paid that at every size
+# and the second reused the heap: an object allreduce of 1 MiB took 3.7 ms first and 0.4
+# second, either library (docs/guide.md section 7). Freeing this much once before timing
+# leaves every series the same allocator.
+SETTLE_BYTES = 31 << 20
+
+
+def settle_allocator() -> None:
+    """Allocate and free SETTLE_BYTES, so that allocations up to that size reuse the heap."""
+    block = np.empty(SETTLE_BYTES, np.uint8)
+    del block
+
+
 # A rank that has not exited this long after the last collective is stuck: it is killed
 # (generous beside runners.JOIN_TIMEOUT: several ranks may share each core; chosen).
 JOIN_TIMEOUT = 30.0
@@ -156,6 +171,7 @@ def _child(comm: cma.Comm, kind: str, plan: Sequence[tuple[int, int, int]], cpu:
            objects: bool) -> None:
     if cpu is not None:
         os.sched_setaffinity(0, {cpu})
+    settle_allocator()
     try:
         run_sizes(comm, kind, plan, objects=objects)
     finally:
@@ -166,6 +182,7 @@ def run_world(kind: str, transport: str, ranks: int, plan: Sequence[tuple[int, i
               bind: bool, objects: bool = False) -> CollectiveSeries:
     """One series: a cma world of ``ranks`` ranks with ``transport``, this process rank 0."""
     series = CollectiveSeries(f"cma {transport}", ranks)
+    settle_allocator()
     cpus = sorted(os.sched_getaffinity(0))
     pin = bind and ranks <= len(cpus)  # (oversubscribed: the scheduler places them)
     fds = WorldFds.create(ranks, cma.ChannelConfig())
@@ -211,6 +228,7 @@ def run_mpi(kind: str, plan: Sequence[tuple[int, int, int]], bind: bool,
     cpus = sorted(os.sched_getaffinity(0))
     if bind and world.Get_size() <= len(cpus):
         os.sched_setaffinity(0, {cpus[world.Get_rank()]})
+    settle_allocator()
     plain = None
     if not cma_first:
         plain = CollectiveSeries("mpi4py", world.Get_size(), run_sizes(world, kind, plan, objects=objects))

@@ -43,6 +43,10 @@ __all__ = [
 # others (docs/guide.md section 7; measure with cma-bench bcast/allreduce/reduce).
 BCAST_SCATTER_FROM = 512 << 10  # and 3 ranks or more: van de Geijn instead of a binomial tree
 ALLREDUCE_RING_FROM = 64 << 10  # ring reduce-scatter + allgather instead of recursive doubling
+# ... and with 2 ranks, where both move n bytes a rank: the ring halves the combine but takes
+# two steps to doubling's one, which won at 64 and 128 KiB (25-35 against 29-40 us at
+# 64 KiB) and tied at 256 KiB (docs/guide.md section 7)
+ALLREDUCE_RING_FROM_PAIR = 256 << 10
 REDUCE_RING_FROM = 512 << 10  # reduce-scatter + gather to the root instead of a binomial tree
 
 
@@ -719,7 +723,8 @@ class Collectives:
         self._coll_start()
         source, result, ours = self._reduce_inputs(sendbuf, recvbuf, op, result_here=True)
         assert result is not None
-        ring = self.size > 1 and result.nbytes >= ALLREDUCE_RING_FROM and result.size >= self.size
+        ring_from = ALLREDUCE_RING_FROM_PAIR if self.size == 2 else ALLREDUCE_RING_FROM
+        ring = self.size > 1 and result.nbytes >= ring_from and result.size >= self.size
         if result is not source:
             if result.size != source.size:
                 raise BufferError(f"recvbuf holds {result.size} elements, sendbuf {source.size}")

@@ -50,7 +50,8 @@ REDUCTIONS = ["Reduce", "Allreduce", "Reduce_scatter_block", "Reduce_scatter", "
 MOVES = ["Bcast", "Gather", "Gatherv", "Scatter", "Scatterv", "Allgather", "Allgatherv",
          "Alltoall", "Alltoallv", "Alltoallw"]
 WTYPES = [np.dtype(t) for t in ("u1", "i4", "f8", "c16")]
-THRESHOLDS = ("BCAST_SCATTER_FROM", "ALLREDUCE_RING_FROM", "REDUCE_RING_FROM")
+THRESHOLDS = ("BCAST_SCATTER_FROM", "ALLREDUCE_RING_FROM", "ALLREDUCE_RING_FROM_PAIR",
+              "REDUCE_RING_FROM")
 DEFAULTS = {name: getattr(collectives, name) for name in THRESHOLDS}
 FIXTURE_HC = [HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
 

@@ -118,6 +118,16 @@ class Op:
         """``inout = inout op incoming``, elementwise, into ``inout``'s memory."""
         self._combine(inout, incoming)
 
+    def combine_from_lower(self, inout: np.ndarray, lower: np.ndarray) -> None:
+        """What the lower rank's ``combine(lower, inout)`` leaves, into ``inout``
+        (``lower`` is scratch, and may be overwritten): two ranks that combine each other's
+        arrays so get the same bits (MIN and MAX of -0.0 and +0.0, NaN payloads)."""
+        if self._into is not None:
+            self._into(inout, lower, inout)
+        else:
+            self._combine(lower, inout)
+            np.copyto(inout, lower)
+
     def combine_into(self, out: np.ndarray, a: np.ndarray, incoming: np.ndarray) -> None:
         """``out = a op incoming``, elementwise (``combine`` on a copy of ``a`` in ``out``,
         in one pass where the op is a ufunc)."""
@@ -641,17 +651,19 @@ class Collectives:
         source, result, ours = self._reduce_inputs(sendbuf, recvbuf, op,
                                                    result_here=self.rank == root)
         ring = self.size > 1 and source.nbytes >= REDUCE_RING_FROM
+        # (the ring reads its input where it lies, unless it must be cast to the result's type)
+        read_in_place = ring and (result is None or result is not source and result.dtype == source.dtype)
         if result is not None and result is not source:
             if result.size != source.size:
                 raise BufferError(f"recvbuf holds {result.size} elements, sendbuf {source.size}")
-            if not ring:  # (the ring reads its input where it lies)
+            if not read_in_place:
                 np.copyto(result, source)
         if self.size == 1:
             return
         if ring:
             acc = result if result is not None else np.empty_like(source)
             cut = _cuts(acc.size, self.size)
-            self._reduce_scatter_ring(acc, ours, cut, None if acc is source else source)
+            self._reduce_scatter_ring(acc, ours, cut, source if read_in_place else None)
             self._gather_blocks(acc, cut, root)
         else:
             self._reduce_binomial(source, result, ours, root)
@@ -725,16 +737,18 @@ class Collectives:
         assert result is not None
         ring_from = ALLREDUCE_RING_FROM_PAIR if self.size == 2 else ALLREDUCE_RING_FROM
         ring = self.size > 1 and result.nbytes >= ring_from and result.size >= self.size
+        # (the ring reads its input where it lies, unless it must be cast to the result's type)
+        read_in_place = ring and result is not source and result.dtype == source.dtype
         if result is not source:
             if result.size != source.size:
                 raise BufferError(f"recvbuf holds {result.size} elements, sendbuf {source.size}")
-            if not ring:  # (the ring reads its input where it lies)
+            if not read_in_place:
                 np.copyto(result, source)
         if self.size == 1:
             return
         if ring:
             cut = _cuts(result.size, self.size)
-            self._reduce_scatter_ring(result, ours, cut, None if result is source else source)
+            self._reduce_scatter_ring(result, ours, cut, source if read_in_place else None)
             self._allgather_ring(result, cut)
         else:
             self._allreduce_doubling(result, ours)
@@ -752,7 +766,7 @@ class Collectives:
                 self._coll_take(acc, rank + 1)
                 return
             self._coll_take(tmp, rank - 1)
-            op.combine(acc, tmp)
+            op.combine_from_lower(acc, tmp)
             newrank = rank // 2
         else:
             newrank = rank - rem
@@ -761,7 +775,10 @@ class Collectives:
             partner = newrank ^ mask
             peer = partner * 2 + 1 if partner < rem else partner + rem
             self._sendrecv(acc, peer, tmp, peer)
-            op.combine(acc, tmp)
+            if peer < rank:  # (both partners then combine in the same order: the same bits)
+                op.combine_from_lower(acc, tmp)
+            else:
+                op.combine(acc, tmp)
             mask <<= 1
         if rank < 2 * rem:
             self._coll_wait(self._coll_send(acc, rank - 1))

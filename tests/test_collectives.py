@@ -755,6 +755,40 @@ def test_stats_count_collective_traffic(world: World, nbytes: int) -> None:
         assert all(per_rank["eager"]["bytes"] == 0 for per_rank in stats)
 
 
+# ------------------------------------------------------------------ the same bits everywhere
+
+def allreduce_bits(comm: cma.Comm, n: int, sdt: str, rdt: str) -> list[Any]:
+    """Allreduce MIN and MAX of -0.0 (even ranks) and +0.0 (odd ones), whose order decides
+    the sign NumPy returns, and SUM from ``sdt`` into ``rdt``: the results' bytes."""
+    _set_thresholds(False)
+    rank = comm.Get_rank()
+    zeros = np.full(n, -0.0 if rank % 2 == 0 else 0.0)
+    out: list[Any] = []
+    for op in (cma.MIN, cma.MAX):
+        result = np.empty(n)
+        comm.Allreduce(zeros, result, op=op)
+        out.append(result.tobytes())
+    mixed = np.empty(n, rdt)
+    comm.Allreduce((np.arange(n) % 7 + rank).astype(sdt), mixed, op=cma.SUM)
+    out.append(mixed.tolist())
+    return out
+
+
+@pytest.mark.parametrize("nbytes", [8 << 10, 128 << 10, 1 << 20])
+def test_allreduce_gives_every_rank_the_same_bits_and_casts_to_the_result(
+        world: World, nbytes: int) -> None:
+    """Partners in recursive doubling combine in rank order, so every rank gets the same
+    bits (MIN and MAX of -0.0 and +0.0 differ by operand order in NumPy); a recvbuf of
+    another dtype than sendbuf gets the sum cast to it, on the ring too (which reads the
+    input in place only when the two dtypes agree)."""
+    n = nbytes // 8
+    results = world.run(allreduce_bits, n, "i4", "i8")
+    want = sum((np.arange(n) % 7 + r) for r in range(world.size)).tolist()
+    for rank, (low, high, mixed) in enumerate(results):
+        assert (low, high) == (results[0][0], results[0][1]), f"rank {rank}"
+        assert mixed == want, f"rank {rank}"
+
+
 # ------------------------------------------------------------------ a rank that dies
 
 def _die_soon() -> None:

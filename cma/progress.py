@@ -107,19 +107,30 @@ QUIET_SECONDS = 1.0
 Packet = tuple[int, int, int, bytes]  # kind, tag, aux, payload
 
 
+# The ``_busy`` word while a View.release in any thread sends its FINs: a call that finds
+# it waits the few microseconds that takes instead of raising ConcurrentUse, since the
+# release is no use of the communicator the user made (Progress.flush_released_views).
+FLUSHING = -1
+
+
 def claim(comm: Any) -> int:
     """Mark ``comm`` as in a call of this thread; what its ``_busy`` word held, to put back
     (0 free, 1 a fast path, else a thread's ident: a call nested in this thread's own passes).
 
-    ConcurrentUse if another thread is inside. The word is tested and set with no call or
-    taken jump in between, so the GIL cannot switch threads there (docs/reliability.md,
-    "Two threads on one communicator"). The entries of Progress that other modules call
-    claim it, inline (a decorator's call cost ~0.5 us more here); the rest run inside them."""
+    ConcurrentUse if another thread is inside (after waiting out a view's release,
+    FLUSHING). The word is tested and set with no call or taken jump in between, so the
+    GIL cannot switch threads there (docs/reliability.md, "Two threads on one
+    communicator"). The entries of Progress that other modules call claim it, inline (a
+    decorator's call cost ~0.5 us more here); the rest run inside them."""
     me = get_ident()
     held: int = comm._busy
     if not held:
         comm._busy = me
     elif held != me:
+        if held == FLUSHING:
+            while comm._busy == FLUSHING:
+                time.sleep(0)  # (lets the releasing thread finish)
+            return claim(comm)
         raise ConcurrentUse(
             f"rank {comm.rank}'s communicator used by two threads at once: another thread "
             "is inside a call on it (this call did nothing). A communicator is for one "
@@ -512,14 +523,14 @@ class Progress:
 
     def flush_released_views(self) -> None:
         """``View.release``'s flush, from any thread: the FINs at once if no call is inside
-        the communicator; else that call's next pass sends them (``release_views``), woken
-        by the doorbell if it sleeps. (Unclaimed, a release in a second thread moved the
-        engine and the rings under the first one's feet.)"""
+        the communicator (a call that starts meanwhile waits: FLUSHING); else that call's
+        next pass sends them (``release_views``), woken by the doorbell if it sleeps.
+        (Unclaimed, a release in a second thread moved the engine and the rings under the
+        first one's feet.)"""
         owner = self.owner
-        me = get_ident()
         held = owner._busy
         if not held:  # (tested and set with no call or taken jump between: claim's rule)
-            owner._busy = me
+            owner._busy = FLUSHING
         else:
             if not self.closing:
                 _linux.ring_doorbell(self.world.fds.doorbells[self.rank])

@@ -174,9 +174,9 @@ class Progress:
         ``completed(op)``, if given, is told of every operation the engine completes.
         ``owner``: the communicator, whose ``_busy`` word the entries claim (``claim``).
         ``oversubscribed``: the machine's ranks outnumber the CPUs they can run on;
-        ``cpus``, if it was decided on them: the CPUs of the ranks counted, to which those of
-        each peer that connects later are added (World.cpus_of), so that a rank that
-        attached first stops counting itself crowded once the ranks' masks say otherwise."""
+        ``cpus``, if it was decided on them: the CPUs of the ranks counted, which are
+        counted again as each peer connects (``_count_cpus``), so that a rank that attached
+        first stops counting itself crowded once the ranks' masks say otherwise."""
         self.owner = owner
         self.world = world
         self.rank = rank = world.rank
@@ -206,7 +206,9 @@ class Progress:
         self.heads_drained = b""
         self.oversubscribed = oversubscribed
         connection.policy.crowded = oversubscribed
-        self.cpus = cpus
+        # Whether to count the ranks' CPUs again as peers connect: only if it was decided
+        # on them, and no union of masks can outnumber the machine's CPUs
+        self.counting_cpus = cpus is not None and size <= (os.cpu_count() or 1)
         # How often a fast path polls an empty ring (a blocking receive's, a direct
         # send's for its FIN): only with a core to itself, since a spin when ranks
         # outnumber cores holds back the peer it waits for.
@@ -284,22 +286,24 @@ class Progress:
         self.inbox_peer[inbox] = peer
         self.connected = [*self.connected, peer]
         self.heads_drained = b""  # (its ring may hold packets from before it connected)
-        if self.oversubscribed and self.cpus is not None:
-            self._count_cpus_of(peer)
+        if self.oversubscribed and self.counting_cpus:
+            self._count_cpus()
         if not self.broken and not self.closing:
             if not self.txq[peer]:
                 self.fast_outboxes[peer] = outbox
             if not self.loopback:
                 self.fast_inboxes[peer] = inbox
 
-    def _count_cpus_of(self, peer: int) -> None:
-        """Add the CPUs ``peer`` may run on to those counted; with as many as ranks (and
-        the cgroup's quota allowing), stop waiting as ranks that share CPUs wait."""
-        cpus = self.cpus
-        assert cpus is not None
-        cpus |= self.world.cpus_of(peer)
-        if len(cpus) < self.size or self.size > _linux.usable_cpus(cpus):
-            return  # (usable_cpus reads the cgroup's files: not per connect)
+    def _count_cpus(self) -> None:
+        """Count the CPUs of the ranks attached by now again (a peer has just connected);
+        with as many as ranks and the cgroup's quota allowing, stop waiting as ranks that
+        share CPUs wait. A quota that allows fewer ends the counting (it stays)."""
+        cpus = self.world.published_cpus()
+        if len(cpus) < self.size:
+            return
+        self.counting_cpus = False
+        if self.size > _linux.usable_cpus(cpus):
+            return
         self.oversubscribed = self.connection.policy.crowded = False
         self.fast_spins = FAST_SPINS
         if self.direct is not None:

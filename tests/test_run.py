@@ -218,6 +218,7 @@ rank, size = comm.Get_rank(), comm.Get_size()
 # a machine of a CPU per rank, each rank pinned to its own (this one may have fewer: the
 # masks the ranks publish and the count of them are what is tested)
 os.sched_getaffinity = lambda pid: {rank}
+os.cpu_count = lambda: size
 _linux.cgroup_cpu_quota = lambda *args: None
 flag = os.path.join(sys.argv[1], "attached")
 if rank == 0:

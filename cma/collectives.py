@@ -711,6 +711,15 @@ class Collectives:
                 op.combine_into(acc[cut[into] : cut[into + 1]], source[cut[into] : cut[into + 1]],
                                 incoming)
 
+    def _reduce_scattered(self, source: np.ndarray, op: Op, cut: list[int]) -> np.ndarray:
+        """``_reduce_scatter_ring`` of ``source`` into an array of its own (``source`` itself
+        on one rank), whose block ``rank`` holds the result."""
+        if self.size == 1:
+            return source
+        acc = np.empty_like(source)
+        self._reduce_scatter_ring(acc, op, cut, source)
+        return acc
+
     def _allgather_ring(self, data: np.ndarray, cut: list[int]) -> None:
         """Ring allgather in place: each rank starts with block ``rank`` (cut[rank]:
         cut[rank+1]) and ends with all; each block received goes straight to its place."""
@@ -804,11 +813,7 @@ class Collectives:
             source = source[: count * self.size]
         ours.check(source.dtype)
         cut = [i * count for i in range(self.size + 1)]
-        if self.size > 1:
-            acc = np.empty_like(source)
-            self._reduce_scatter_ring(acc, ours, cut, source)
-        else:
-            acc = source
+        acc = self._reduce_scattered(source, ours, cut)
         mine = acc[cut[self.rank] : cut[self.rank + 1]]
         if mine.ctypes.data != result.ctypes.data:
             np.copyto(result, mine)
@@ -848,11 +853,7 @@ class Collectives:
                 raise BufferError(f"sendbuf holds {source.size} elements, sum(recvcounts) is {total}")
         ours.check(source.dtype)
         cut = [sum(counts[:i]) for i in range(self.size + 1)]
-        if self.size > 1:
-            acc = np.empty_like(source)
-            self._reduce_scatter_ring(acc, ours, cut, source)
-        else:
-            acc = source
+        acc = self._reduce_scattered(source, ours, cut)
         mine = acc[cut[self.rank] : cut[self.rank + 1]]
         np.copyto(result[: mine.size], mine)
 

@@ -304,9 +304,9 @@ class Comm(Collectives):
         self._world = world
         connection = Connection(world, self.rank, self._transport_name, self._transport_options,
                                 self._user_thresholds)
-        # (the CPUs of the ranks attached by now, peers that connect later added by
-        # Progress: a world of two has connected its pair)
-        cpus = world.published_cpus() if self._oversubscribed is None else None
+        # (the CPUs of the ranks attached by now, counted again by Progress as peers connect:
+        # a world of two has connected its pair)
+        decided_here = self._oversubscribed is None
         self._progress = Progress(
             world, connection, self._matcher, self._fast_outboxes, self._fast_inboxes, self._inbox_peer,
             self._eager_counts, self._ring,
@@ -314,8 +314,8 @@ class Comm(Collectives):
             None if type(self).operation_completed is Comm.operation_completed
             else self.operation_completed,
             overlap=bool(self._transport_options.get("overlap")), owner=self,
-            oversubscribed=self.size > _linux.usable_cpus(cpus)
-            if cpus is not None else bool(self._oversubscribed), cpus=cpus)
+            oversubscribed=self.size > _linux.usable_cpus(world.published_cpus())
+            if decided_here else bool(self._oversubscribed), count_cpus=decided_here)
         self._direct = self._progress.direct
         if self._direct is not None:
             self._direct_from = DIRECT_FROM

@@ -105,6 +105,7 @@ class DirectRendezvous:
         # (1.2-1.9x the time from 256 KiB to 2 MiB: docs/architecture.md, "Direct rendezvous")
         self.pull_bits = sum(1 << i for i, name in enumerate(names) if one_copy_pull(name))
         self.pullers: dict[int, bool] = {}  # per peer: whether it can pull from this rank
+        self.mappers: dict[int, bool] = {}  # per peer: whether it maps this rank's heap
         self.pull_via: dict[int, str] = {}  # per peer: _pull_via's answer
         self.fast_outboxes = progress.fast_outboxes
         self.owner = progress.owner
@@ -123,19 +124,24 @@ class DirectRendezvous:
         """Whether ``peer`` has published that a transport of its reaches this rank's memory
         to read it (until it has, it is asked again)."""
         known = self.pullers.get(peer)
-        if known is None:
-            world = self.world
-            if not world.reach_published(peer, self.rank):
-                return False
-            known = self.pullers[peer] = bool(world.reach(peer, self.rank) & self.pull_bits)
-        return known
+        return self._reaches(peer, self.pull_bits, self.pullers) if known is None else known
 
     def can_map(self, peer: int, mv: memoryview) -> bool:
         """Whether ``peer`` maps this rank's heap and ``mv`` lies in it: a peer that cannot
         pull takes such a buffer out of its mapping (``can_pull``'s alternative)."""
+        known = self.mappers.get(peer)
+        if known is None:
+            known = self._reaches(peer, self.map_bit, self.mappers)
+        return known and heap.locate(mv) is not None
+
+    def _reaches(self, peer: int, bits: int, known: dict[int, bool]) -> bool:
+        """Whether ``peer``'s published reach towards this rank has one of ``bits``,
+        remembered in ``known`` once it has published (False until then)."""
         world = self.world
-        return bool(self.map_bit) and world.reach_published(peer, self.rank) \
-            and bool(world.reach(peer, self.rank) & self.map_bit) and heap.locate(mv) is not None
+        if not world.reach_published(peer, self.rank):
+            return False
+        reaches = known[peer] = bool(world.reach(peer, self.rank) & bits)
+        return reaches
 
     def send(self, outbox: Outbox, mv: memoryview, n: int, dest: int, tag: int) -> SendOp | None:
         """Offer ``mv`` (``n`` > 0 bytes, C-contiguous) to ``dest`` and spin until it has
@@ -272,6 +278,10 @@ class DirectRendezvous:
             return at, ONE_HEAP_RTS.size
         return -1, 0
 
+    def _heap_rts_at(self, inbox: Inbox) -> int:
+        """``_rts_at`` for the RTS of a heap buffer alone (what a view takes)."""
+        return -1 if inbox.peer in self.joiner else inbox.head_of(RTS, ONE_HEAP_RTS.size)
+
     def _received(self, inbox: Inbox, size: int, msgid: int) -> None:
         """Take the RTS (its payload ``size`` bytes) out of ``inbox`` and FIN its sender,
         whose send of ``msgid`` is then complete (for a view: once the view is released)."""
@@ -317,12 +327,11 @@ class DirectRendezvous:
         receive (``tag``) and this rank may map its sender's heap: a view of it (its tag in
         ``inbox.last_tag``), the sender's FIN sent at its release. RING_EMPTY or NOT_EAGER
         (the packet left in the ring) as ``recv``."""
-        at = inbox.head_of(RTS, ONE_HEAP_RTS.size) if inbox.peer not in self.joiner else -1
+        at = self._heap_rts_at(inbox)
         if at < 0:
             if not inbox.ready():
                 return RING_EMPTY
-            # (a packet may have come between the two looks: an empty ring is no offer)
-            at = inbox.head_of(RTS, ONE_HEAP_RTS.size) if inbox.peer not in self.joiner else -1
+            at = self._heap_rts_at(inbox)  # (one may have come between the two looks)
             if at < 0:
                 return NOT_EAGER
         xmap = self.xmap

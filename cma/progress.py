@@ -168,13 +168,13 @@ class Progress:
                  inbox_peer: dict[Inbox, int], counts: EagerCounts,
                  ring: Callable[[int], None],
                  completed: Callable[[SendOp | RecvOp], None] | None, overlap: bool,
-                 owner: Any, oversubscribed: bool, cpus: set[int] | None = None) -> None:
+                 owner: Any, oversubscribed: bool, count_cpus: bool = False) -> None:
         """``matcher``, ``fast_outboxes``, ``fast_inboxes`` and ``inbox_peer`` are the
         communicator's, filled here; ``ring(peer)`` rings a peer's doorbell, and
         ``completed(op)``, if given, is told of every operation the engine completes.
         ``owner``: the communicator, whose ``_busy`` word the entries claim (``claim``).
         ``oversubscribed``: the machine's ranks outnumber the CPUs they can run on;
-        ``cpus``, if it was decided on them: the CPUs of the ranks counted, which are
+        ``count_cpus``: that was decided on the CPU masks the ranks published, which are
         counted again as each peer connects (``_count_cpus``), so that a rank that attached
         first stops counting itself crowded once the ranks' masks say otherwise."""
         self.owner = owner
@@ -207,8 +207,8 @@ class Progress:
         self.oversubscribed = oversubscribed
         connection.policy.crowded = oversubscribed
         # Whether to count the ranks' CPUs again as peers connect: only if it was decided
-        # on them, and no union of masks can outnumber the machine's CPUs
-        self.counting_cpus = cpus is not None and size <= (os.cpu_count() or 1)
+        # on them, and where no union of masks can outnumber the machine's CPUs
+        self.counting_cpus = count_cpus and size <= (os.cpu_count() or 1)
         # How often a fast path polls an empty ring (a blocking receive's, a direct
         # send's for its FIN): only with a core to itself, since a spin when ranks
         # outnumber cores holds back the peer it waits for.

@@ -229,9 +229,10 @@ def run_mpi(kind: str, plan: Sequence[tuple[int, int, int]], bind: bool,
     if bind and world.Get_size() <= len(cpus):
         os.sched_setaffinity(0, {cpus[world.Get_rank()]})
     settle_allocator()
-    plain = None
-    if not cma_first:
-        plain = CollectiveSeries("mpi4py", world.Get_size(), run_sizes(world, kind, plan, objects=objects))
+
+    def plain() -> CollectiveSeries:
+        return CollectiveSeries("mpi4py", world.Get_size(), run_sizes(world, kind, plan, objects=objects))
+    first = None if cma_first else plain()
     wrapped = cma.mpi.Comm(world)
     try:
         ours = CollectiveSeries("cma.mpi", world.Get_size(),
@@ -239,9 +240,8 @@ def run_mpi(kind: str, plan: Sequence[tuple[int, int, int]], bind: bool,
     finally:
         if wrapped.cma is not None:
             wrapped.cma.close()  # (not Free: that would free COMM_WORLD)
-    if plain is None:
-        plain = CollectiveSeries("mpi4py", world.Get_size(), run_sizes(world, kind, plan, objects=objects))
-    return [plain, ours]  # (mpi4py first in the report either way: the ratios' baseline)
+    # (mpi4py first in the report either way: the ratios' baseline)
+    return [plain() if first is None else first, ours]
 
 
 def format_report(kind: str, series: Sequence[CollectiveSeries], objects: bool = False) -> str:

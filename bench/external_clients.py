@@ -72,6 +72,10 @@ from cma.bench.sizes import format_size, parse_size
 
 SERIES = ("plain", "plugin")
 DEMOS = ("osu_latency", "osu_bw", "osu_bibw")
+# what --demos may name besides DEMOS: osu_bcast (Bcast of [mmap, n, MPI.BYTE], back to back)
+MORE_DEMOS = ("osu_bcast",)
+# the demos that print MB/s; the others print microseconds: one way, or per collective
+BANDWIDTH_DEMOS = ("osu_bw", "osu_bibw")
 ARRAYS = ("numpy", "none")
 # pingpong's object modes, each over NumPy arrays: pickled, and pkl5's out-of-band
 OBJECTS = {"pickle": ["-a", "numpy", "-p"], "pkl5": ["-a", "numpy", "-o"]}
@@ -379,7 +383,7 @@ def demo_case(name: str, path: str, source: str) -> Case:
         cleanup = stand_in.free if stand_in is not None else (lambda: None)
         return (lambda: run_demo(name, codes[series], stand_in)), cleanup
 
-    return Case("demo", name, "us" if name == "osu_latency" else "MB/s", prepare)
+    return Case("demo", name, "MB/s" if name in BANDWIDTH_DEMOS else "us", prepare)
 
 
 class Run:
@@ -565,7 +569,8 @@ def failures(case: Case, records: Sequence[Record]) -> list[str]:
 def report(cases: Sequence[Case], records: Sequence[Record], each_round: bool) -> str:
     out = []
     for case in cases:
-        what = "mean one-way time" if case.metric == "us" else "bandwidth (MB/s = 1e6 B/s)"
+        what = ("mean time (one way; a collective's per call)" if case.metric == "us"
+                else "bandwidth (MB/s = 1e6 B/s)")
         out += ["", f"== {case.title}: {what}; median [min-max] over rounds; "
                     "plugin/plain bw > 1: the plugin is faster"]
         for first in SERIES:
@@ -596,7 +601,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help=f"further options of mpi4py.bench pingpong (default: {PINGPONG_ARGS!r})")
     parser.add_argument("--no-pingpong", action="store_true")
     parser.add_argument("--demos", default=",".join(DEMOS),
-                        help="demos of the mpi4py sdist, comma-separated (default all three)")
+                        help="demos of the mpi4py sdist, comma-separated (default the three "
+                             "point-to-point ones; osu_bcast too)")
     parser.add_argument("--no-demos", action="store_true")
     parser.add_argument("--timeout", type=float, default=120.0,
                         help="seconds a series may take before it is stopped as failed (default 120)")
@@ -610,7 +616,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.objects = [] if args.no_pingpong else [o for o in args.objects.split(",") if o]
     args.demos = [] if args.no_demos else [d for d in args.demos.split(",") if d]
     unknown = sorted(set(args.arrays) - set(ARRAYS)) + sorted(set(args.objects) - set(OBJECTS)) + \
-        sorted(set(args.demos) - set(DEMOS))
+        sorted(set(args.demos) - set(DEMOS) - set(MORE_DEMOS))
     if unknown:
         parser.error(f"unknown array kind, object mode or demo: {', '.join(unknown)}")
     return args

@@ -445,6 +445,7 @@ class Collectives:
         def start_send(self, segments: list[memoryview], dest: int, tag: int, is_object: bool,
                        eager: bool = True, sync: bool = False) -> SendOp: ...
         def _pickle(self, obj: Any) -> list[memoryview]: ...
+        def _queues(self, n: int, outbox: Outbox | None) -> bool: ...
         def load_object(self, op: RecvOp) -> Any: ...
 
     # -- the primitives: private point-to-point under COLLECTIVE_TAG (or Barrier's tag)
@@ -469,7 +470,13 @@ class Collectives:
                 if sleeping:
                     self._ring(dest)
                 return None
-        return self.start_send([view], dest, tag, False)
+        # Isend's rule for a ring that cannot take the message: from QUEUED_COPY_LIMIT it
+        # waits for the reader as a rendezvous instead of in a private copy. Queued, the
+        # root of back-to-back 1 MiB Bcasts ran ahead without bound, every copy faulting
+        # in fresh heap pages (guide.md, section 7, "A root that runs ahead").
+        if view.nbytes > self._eager_limit or self._queues(view.nbytes, box):
+            return self.start_send([view], dest, tag, False)
+        return self.start_send([view], dest, tag, False, eager=False)
 
     def _coll_recv(self, data: np.ndarray | None, source: int, tag: int = COLLECTIVE_TAG) -> RecvOp:
         """Post a receive into ``data`` (an array), or of an object if None, from ``source``."""

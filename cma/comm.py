@@ -714,10 +714,17 @@ class Comm(Collectives):
                     if sleeping:
                         self._ring(dest)
                     return self.make_request(self, None)
-            if n < QUEUED_COPY_LIMIT or outbox is not None and outbox.fits(n):
+            if self._queues(n, outbox):
                 self.general_send(mv, dest, tag)
                 return self.make_request(self, None)
         return self.general_isend(mv, dest, tag)
+
+    @staticmethod
+    def _queues(n: int, outbox: Outbox | None) -> bool:
+        """Whether an eager message of ``n`` bytes that the fast path could not put in the
+        ring is copied into a packet queued for it (complete at once) rather than sent as
+        a rendezvous (QUEUED_COPY_LIMIT): small ones, or ones the ring takes after all."""
+        return n < QUEUED_COPY_LIMIT or outbox is not None and outbox.fits(n)
 
     def Irecv(self, buf: Any, source: int = ANY_SOURCE, tag: int = ANY_TAG) -> Request:
         """Non-blocking receive into a buffer (``MPI.Comm.Irecv``); do not read ``buf`` until it completes.

@@ -16,6 +16,7 @@ ring reduce-scatter + allgather allreduce (Rabenseifner's shape, with a ring).
 
 from __future__ import annotations
 
+import mmap
 import operator
 import sys
 from collections.abc import Callable, Sequence
@@ -24,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ._exporters import cai_array, dlpack_array
+from ._linux import buffer_address
 from .channel import RING_EMPTY, RING_FULL
 from .errors import BufferError, CmaError, InvalidCount, InvalidDatatype, InvalidRank
 from .wire import COLLECTIVE_TAG
@@ -225,12 +227,23 @@ def _object_op(op: Any) -> Callable[[Any, Any], Any]:
 
 # ------------------------------------------------------------------ buffer specs
 
+# mpi4py's predefined datatypes met so far, by id, with their dtype: dtlib takes 0.9 us
+# to answer. The datatype is kept with its dtype, so its id cannot name another object.
+_MPI_DTYPES: dict[int, tuple[Any, np.dtype]] = {}
+
+
 def _dtype(datatype: Any) -> np.dtype:
+    known = _MPI_DTYPES.get(id(datatype))
+    if known is not None and known[0] is datatype:
+        return known[1]
     mpi = _mpi()
     if mpi is not None and isinstance(datatype, mpi.Datatype):
         from mpi4py.util import dtlib  # (already loaded with mpi4py.MPI's users)
 
-        return np.dtype(dtlib.to_numpy_dtype(datatype))
+        mapped = np.dtype(dtlib.to_numpy_dtype(datatype))
+        if datatype.is_predefined:  # (a derived one may be freed and its handle reused)
+            _MPI_DTYPES[id(datatype)] = (datatype, mapped)
+        return mapped
     try:
         dtype = None if datatype is None else np.dtype(datatype)
     except (TypeError, ValueError):
@@ -320,6 +333,54 @@ def _message(spec: Any, writable: bool, blocks: int = 1) -> np.ndarray:
         raise BufferError(f"{blocks} block(s) of {count} elements do not fit a buffer of "
                           f"{array.size}")
     return array[: count * blocks]
+
+
+class KeptMessage:
+    """The array a buffer or buffer spec named at one call, for the next call given the
+    same array, or an equal spec list over the same object (a spec written inline,
+    ``[buf, n, MPI.BYTE]``, is a new list every call): working it out again took 2-4 us,
+    more than a small collective's messages (docs/guide.md, section 7).
+
+    An array's view is kept; a bytearray's or mmap's bytes are exported anew from the
+    kept offset (~0.3 us), as Send's kept specs are: a view kept alive would stop its
+    owner from resizing or closing."""
+
+    __slots__ = ("buf", "base", "array", "offset", "count", "dtype")
+
+    def __init__(self, buf: Any, base: Any, array: np.ndarray | None, offset: int = 0,
+                 count: int = 0, dtype: np.dtype | None = None) -> None:
+        self.buf, self.base, self.array = buf, base, array
+        self.offset, self.count, self.dtype = offset, count, dtype
+
+    @classmethod
+    def of(cls, buf: Any, array: np.ndarray) -> KeptMessage | None:
+        """Keep ``array``, what ``buf`` names; None for a buffer of another kind."""
+        if buf.__class__ is np.ndarray:
+            return cls(buf, buf, array)
+        if buf.__class__ is not list or not buf:
+            return None
+        base = buf[0]
+        kind = base.__class__
+        if kind is np.ndarray:
+            return cls(list(buf), base, array)
+        if kind is bytearray or kind is mmap.mmap:
+            with memoryview(base) as whole:
+                offset = array.ctypes.data - buffer_address(whole) if array.size else 0
+            return cls(list(buf), base, None, offset, array.size, array.dtype)
+        return None
+
+    def get(self, buf: Any) -> np.ndarray | None:
+        """The kept array if ``buf`` names it, else None."""
+        if buf is self.buf:
+            return self.array
+        if buf.__class__ is not list or not buf or buf[0] is not self.base or buf != self.buf:
+            return None
+        if self.array is not None:
+            return self.array
+        try:
+            return np.frombuffer(self.base, self.dtype, self.count, self.offset)
+        except ValueError:  # closed or shrunk since: worked out anew, which says why
+            return None
 
 
 def _vmessage(spec: Any, writable: bool, size: int) -> tuple[np.ndarray, list[int], list[int]]:
@@ -419,6 +480,10 @@ def _cuts(n: int, parts: int) -> list[int]:
     return [i * base + min(i, extra) for i in range(parts + 1)]
 
 
+# (input or None for IN_PLACE, result or None, the op given, (result_here, blocks), its Op)
+KeptInputs = tuple[KeptMessage | None, KeptMessage | None, Any, tuple[bool, int], Op]
+
+
 # ------------------------------------------------------------------ the mixin
 
 class Collectives:
@@ -426,10 +491,9 @@ class Collectives:
 
     rank: int
     size: int
-    # the last reduction's buffers and op, and what _reduce_inputs made of them
-    _last_inputs: tuple[Any, Any, Any, tuple[bool, int], tuple[np.ndarray, np.ndarray | None, Op]] \
-        | None = None
-    _last_bcast: tuple[Any, bool, np.ndarray] | None = None  # the last Bcast's buffer, as bytes
+    # the last reduction's input and result (None: IN_PLACE, no result here), op, and flags
+    _last_inputs: KeptInputs | None = None
+    _last_bcast: tuple[KeptMessage, bool] | None = None  # the last Bcast's buffer (writable?), as bytes
 
     if TYPE_CHECKING:  # what cma.Comm provides (docs/architecture.md, "What cma.Comm lets ...")
         _progress: Progress | None
@@ -545,12 +609,12 @@ class Collectives:
         self._coll_start(root)
         writable = self.rank != root
         last = self._last_bcast
-        if last is not None and last[0] is buf and last[1] == writable:
-            raw = last[2]  # (kept, as _reduce_inputs keeps its arrays: 0.9 us a call)
-        else:
+        raw = last[0].get(buf) if last is not None and last[1] == writable else None
+        if raw is None:
             raw = _message(buf, writable).view(np.uint8)
-            if buf.__class__ is np.ndarray and raw.nbytes <= self._eager_limit:
-                self._last_bcast = (buf, writable, raw)
+            if raw.nbytes <= self._eager_limit:  # (where the time shows; no large array kept)
+                kept = KeptMessage.of(buf, raw)
+                self._last_bcast = None if kept is None else (kept, writable)
         if self.size == 1:
             return
         if raw.size >= BCAST_SCATTER_FROM and self.size >= 3:
@@ -626,16 +690,35 @@ class Collectives:
         last array it sent: working them out took 2.7 us, more than an 8 B Sendrecv's share
         of a small Allreduce (docs/guide.md, "Collectives")."""
         last = self._last_inputs
-        if last is not None and last[0] is sendbuf and last[1] is recvbuf and last[2] is op \
-                and last[3] == (result_here, blocks):
-            return last[4]
+        if last is not None and last[2] is op and last[3] == (result_here, blocks):
+            found = self._kept_inputs(last, sendbuf, recvbuf)
+            if found is not None:
+                return found
         found = self._work_out_inputs(sendbuf, recvbuf, op, result_here, blocks)
-        # (small arrays only: where the 2.7 us shows, and no large array kept alive)
-        if found[0].nbytes <= self._eager_limit \
-                and (sendbuf.__class__ is np.ndarray or _is_in_place(sendbuf)) \
-                and (recvbuf.__class__ is np.ndarray or recvbuf is None):
-            self._last_inputs = (sendbuf, recvbuf, op, (result_here, blocks), found)
+        source, result, ours = found
+        if source.nbytes <= self._eager_limit:  # (where the time shows; no large array kept)
+            in_place = _is_in_place(sendbuf)
+            send_kept = None if in_place else KeptMessage.of(sendbuf, source)
+            recv_kept = None if result is None else KeptMessage.of(recvbuf, result)
+            if (send_kept is not None or in_place and blocks == 1) \
+                    and (recv_kept is not None or result is None):
+                self._last_inputs = (send_kept, recv_kept, op, (result_here, blocks), ours)
         return found
+
+    @staticmethod
+    def _kept_inputs(last: KeptInputs, sendbuf: Any, recvbuf: Any
+                     ) -> tuple[np.ndarray, np.ndarray | None, Op] | None:
+        """What ``last`` kept, if ``sendbuf`` and ``recvbuf`` name the same buffers."""
+        send_kept, recv_kept, _, _, ours = last
+        result = None
+        if recv_kept is not None:
+            result = recv_kept.get(recvbuf)
+            if result is None:
+                return None
+        if send_kept is None:  # (kept only for IN_PLACE into one block: the result is the input)
+            return (result, result, ours) if result is not None and _is_in_place(sendbuf) else None
+        source = send_kept.get(sendbuf)
+        return None if source is None else (source, result, ours)
 
     def _work_out_inputs(self, sendbuf: Any, recvbuf: Any, op: Any, result_here: bool,
                          blocks: int) -> tuple[np.ndarray, np.ndarray | None, Op]:

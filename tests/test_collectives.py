@@ -706,6 +706,63 @@ def test_reused_buffers_see_new_contents_ops_and_roots(world: World) -> None:
         assert got == expected
 
 
+def reused_specs(comm: cma.Comm) -> tuple[list[Any], list[int]]:
+    """Allreduce and Reduce given inline spec lists (a new list each call) over a
+    bytearray and an array, while the count, the contents, IN_PLACE and the op change:
+    the results, and how many specs each call worked out (an equal one: none). The
+    bytearray resizes afterwards (no view of it kept alive), and a bytearray shrunk
+    below the kept spec is refused as a new spec would be."""
+    rank = comm.Get_rank()
+    worked_out = [0]
+    message = collectives._message
+
+    def counting(*args: Any, **kwargs: Any) -> np.ndarray:
+        worked_out[0] += 1
+        return message(*args, **kwargs)
+
+    raw, result = bytearray(32), np.zeros(8, np.int32)
+    out: list[Any] = []
+    counts: list[int] = []
+    collectives._message = counting  # type: ignore[assignment]
+    try:
+        for step, (n, op, in_place) in enumerate(
+                [(4, cma.SUM, False), (4, cma.SUM, False), (8, cma.SUM, False),
+                 (8, cma.MAX, False), (8, cma.MAX, False), (8, cma.SUM, True),
+                 (8, cma.SUM, True)]):
+            np.frombuffer(raw, np.int32)[:] = rank + step  # (a temporary view: released)
+            result[:] = rank + step if in_place else -1
+            before = worked_out[0]
+            send = cma.IN_PLACE if in_place else [raw, n, "i4"]
+            comm.Allreduce(send, [result, n, "i4"], op=op)
+            counts.append(worked_out[0] - before)
+            out.append(result.tolist())
+    finally:
+        collectives._message = message  # type: ignore[assignment]
+    raw.extend(b"more")  # (BufferError if a view of it were kept)
+    comm.Allreduce([raw, 4, "i4"], [result, 4, "i4"], op=cma.SUM)
+    del raw[8:]
+    try:
+        comm.Allreduce([raw, 4, "i4"], [result, 4, "i4"], op=cma.SUM)
+    except collectives.BufferError as exc:
+        out.append(str(exc).split(":")[0])
+    return out, counts
+
+
+def test_inline_specs_are_worked_out_once_and_keep_no_view(world: World) -> None:
+    results = world.run(reused_specs)
+    size, ranks = world.size, range(world.size)
+    for out, counts in results:
+        sums = [sum(r + step for r in ranks) for step in range(7)]
+        highest = [size - 1 + step for step in range(7)]
+        assert out[:7] == [
+            [sums[0]] * 4 + [-1] * 4, [sums[1]] * 4 + [-1] * 4, [sums[2]] * 8,
+            [highest[3]] * 8, [highest[4]] * 8, [sums[5]] * 8, [sums[6]] * 8]
+        # new spec (2: input and result), equal, new count, new op (kept: the same
+        # arrays), equal, IN_PLACE (1: the result only), equal
+        assert counts == [2, 0, 2, 2, 0, 1, 0]
+        assert out[7:] == ["1 block(s) of 4 elements do not fit a buffer of 2"]
+
+
 def mpi4py_names(comm: cma.Comm) -> Any:
     import mpi4py
 

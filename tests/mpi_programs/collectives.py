@@ -10,6 +10,7 @@ must not have), and a user-defined op must go to MPI. Prints "OK <rank>".
 
 from __future__ import annotations
 
+import mmap
 import sys
 
 import numpy as np
@@ -167,6 +168,50 @@ def messages(comm: cma.mpi.Comm) -> int:
     return comm.cma.stats()["eager"]["messages"] if comm.cma is not None else 0
 
 
+def inline_specs(comm: cma.mpi.Comm) -> None:
+    """Bcasts of ``[mmap, n, MPI.BYTE]`` written inline (a new list each call, as mpi4py's
+    osu_bcast does) while n and the root change: each call moves its own n bytes; an
+    equal spec is not worked out again; the mmap closes afterwards (no view kept alive).
+    A derived datatype's spec goes through MPI, and its dtype is not kept by id."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    from cma import collectives
+
+    worked_out = [0]
+    message = collectives._message
+
+    def counting(*args: object, **kwargs: object) -> np.ndarray:
+        worked_out[0] += 1
+        return message(*args, **kwargs)  # type: ignore[arg-type]
+
+    collectives._message = counting  # type: ignore[assignment]
+    buf = mmap.mmap(-1, 64)
+    try:
+        last = None
+        for step, n in enumerate((8, 8, 8, 24, 24, 8)):
+            root = step // 3 % size
+            buf[:] = bytes([step if rank == root else 255]) * 64
+            before = worked_out[0]
+            comm.Bcast([buf, n, MPI.BYTE], root)
+            assert buf[:n] == bytes([step]) * n, (step, buf[:n])
+            assert buf[n:] == bytes([step if rank == root else 255]) * (64 - n), step
+            if comm.cma is not None and (n, root) == last:
+                assert worked_out[0] == before, f"step {step}: an equal spec worked out again"
+            elif comm.cma is not None:
+                assert worked_out[0] == before + 1, f"step {step}: a new spec not worked out"
+            last = (n, root)
+    finally:
+        collectives._message = message  # type: ignore[assignment]
+    buf.close()  # (BufferError if a view of it were kept)
+    column = MPI.INT.Create_vector(3, 1, 2).Commit()
+    grid = np.arange(6, dtype=np.int32) * (1 if rank == 0 else 0)
+    before = messages(comm)
+    comm.Bcast([grid, 1, column], 0)
+    assert grid.tolist() == [0, 0 if rank else 1, 2, 0 if rank else 3, 4, 0 if rank else 5], grid
+    assert messages(comm) == before, "a derived datatype went through cma"
+    assert all(kept is not column for kept, _ in collectives._MPI_DTYPES.values())
+    column.Free()
+
+
 def main() -> None:
     comm = cma.mpi.Comm(MPI.COMM_WORLD)
     rank = comm.Get_rank()
@@ -207,6 +252,7 @@ def main() -> None:
     assert messages(comm) == before
     add.Free()
     first.Free()
+    inline_specs(comm)
     comm.Barrier()
     print(f"OK {rank}", flush=True)
 

@@ -740,23 +740,27 @@ class Collectives:
         self._coll_start(root)
         source, result, ours = self._reduce_inputs(sendbuf, recvbuf, op,
                                                    result_here=self.rank == root)
-        ring = self.size > 1 and source.nbytes >= REDUCE_RING_FROM
-        # (the ring reads its input where it lies, unless it must be cast to the result's type)
-        read_in_place = ring and (result is None or result is not source and result.dtype == source.dtype)
+        cast_into = None
         if result is not None and result is not source:
             if result.size != source.size:
                 raise BufferError(f"recvbuf holds {result.size} elements, sendbuf {source.size}")
-            if not read_in_place:
-                np.copyto(result, source)
-        if self.size == 1:
-            return
+            if result.dtype != source.dtype:
+                # the other ranks send and combine in sendbuf's type: so does the root, which
+                # casts the result into recvbuf at the end (as Allreduce casts its own)
+                cast_into, result = result, np.empty_like(source)
+        ring = self.size > 1 and source.nbytes >= REDUCE_RING_FROM
+        read_in_place = ring and result is not source  # (the ring reads its input where it lies)
+        if result is not None and result is not source and not read_in_place:
+            np.copyto(result, source)
         if ring:
             acc = result if result is not None else np.empty_like(source)
             cut = _cuts(acc.size, self.size)
             self._reduce_scatter_ring(acc, ours, cut, source if read_in_place else None)
             self._gather_blocks(acc, cut, root)
-        else:
+        elif self.size > 1:
             self._reduce_binomial(source, result, ours, root)
+        if cast_into is not None:
+            np.copyto(cast_into, result)
 
     def _reduce_binomial(self, source: np.ndarray, result: np.ndarray | None, op: Op,
                          root: int) -> None:

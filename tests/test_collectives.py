@@ -886,6 +886,29 @@ def test_allreduce_gives_every_rank_the_same_bits_and_casts_to_the_result(
         assert mixed == want, f"rank {rank}"
 
 
+def reduce_into_wider(comm: cma.Comm, n: int) -> Any:
+    """Reduce int32 inputs into an int64 recvbuf at the last rank (the others' recvbuf
+    is None): the root's result."""
+    _set_thresholds(False)
+    rank, root = comm.Get_rank(), comm.Get_size() - 1
+    result = np.full(n, -1, np.int64) if rank == root else None
+    comm.Reduce((np.arange(n) % 7 + rank).astype(np.int32), result, op=cma.SUM, root=root)
+    return None if result is None else result.tolist()
+
+
+@pytest.mark.parametrize("nbytes", [8 << 10, 1 << 20])
+def test_reduce_casts_into_a_root_recvbuf_of_another_dtype(world: World, nbytes: int) -> None:
+    """The messages carry sendbuf's type on every rank, the root's too, which casts the
+    result into its recvbuf at the end: on the tree (8 KiB) and the ring (1 MiB). Before,
+    the root combined in recvbuf's type, reading its peers' int32 blocks as int64 (the
+    tree) or refusing them as truncated (the ring)."""
+    n = nbytes // 4
+    results = world.run(reduce_into_wider, n)
+    want = sum((np.arange(n) % 7 + r) for r in range(world.size)).tolist()
+    assert results[-1] == want
+    assert results[:-1] == [None] * (world.size - 1)
+
+
 # ------------------------------------------------------------------ a rank that dies
 
 def _die_soon() -> None:

@@ -740,14 +740,15 @@ class Collectives:
         self._coll_start(root)
         source, result, ours = self._reduce_inputs(sendbuf, recvbuf, op,
                                                    result_here=self.rank == root)
-        cast_into = None
+        cast: tuple[np.ndarray, np.ndarray] | None = None  # (recvbuf, the result to cast into it)
         if result is not None and result is not source:
             if result.size != source.size:
                 raise BufferError(f"recvbuf holds {result.size} elements, sendbuf {source.size}")
             if result.dtype != source.dtype:
                 # the other ranks send and combine in sendbuf's type: so does the root, which
                 # casts the result into recvbuf at the end (as Allreduce casts its own)
-                cast_into, result = result, np.empty_like(source)
+                cast = (result, np.empty_like(source))
+                result = cast[1]
         ring = self.size > 1 and source.nbytes >= REDUCE_RING_FROM
         read_in_place = ring and result is not source  # (the ring reads its input where it lies)
         if result is not None and result is not source and not read_in_place:
@@ -759,8 +760,8 @@ class Collectives:
             self._gather_blocks(acc, cut, root)
         elif self.size > 1:
             self._reduce_binomial(source, result, ours, root)
-        if cast_into is not None:
-            np.copyto(cast_into, result)
+        if cast is not None:
+            np.copyto(*cast)
 
     def _reduce_binomial(self, source: np.ndarray, result: np.ndarray | None, op: Op,
                          root: int) -> None:

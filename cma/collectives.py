@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ._exporters import cai_array, dlpack_array
-from ._linux import buffer_address
 from .channel import RING_EMPTY, RING_FULL
 from .errors import BufferError, CmaError, InvalidCount, InvalidDatatype, InvalidRank
 from .wire import COLLECTIVE_TAG
@@ -50,6 +49,13 @@ ALLREDUCE_RING_FROM = 64 << 10  # ring reduce-scatter + allgather instead of rec
 # 64 KiB) and tied at 256 KiB (docs/guide.md section 7)
 ALLREDUCE_RING_FROM_PAIR = 256 << 10
 REDUCE_RING_FROM = 512 << 10  # reduce-scatter + gather to the root instead of a binomial tree
+# A collective's message that finds the ring full is copied into a queued packet only if it
+# is smaller than QUEUED_COPY_LIMIT (Isend's, 128 KiB), and only while less than this waits
+# queued for that peer (a two-rank ring); else it goes as a rendezvous: every rank is in the
+# collective, so none waits for ever, and a root cannot run ahead of its readers without
+# bound. (Isend keeps queueing: a program may exit after its Waitall, and the queue is
+# delivered as it exits.)
+QUEUED_BYTES_LIMIT = 8 << 20
 
 
 # ------------------------------------------------------------------ IN_PLACE and ops
@@ -227,9 +233,11 @@ def _object_op(op: Any) -> Callable[[Any, Any], Any]:
 
 # ------------------------------------------------------------------ buffer specs
 
-# mpi4py's predefined datatypes met so far, by id, with their dtype: dtlib takes 0.9 us
-# to answer. The datatype is kept with its dtype, so its id cannot name another object.
+# The dtypes of mpi4py's own datatype objects (MPI.FLOAT, MPI.BYTE, ...: they live as long
+# as the module), by id, as they are met: dtlib takes 0.9 us to answer. Others (a Dup,
+# Match_size's, a derived one) are not kept, so this holds at most mpi4py's few dozen.
 _MPI_DTYPES: dict[int, tuple[Any, np.dtype]] = {}
+_MPI_CONSTANTS: dict[int, Any] = {}
 
 
 def _dtype(datatype: Any) -> np.dtype:
@@ -241,7 +249,10 @@ def _dtype(datatype: Any) -> np.dtype:
         from mpi4py.util import dtlib  # (already loaded with mpi4py.MPI's users)
 
         mapped = np.dtype(dtlib.to_numpy_dtype(datatype))
-        if datatype.is_predefined:  # (a derived one may be freed and its handle reused)
+        if not _MPI_CONSTANTS:
+            _MPI_CONSTANTS.update((id(value), value) for value in vars(mpi).values()
+                                  if isinstance(value, mpi.Datatype))
+        if _MPI_CONSTANTS.get(id(datatype)) is datatype:
             _MPI_DTYPES[id(datatype)] = (datatype, mapped)
         return mapped
     try:
@@ -336,51 +347,67 @@ def _message(spec: Any, writable: bool, blocks: int = 1) -> np.ndarray:
 
 
 class KeptMessage:
-    """The array a buffer or buffer spec named at one call, for the next call given the
-    same array, or an equal spec list over the same object (a spec written inline,
-    ``[buf, n, MPI.BYTE]``, is a new list every call): working it out again took 2-4 us,
-    more than a small collective's messages (docs/guide.md, section 7).
+    """What a buffer or buffer spec named at one call, for the next call given the same
+    buffer, or an equal spec list over it (a spec written inline, ``[buf, n, MPI.BYTE]``,
+    is a new list every call): working it out again took 2-4 us, more than a small
+    collective's messages (docs/guide.md, section 7).
 
-    An array's view is kept; a bytearray's or mmap's bytes are exported anew from the
-    kept offset (~0.3 us), as Send's kept specs are: a view kept alive would stop its
-    owner from resizing or closing."""
+    No reference to the buffer is kept, not even a weak one (which stops NumPy's
+    ``resize``): only its identity, kind, dtype and size, which must all match, and the
+    element type and count the spec made of it. The bytes are exported anew from the
+    buffer given at each call (~0.3 us), so its owner can still resize, close or free
+    it, and an array whose data moved is read where it lies now."""
 
-    __slots__ = ("buf", "base", "array", "offset", "count", "dtype")
+    __slots__ = ("rest", "base_id", "kind", "base_dtype", "base_nbytes", "count", "dtype")
 
-    def __init__(self, buf: Any, base: Any, array: np.ndarray | None, offset: int = 0,
-                 count: int = 0, dtype: np.dtype | None = None) -> None:
-        self.buf, self.base, self.array = buf, base, array
-        self.offset, self.count, self.dtype = offset, count, dtype
+    def __init__(self, rest: list[Any] | None, base: Any, count: int, dtype: np.dtype) -> None:
+        self.rest = rest  # the spec's items after the buffer; None for a bare buffer
+        self.base_id, self.kind = id(base), base.__class__
+        self.base_dtype = base.dtype if self.kind is np.ndarray else None
+        self.base_nbytes = _nbytes(base)
+        self.count, self.dtype = count, dtype
 
     @classmethod
     def of(cls, buf: Any, array: np.ndarray) -> KeptMessage | None:
-        """Keep ``array``, what ``buf`` names; None for a buffer of another kind."""
-        if buf.__class__ is np.ndarray:
-            return cls(buf, buf, array)
-        if buf.__class__ is not list or not buf:
-            return None
-        base = buf[0]
+        """Keep what ``buf`` named (``array``, which starts where its buffer starts); None
+        for a buffer of another kind than an array, a bytearray or an mmap."""
+        rest, base = None, buf
+        if buf.__class__ is list and buf:
+            rest, base = buf[1:], buf[0]
         kind = base.__class__
-        if kind is np.ndarray:
-            return cls(list(buf), base, array)
-        if kind is bytearray or kind is mmap.mmap:
-            with memoryview(base) as whole:
-                offset = array.ctypes.data - buffer_address(whole) if array.size else 0
-            return cls(list(buf), base, None, offset, array.size, array.dtype)
-        return None
+        if kind is not np.ndarray and kind is not bytearray and kind is not mmap.mmap:
+            return None
+        return cls(rest, base, array.size, array.dtype)
 
-    def get(self, buf: Any) -> np.ndarray | None:
-        """The kept array if ``buf`` names it, else None."""
-        if buf is self.buf:
-            return self.array
-        if buf.__class__ is not list or not buf or buf[0] is not self.base or buf != self.buf:
+    def get(self, buf: Any, writable: bool) -> np.ndarray | None:
+        """The array ``buf`` names if it is the kept buffer and spec (writable if asked),
+        else None."""
+        rest = self.rest
+        if rest is None:
+            base = buf
+        elif buf.__class__ is list and buf and buf[1:] == rest:
+            base = buf[0]
+        else:
             return None
-        if self.array is not None:
-            return self.array
+        kind = self.kind
+        if id(base) != self.base_id or base.__class__ is not kind:
+            return None
+        if kind is np.ndarray:
+            dtype = base.dtype  # (NumPy's builtin dtypes are one object each: `is` first)
+            if dtype is not self.base_dtype and dtype != self.base_dtype \
+                    or base.nbytes != self.base_nbytes:
+                return None
+        elif len(base) != self.base_nbytes:
+            return None
         try:
-            return np.frombuffer(self.base, self.dtype, self.count, self.offset)
-        except ValueError:  # closed or shrunk since: worked out anew, which says why
+            array = np.frombuffer(base, self.dtype, self.count)
+        except ValueError:  # closed, shrunk, not contiguous: worked out anew, which says why
             return None
+        return None if writable and not array.flags.writeable else array
+
+
+def _nbytes(base: Any) -> int:
+    return base.nbytes if base.__class__ is np.ndarray else len(base)
 
 
 def _vmessage(spec: Any, writable: bool, size: int) -> tuple[np.ndarray, list[int], list[int]]:
@@ -493,7 +520,7 @@ class Collectives:
     size: int
     # the last reduction's input and result (None: IN_PLACE, no result here), op, and flags
     _last_inputs: KeptInputs | None = None
-    _last_bcast: tuple[KeptMessage, bool] | None = None  # the last Bcast's buffer (writable?), as bytes
+    _last_bcast: KeptMessage | None = None  # the last Bcast's buffer, as bytes
 
     if TYPE_CHECKING:  # what cma.Comm provides (docs/architecture.md, "What cma.Comm lets ...")
         _progress: Progress | None
@@ -534,11 +561,15 @@ class Collectives:
                 if sleeping:
                     self._ring(dest)
                 return None
-        # Isend's rule for a ring that cannot take the message: from QUEUED_COPY_LIMIT it
-        # waits for the reader as a rendezvous instead of in a private copy. Queued, the
-        # root of back-to-back 1 MiB Bcasts ran ahead without bound, every copy faulting
-        # in fresh heap pages (guide.md, section 7, "A root that runs ahead").
-        if view.nbytes > self._eager_limit or self._queues(view.nbytes, box):
+        # A ring that cannot take the message: Isend's size rule (Comm._queues, without
+        # its "the ring has room again", which would copy through the engine what the
+        # fast path can put) and QUEUED_BYTES_LIMIT say whether it waits in a queued copy
+        # or for the reader, as a rendezvous. Queued without bound, the root of back-to-
+        # back 1 MiB Bcasts ran ahead, every copy faulting in fresh heap pages (guide.md,
+        # section 7, "A root that runs ahead").
+        progress = self._progress
+        if view.nbytes > self._eager_limit or self._queues(view.nbytes, None) and (
+                progress is None or progress.txq_bytes[dest] < QUEUED_BYTES_LIMIT):
             return self.start_send([view], dest, tag, False)
         return self.start_send([view], dest, tag, False, eager=False)
 
@@ -609,12 +640,11 @@ class Collectives:
         self._coll_start(root)
         writable = self.rank != root
         last = self._last_bcast
-        raw = last[0].get(buf) if last is not None and last[1] == writable else None
+        raw = last.get(buf, writable) if last is not None else None
         if raw is None:
             raw = _message(buf, writable).view(np.uint8)
-            if raw.nbytes <= self._eager_limit:  # (where the time shows; no large array kept)
-                kept = KeptMessage.of(buf, raw)
-                self._last_bcast = None if kept is None else (kept, writable)
+            if raw.nbytes <= self._eager_limit:  # (where the 2-4 us show)
+                self._last_bcast = KeptMessage.of(buf, raw)
         if self.size == 1:
             return
         if raw.size >= BCAST_SCATTER_FROM and self.size >= 3:
@@ -696,7 +726,7 @@ class Collectives:
                 return found
         found = self._work_out_inputs(sendbuf, recvbuf, op, result_here, blocks)
         source, result, ours = found
-        if source.nbytes <= self._eager_limit:  # (where the time shows; no large array kept)
+        if source.nbytes <= self._eager_limit:  # (where the 2-4 us show)
             in_place = _is_in_place(sendbuf)
             send_kept = None if in_place else KeptMessage.of(sendbuf, source)
             recv_kept = None if result is None else KeptMessage.of(recvbuf, result)
@@ -712,12 +742,12 @@ class Collectives:
         send_kept, recv_kept, _, _, ours = last
         result = None
         if recv_kept is not None:
-            result = recv_kept.get(recvbuf)
+            result = recv_kept.get(recvbuf, True)
             if result is None:
                 return None
         if send_kept is None:  # (kept only for IN_PLACE into one block: the result is the input)
             return (result, result, ours) if result is not None and _is_in_place(sendbuf) else None
-        source = send_kept.get(sendbuf)
+        source = send_kept.get(sendbuf, False)
         return None if source is None else (source, result, ours)
 
     def _work_out_inputs(self, sendbuf: Any, recvbuf: Any, op: Any, result_here: bool,

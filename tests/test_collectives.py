@@ -12,12 +12,14 @@ the ring and scatter algorithms run at small sizes as well as the trees.
 from __future__ import annotations
 
 import json
+import mmap
 import multiprocessing as mp
 import os
 import signal
 import threading
 import time
 import traceback
+import weakref
 from collections.abc import Callable
 from multiprocessing.connection import wait
 from typing import Any
@@ -748,6 +750,61 @@ def reused_specs(comm: cma.Comm) -> tuple[list[Any], list[int]]:
     return out, counts
 
 
+def kept_buffers_stay_the_owners(comm: cma.Comm) -> list[Any]:
+    """What a communicator keeps of the last call's buffer pins nothing and goes stale on
+    nothing: a bare array then a spec over it; an array resized in place (its data moved)
+    then the same spec; a spec over an mmap's array, then the array dropped and the mmap
+    closed; a large array dropped after a spec over it (freed); a result array made
+    read-only since (refused, as a new one would be)."""
+    rank = comm.Get_rank()
+    out: list[Any] = []
+    a = np.zeros(8, np.uint8)
+    a[:] = 1 if rank == 0 else 0
+    comm.Bcast(a, root=0)
+    a[:] = 2 if rank == 0 else 0
+    comm.Bcast([a, 8, "B"], root=0)  # (raised ValueError: the list compared with the array)
+    out.append(a.tolist())
+    r = np.zeros(2, np.int64)
+    comm.Allreduce(np.ones(2, np.int64), r, op=cma.SUM)
+    s = np.ones(2, np.int64)
+    comm.Allreduce(s, r, op=cma.SUM)
+    comm.Allreduce([s, 2, "i8"], [r, 2, "i8"], op=cma.SUM)
+    out.append(r.tolist())
+    b = np.zeros(16, np.uint8)
+    comm.Bcast([b, 8, "B"], root=0)
+    b.resize(4096, refcheck=True)  # (ValueError if a view of it were kept)
+    b.resize(1 << 20, refcheck=False)  # (its data moves)
+    b[:8] = 42 if rank == 0 else 0
+    comm.Bcast([b, 8, "B"], root=0)
+    out.append(b[:8].tolist())
+    m = mmap.mmap(-1, 4096)
+    view = np.frombuffer(m, np.uint8)
+    comm.Bcast([view, 8, "B"], root=0)
+    del view
+    m.close()  # (BufferError if a view of it were kept)
+    big = np.zeros(32 << 20, np.uint8)
+    gone = weakref.ref(big)
+    comm.Bcast([big, 8, "B"], root=0)
+    del big
+    out.append(gone() is None)
+    c = np.zeros(2, np.int64)
+    comm.Allreduce([s, 2, "i8"], [c, 2, "i8"], op=cma.SUM)
+    c.flags.writeable = False  # (on every rank, so that every rank refuses the call)
+    try:
+        comm.Allreduce([s, 2, "i8"], [c, 2, "i8"], op=cma.SUM)
+        out.append("written")
+    except collectives.BufferError as exc:
+        out.append(str(exc))
+    return out
+
+
+def test_what_a_communicator_keeps_of_a_buffer_pins_nothing(world: World) -> None:
+    results = world.run(kept_buffers_stay_the_owners)
+    for rank, out in enumerate(results):
+        assert out == [[2] * 8, [world.size] * 2, [42] * 8, True,
+                       "receive buffer is read-only: pass a writable array"], f"rank {rank}"
+
+
 def test_inline_specs_are_worked_out_once_and_keep_no_view(world: World) -> None:
     results = world.run(reused_specs)
     size, ranks = world.size, range(world.size)
@@ -850,6 +907,51 @@ def test_a_root_that_runs_ahead_waits_for_its_readers_instead_of_copying(world: 
     rendezvous = sum(s["messages"] for stats, _ in results for name, s in stats.items()
                      if name != "eager")  # (counted where it was copied: a reader's pull)
     assert rendezvous > 0, "the rings never filled: the test did not test"
+
+
+def small_bcasts_to_late_readers(comm: cma.Comm) -> tuple[dict[str, dict[str, float]], int]:
+    """As bcasts_to_late_readers, with 8 KiB messages (below QUEUED_COPY_LIMIT) and the
+    queue's limit shrunk to 64 KiB (set and restored in each rank): the stats, and the
+    most bytes that waited in one queue after a Bcast."""
+    _set_thresholds(False)
+    limit = collectives.QUEUED_BYTES_LIMIT
+    collectives.QUEUED_BYTES_LIMIT = 64 << 10
+    try:
+        rank = comm.Get_rank()
+        buf = np.zeros(8 << 10, np.uint8)
+        comm.Barrier()
+        comm.reset_stats()
+        if rank != 0:
+            time.sleep(0.3)
+        assert comm._progress is not None
+        queued = comm._progress.txq_bytes
+        most = 0
+        for i in range(3 * cma.ChannelConfig().ring_bytes // buf.size):  # (the World's rings)
+            if rank == 0:
+                buf[:] = i % 251
+            comm.Bcast(buf, root=0)
+            assert (buf == i % 251).all(), i
+            most = max(most, *queued)
+        comm.Barrier()
+        return comm.stats(), most
+    finally:
+        collectives.QUEUED_BYTES_LIMIT = limit
+
+
+def test_a_root_of_small_messages_queues_at_most_its_limit(world: World) -> None:
+    """Below QUEUED_COPY_LIMIT a message that finds the ring full is copied into the queue
+    only while less than QUEUED_BYTES_LIMIT waits there for that peer, then goes as a
+    rendezvous: three rings' worth of 8 KiB Bcasts to readers 0.3 s late never leave more
+    than the limit and one message queued (before, all that did not fit the ring was: 2000
+    Isends of 120 KiB to a reader 2 s late grew a sender by 234 MiB)."""
+    if world.size == 1:
+        pytest.skip("one rank sends nothing")
+    results = world.run(small_bcasts_to_late_readers)
+    most = results[0][1]
+    assert 0 < most < (64 << 10) + (8 << 10) + 64  # (a packet's header)
+    rendezvous = sum(s["messages"] for stats, _ in results for name, s in stats.items()
+                     if name != "eager")
+    assert rendezvous > 0
 
 
 # ------------------------------------------------------------------ the same bits everywhere

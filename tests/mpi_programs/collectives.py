@@ -172,7 +172,8 @@ def inline_specs(comm: cma.mpi.Comm) -> None:
     """Bcasts of ``[mmap, n, MPI.BYTE]`` written inline (a new list each call, as mpi4py's
     osu_bcast does) while n and the root change: each call moves its own n bytes; an
     equal spec is not worked out again; the mmap closes afterwards (no view kept alive).
-    A derived datatype's spec goes through MPI, and its dtype is not kept by id."""
+    A derived datatype's spec goes through MPI; copies of a predefined one go through cma
+    without growing the dtypes kept by id."""
     rank, size = comm.Get_rank(), comm.Get_size()
     from cma import collectives
 
@@ -208,8 +209,15 @@ def inline_specs(comm: cma.mpi.Comm) -> None:
     comm.Bcast([grid, 1, column], 0)
     assert grid.tolist() == [0, 0 if rank else 1, 2, 0 if rank else 3, 4, 0 if rank else 5], grid
     assert messages(comm) == before, "a derived datatype went through cma"
-    assert all(kept is not column for kept, _ in collectives._MPI_DTYPES.values())
     column.Free()
+    # a predefined datatype's copy is a new object every time: not kept (by id) at all
+    total = np.zeros(2, np.float32)
+    comm.Allreduce([np.ones(2, np.float32), 2, MPI.FLOAT], [total, 2, MPI.FLOAT])  # (kept)
+    kept = len(collectives._MPI_DTYPES)
+    for _ in range(20):
+        comm.Allreduce([np.ones(2, np.float32), 2, MPI.Datatype(MPI.FLOAT)], [total, 2, MPI.FLOAT])
+    assert total.tolist() == [size] * 2, total
+    assert len(collectives._MPI_DTYPES) == kept, "copies of MPI.FLOAT kept by id"
 
 
 def main() -> None:

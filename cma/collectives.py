@@ -49,12 +49,12 @@ ALLREDUCE_RING_FROM = 64 << 10  # ring reduce-scatter + allgather instead of rec
 # 64 KiB) and tied at 256 KiB (docs/guide.md section 7)
 ALLREDUCE_RING_FROM_PAIR = 256 << 10
 REDUCE_RING_FROM = 512 << 10  # reduce-scatter + gather to the root instead of a binomial tree
-# A collective's message that finds the ring full is copied into a queued packet only if it
-# is smaller than QUEUED_COPY_LIMIT (Isend's, 128 KiB), and only while less than this waits
-# queued for that peer (a two-rank ring); else it goes as a rendezvous: every rank is in the
-# collective, so none waits for ever, and a root cannot run ahead of its readers without
-# bound. (Isend keeps queueing: a program may exit after its Waitall, and the queue is
-# delivered as it exits.)
+# A collective's message (an array, or an object's pickle) that finds the ring full is
+# copied into a queued packet only if it is smaller than QUEUED_COPY_LIMIT (Isend's,
+# 128 KiB), and only while less than this waits queued in all (for every peer together);
+# else it goes as a rendezvous: every rank is in the collective, so none waits for ever,
+# and a root cannot run ahead of its readers without bound. (Isend keeps queueing: a
+# program may exit after its Waitall, and the queue is delivered as it exits.)
 QUEUED_BYTES_LIMIT = 8 << 20
 
 
@@ -392,14 +392,14 @@ class KeptMessage:
         kind = self.kind
         if id(base) != self.base_id or base.__class__ is not kind:
             return None
-        if kind is np.ndarray:
-            dtype = base.dtype  # (NumPy's builtin dtypes are one object each: `is` first)
-            if dtype is not self.base_dtype and dtype != self.base_dtype \
-                    or base.nbytes != self.base_nbytes:
-                return None
-        elif len(base) != self.base_nbytes:
-            return None
         try:
+            if kind is np.ndarray:
+                dtype = base.dtype  # (NumPy's builtin dtypes are one object each: `is` first)
+                if dtype is not self.base_dtype and dtype != self.base_dtype \
+                        or base.nbytes != self.base_nbytes:
+                    return None
+            elif len(base) != self.base_nbytes:
+                return None
             array = np.frombuffer(base, self.dtype, self.count)
         except ValueError:  # closed, shrunk, not contiguous: worked out anew, which says why
             return None
@@ -507,8 +507,8 @@ def _cuts(n: int, parts: int) -> list[int]:
     return [i * base + min(i, extra) for i in range(parts + 1)]
 
 
-# (input or None for IN_PLACE, result or None, the op given, (result_here, blocks), its Op)
-KeptInputs = tuple[KeptMessage | None, KeptMessage | None, Any, tuple[bool, int], Op]
+# (input or None for IN_PLACE, result or None, the op given, result_here, its Op)
+KeptInputs = tuple[KeptMessage | None, KeptMessage | None, Any, bool, Op]
 
 
 # ------------------------------------------------------------------ the mixin
@@ -546,7 +546,11 @@ class Collectives:
         """Start sending ``data`` (an array) or, if None, the object ``obj`` to ``dest``;
         None when it is complete already (an eager message written into the ring)."""
         if data is None:
-            return self.start_send(self._pickle(obj), dest, tag, True)
+            stream = self._pickle(obj)
+            n = sum(segment.nbytes for segment in stream)
+            box = self._fast_outboxes[dest]
+            return self.start_send(stream, dest, tag, True,
+                                   eager=box is not None and box.fits(n) or self._may_queue(n))
         view = _bytes(data)
         box = self._fast_outboxes[dest]
         if box is not None and view.nbytes <= self._eager_limit and not self._busy:
@@ -561,17 +565,21 @@ class Collectives:
                 if sleeping:
                     self._ring(dest)
                 return None
-        # A ring that cannot take the message: Isend's size rule (Comm._queues, without
-        # its "the ring has room again", which would copy through the engine what the
-        # fast path can put) and QUEUED_BYTES_LIMIT say whether it waits in a queued copy
-        # or for the reader, as a rendezvous. Queued without bound, the root of back-to-
-        # back 1 MiB Bcasts ran ahead, every copy faulting in fresh heap pages (guide.md,
-        # section 7, "A root that runs ahead").
-        progress = self._progress
-        if view.nbytes > self._eager_limit or self._queues(view.nbytes, None) and (
-                progress is None or progress.txq_bytes[dest] < QUEUED_BYTES_LIMIT):
+        if view.nbytes > self._eager_limit or self._may_queue(view.nbytes):
             return self.start_send([view], dest, tag, False)
         return self.start_send([view], dest, tag, False, eager=False)
+
+    def _may_queue(self, n: int) -> bool:
+        """Whether a message of ``n`` bytes that the ring cannot take now may wait in a
+        queued copy, rather than for its reader as a rendezvous: Isend's size rule
+        (Comm._queues; not its "the ring has room again", which would copy through the
+        engine what the fast path can put), and while less than QUEUED_BYTES_LIMIT waits
+        queued. Queued without bound, the root of back-to-back 1 MiB Bcasts ran ahead,
+        every copy faulting in fresh heap pages (guide.md, section 7, "A root that runs
+        ahead")."""
+        progress = self._progress
+        return self._queues(n, None) and (progress is None
+                                          or progress.txq_bytes < QUEUED_BYTES_LIMIT)
 
     def _coll_recv(self, data: np.ndarray | None, source: int, tag: int = COLLECTIVE_TAG) -> RecvOp:
         """Post a receive into ``data`` (an array), or of an object if None, from ``source``."""
@@ -712,27 +720,26 @@ class Collectives:
 
     # -- reductions
 
-    def _reduce_inputs(self, sendbuf: Any, recvbuf: Any, op: Any, *, result_here: bool,
-                       blocks: int = 1) -> tuple[np.ndarray, np.ndarray | None, Op]:
+    def _reduce_inputs(self, sendbuf: Any, recvbuf: Any, op: Any, *, result_here: bool
+                       ) -> tuple[np.ndarray, np.ndarray | None, Op]:
         """(input, result buffer or None, op); the input is the result buffer for IN_PLACE.
 
         Kept for the next call given the same arrays and op, as Send keeps the view of the
         last array it sent: working them out took 2.7 us, more than an 8 B Sendrecv's share
         of a small Allreduce (docs/guide.md, "Collectives")."""
         last = self._last_inputs
-        if last is not None and last[2] is op and last[3] == (result_here, blocks):
+        if last is not None and last[2] is op and last[3] == result_here:
             found = self._kept_inputs(last, sendbuf, recvbuf)
             if found is not None:
                 return found
-        found = self._work_out_inputs(sendbuf, recvbuf, op, result_here, blocks)
+        found = self._work_out_inputs(sendbuf, recvbuf, op, result_here)
         source, result, ours = found
         if source.nbytes <= self._eager_limit:  # (where the 2-4 us show)
             in_place = _is_in_place(sendbuf)
             send_kept = None if in_place else KeptMessage.of(sendbuf, source)
             recv_kept = None if result is None else KeptMessage.of(recvbuf, result)
-            if (send_kept is not None or in_place and blocks == 1) \
-                    and (recv_kept is not None or result is None):
-                self._last_inputs = (send_kept, recv_kept, op, (result_here, blocks), ours)
+            if (send_kept is not None or in_place) and (recv_kept is not None or result is None):
+                self._last_inputs = (send_kept, recv_kept, op, result_here, ours)
         return found
 
     @staticmethod
@@ -745,19 +752,19 @@ class Collectives:
             result = recv_kept.get(recvbuf, True)
             if result is None:
                 return None
-        if send_kept is None:  # (kept only for IN_PLACE into one block: the result is the input)
+        if send_kept is None:  # (IN_PLACE: the result is the input)
             return (result, result, ours) if result is not None and _is_in_place(sendbuf) else None
         source = send_kept.get(sendbuf, False)
         return None if source is None else (source, result, ours)
 
-    def _work_out_inputs(self, sendbuf: Any, recvbuf: Any, op: Any, result_here: bool,
-                         blocks: int) -> tuple[np.ndarray, np.ndarray | None, Op]:
+    def _work_out_inputs(self, sendbuf: Any, recvbuf: Any, op: Any, result_here: bool
+                         ) -> tuple[np.ndarray, np.ndarray | None, Op]:
         ours = _array_op(op)
-        result = _message(recvbuf, writable=True, blocks=blocks) if result_here else None
+        result = _message(recvbuf, writable=True) if result_here else None
         if _is_in_place(sendbuf):
             if result is None:
                 raise BufferError("IN_PLACE is for the rank that receives the result")
-            source = result if blocks == 1 else _message(recvbuf, True, 1)
+            source = result
         else:
             source = _message(sendbuf, writable=False)
         ours.check(source.dtype)

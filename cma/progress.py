@@ -226,7 +226,7 @@ class Progress:
         self.inbox_peer = inbox_peer
         self.txq: list[deque[Packet]] = [deque() for _ in range(size)]
         self.txq_pending = 0
-        self.txq_bytes = [0] * size  # payload bytes waiting in each txq
+        self.txq_bytes = 0  # payload bytes waiting in the txqs
         self.loopback: deque[Packet] = deque()
         self.out_streams: dict[int, Stream] = {}  # PIPELINE sends, per peer
         self.in_streams: dict[int, Stream] = {}  # PIPELINE receives, per peer
@@ -404,7 +404,7 @@ class Progress:
         if queue or not self._put(dest, packet):
             queue.append(packet)
             self.txq_pending += 1
-            self.txq_bytes[dest] += len(payload)
+            self.txq_bytes += len(payload)
             self.fast_outboxes[dest] = None
             return
         if self.peer_sleeping(dest):
@@ -429,7 +429,7 @@ class Progress:
             queue = self.txq[dest]
             sent = False
             while queue and self._put(dest, queue[0]):
-                self.txq_bytes[dest] -= len(queue.popleft()[3])
+                self.txq_bytes -= len(queue.popleft()[3])
                 self.txq_pending -= 1
                 sent = True
             if not queue:

@@ -260,6 +260,10 @@ def main() -> None:
     assert messages(comm) == before
     add.Free()
     first.Free()
+    # (MPI's own barrier: a rank whose Reduce returned first must not start sending the
+    # Bcasts below while the root is still in MPI's Reduce, whose progress hook, under Open
+    # MPI, would take them from the ring and count them above)
+    MPI.Intracomm.Barrier(comm)
     inline_specs(comm)
     comm.Barrier()
     print(f"OK {rank}", flush=True)

@@ -233,11 +233,22 @@ def _object_op(op: Any) -> Callable[[Any, Any], Any]:
 
 # ------------------------------------------------------------------ buffer specs
 
-# The dtypes of mpi4py's own datatype objects (MPI.FLOAT, MPI.BYTE, ...: they live as long
-# as the module), by id, as they are met: dtlib takes 0.9 us to answer. Others (a Dup,
-# Match_size's, a derived one) are not kept, so this holds at most mpi4py's few dozen.
-_MPI_DTYPES: dict[int, tuple[Any, np.dtype]] = {}
 _MPI_CONSTANTS: dict[int, Any] = {}
+
+
+def mpi_datatype_constants(mpi: Any) -> dict[int, Any]:
+    """mpi4py's own datatype objects (MPI.FLOAT, MPI.BYTE, ...: module attributes, which
+    live as long as the module, so their ids name no other object), by id."""
+    if not _MPI_CONSTANTS:
+        _MPI_CONSTANTS.update((id(value), value) for value in vars(mpi).values()
+                              if isinstance(value, mpi.Datatype))
+    return _MPI_CONSTANTS
+
+
+# The dtypes of mpi4py's own datatype objects, by id, as they are met: dtlib takes 0.9 us
+# to answer. Others (a Dup, Match_size's, a derived one) are not kept, so this holds at
+# most mpi4py's few dozen.
+_MPI_DTYPES: dict[int, tuple[Any, np.dtype]] = {}
 
 
 def _dtype(datatype: Any) -> np.dtype:
@@ -249,10 +260,7 @@ def _dtype(datatype: Any) -> np.dtype:
         from mpi4py.util import dtlib  # (already loaded with mpi4py.MPI's users)
 
         mapped = np.dtype(dtlib.to_numpy_dtype(datatype))
-        if not _MPI_CONSTANTS:
-            _MPI_CONSTANTS.update((id(value), value) for value in vars(mpi).values()
-                                  if isinstance(value, mpi.Datatype))
-        if _MPI_CONSTANTS.get(id(datatype)) is datatype:
+        if mpi_datatype_constants(mpi).get(id(datatype)) is datatype:
             _MPI_DTYPES[id(datatype)] = (datatype, mapped)
         return mapped
     try:

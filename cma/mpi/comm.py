@@ -11,7 +11,7 @@ from typing import Any, Literal, NoReturn
 import numpy as np
 from mpi4py import MPI
 
-from ..collectives import OPS, Op
+from ..collectives import OPS, Op, mpi_datatype_constants
 from ..comm import AUTO, NOT_TAKEN
 from ..comm import Comm as CmaComm
 from ..comm import Message as CmaMessage
@@ -842,10 +842,7 @@ def _is_derived(item: Any) -> bool:
     return isinstance(item, MPI.Datatype) and not item.is_predefined
 
 
-# mpi4py's predefined datatype objects, by id (they live as long as the module)
-_PREDEFINED_DATATYPES = frozenset(
-    id(value) for value in vars(MPI).values()
-    if isinstance(value, MPI.Datatype) and value != MPI.DATATYPE_NULL and value.is_predefined)
+_PREDEFINED_DATATYPES = mpi_datatype_constants(MPI)  # (mpi4py's own: predefined, all of them)
 
 
 for _name in ON_NODE_COLLECTIVES:

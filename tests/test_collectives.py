@@ -881,53 +881,19 @@ BEHIND_BCASTS = 64
 BEHIND_BYTES = 256 << 10  # within the eager limit up to 4 ranks, binomial up to 4 ranks
 
 
-def bcasts_to_late_readers(comm: cma.Comm) -> tuple[dict[str, dict[str, float]], bool]:
-    """The root broadcasts back to back while the other ranks start late, so its rings
-    fill: its stats, and whether every Bcast arrived whole."""
+def bcasts_to_late_readers(comm: cma.Comm, nbytes: int, calls: int, objects: bool,
+                           queue_limit: int) -> tuple[dict[str, dict[str, float]], int]:
+    """The root broadcasts ``calls`` messages of ``nbytes`` back to back (arrays through
+    Bcast, or bytes through bcast) while the other ranks start 0.3 s late, so its rings
+    fill; every message is checked as it arrives. QUEUED_BYTES_LIMIT is ``queue_limit``
+    meanwhile (set and restored in each rank). The stats, and the most bytes that waited
+    queued after a call."""
     _set_thresholds(False)  # (binomial: a scatter's blocks would be small enough to queue)
-    rank = comm.Get_rank()
-    buf = np.zeros(BEHIND_BYTES, np.uint8)
-    comm.Barrier()
-    comm.reset_stats()
-    if rank != 0:
-        time.sleep(0.3)
-    whole = True
-    for i in range(BEHIND_BCASTS):
-        if rank == 0:
-            buf[:] = i % 251
-        comm.Bcast(buf, root=0)
-        whole = whole and bool((buf == i % 251).all())
-    comm.Barrier()
-    return comm.stats(), whole
-
-
-def test_a_root_that_runs_ahead_waits_for_its_readers_instead_of_copying(world: World) -> None:
-    """Once a reader's ring is full, the root's next Bcast to it waits as a rendezvous
-    from the root's buffer: the root copies nothing into packets of its own (before, each
-    message was copied into a new heap block and queued, so a root of back-to-back 1 MiB
-    Bcasts ran ahead without bound, each copy faulting in fresh pages: 5x slower under
-    mpi4py's osu_bcast). Its readers still get every message, in order."""
-    if world.size == 1:
-        pytest.skip("one rank sends nothing")
-    results = world.run(bcasts_to_late_readers)
-    assert all(whole for _, whole in results)
-    assert results[0][0]["eager"]["user_copies"] == 1.0  # the ring's copy; none into a queue
-    rendezvous = sum(s["messages"] for stats, _ in results for name, s in stats.items()
-                     if name != "eager")  # (counted where it was copied: a reader's pull)
-    assert rendezvous > 0, "the rings never filled: the test did not test"
-
-
-def small_bcasts_to_late_readers(comm: cma.Comm, objects: bool
-                                 ) -> tuple[dict[str, dict[str, float]], int]:
-    """As bcasts_to_late_readers, with 8 KiB messages (below QUEUED_COPY_LIMIT), as arrays
-    or as bytes objects through ``bcast``, and the queue's limit shrunk to 64 KiB (set and
-    restored in each rank): the stats, and the most bytes that waited queued after a call."""
-    _set_thresholds(False)
     limit = collectives.QUEUED_BYTES_LIMIT
-    collectives.QUEUED_BYTES_LIMIT = 64 << 10
+    collectives.QUEUED_BYTES_LIMIT = queue_limit
     try:
         rank = comm.Get_rank()
-        buf = np.zeros(8 << 10, np.uint8)
+        buf = np.zeros(nbytes, np.uint8)
         comm.Barrier()
         comm.reset_stats()
         if rank != 0:
@@ -935,10 +901,10 @@ def small_bcasts_to_late_readers(comm: cma.Comm, objects: bool
         progress = comm._progress
         assert progress is not None
         most = 0
-        for i in range(3 * cma.ChannelConfig().ring_bytes // buf.size):  # (the World's rings)
+        for i in range(calls):
             if objects:
-                got = comm.bcast(bytes([i % 251]) * buf.size if rank == 0 else None, root=0)
-                assert got == bytes([i % 251]) * buf.size, i
+                got = comm.bcast(bytes([i % 251]) * nbytes if rank == 0 else None, root=0)
+                assert got == bytes([i % 251]) * nbytes, i
             else:
                 if rank == 0:
                     buf[:] = i % 251
@@ -951,22 +917,41 @@ def small_bcasts_to_late_readers(comm: cma.Comm, objects: bool
         collectives.QUEUED_BYTES_LIMIT = limit
 
 
+def rendezvous_messages(results: list[tuple[dict[str, dict[str, float]], int]]) -> float:
+    """Messages the ranks moved other than eager (counted where copied: a reader's pull)."""
+    return sum(s["messages"] for stats, _ in results for name, s in stats.items()
+               if name != "eager")
+
+
+def test_a_root_that_runs_ahead_waits_for_its_readers_instead_of_copying(world: World) -> None:
+    """Once a reader's ring is full, the root's next Bcast to it waits as a rendezvous
+    from the root's buffer: the root copies nothing into packets of its own (before, each
+    message was copied into a new heap block and queued, so a root of back-to-back 1 MiB
+    Bcasts ran ahead without bound, each copy faulting in fresh pages: 5x slower under
+    mpi4py's osu_bcast). Its readers still get every message, in order."""
+    if world.size == 1:
+        pytest.skip("one rank sends nothing")
+    results = world.run(bcasts_to_late_readers, BEHIND_BYTES, BEHIND_BCASTS, False,
+                        collectives.QUEUED_BYTES_LIMIT)
+    assert results[0][0]["eager"]["user_copies"] == 1.0  # the ring's copy; none into a queue
+    assert rendezvous_messages(results) > 0, "the rings never filled: the test did not test"
+
+
 @pytest.mark.parametrize("objects", [False, True])
 def test_a_root_of_small_messages_queues_at_most_its_limit(world: World, objects: bool) -> None:
     """Below QUEUED_COPY_LIMIT a message that finds the ring full is copied into the queue
     only while less than QUEUED_BYTES_LIMIT waits queued, then goes as a rendezvous, for
     arrays and for objects' pickles alike: three rings' worth of 8 KiB Bcasts (bcasts) to
-    readers 0.3 s late never leave more than the limit and one message queued (a reviewer
-    had 2000 Isends of 120 KiB to a reader 2 s late grow a sender by 234 MiB, and 200
-    bcasts of a 1 MiB array queue 193 MiB)."""
+    readers 0.3 s late, the limit shrunk to 64 KiB, never leave more than the limit and
+    one message queued (a reviewer had 2000 Isends of 120 KiB to a reader 2 s late grow a
+    sender by 234 MiB, and 200 bcasts of a 1 MiB array queue 193 MiB)."""
     if world.size == 1:
         pytest.skip("one rank sends nothing")
-    results = world.run(small_bcasts_to_late_readers, objects)
-    most = results[0][1]
-    assert 0 < most < (64 << 10) + (8 << 10) + 64  # (a pickle's few bytes more)
-    rendezvous = sum(s["messages"] for stats, _ in results for name, s in stats.items()
-                     if name != "eager")
-    assert rendezvous > 0
+    nbytes = 8 << 10
+    calls = 3 * cma.ChannelConfig().ring_bytes // nbytes  # (the World's rings)
+    results = world.run(bcasts_to_late_readers, nbytes, calls, objects, 64 << 10)
+    assert 0 < results[0][1] < (64 << 10) + nbytes + 64  # (a pickle's few bytes more)
+    assert rendezvous_messages(results) > 0
 
 
 # ------------------------------------------------------------------ the same bits everywhere

@@ -400,7 +400,12 @@ def locate(obj: Any) -> Location | None:
 
     ``None`` too when the array reaches past the end of its segment.
     """
-    lo, hi, _ = _extent(_as_array(obj))
+    if obj.__class__ is memoryview and obj.c_contiguous and obj.nbytes:
+        # (a message's bytes, as the senders hold them: 4 us through an array, ~1 without)
+        lo = _linux.local_address(obj)
+        hi = lo + obj.nbytes
+    else:
+        lo, hi, _ = _extent(_as_array(obj))
     found = HEAP.locate(lo)
     if found is None or hi - lo > found.segment.size - (lo - found.segment.address):
         return None

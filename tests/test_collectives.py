@@ -52,7 +52,7 @@ REDUCTIONS = ["Reduce", "Allreduce", "Reduce_scatter_block", "Reduce_scatter", "
 MOVES = ["Bcast", "Gather", "Gatherv", "Scatter", "Scatterv", "Allgather", "Allgatherv",
          "Alltoall", "Alltoallv", "Alltoallw"]
 WTYPES = [np.dtype(t) for t in ("u1", "i4", "f8", "c16")]
-THRESHOLDS = ("BCAST_SCATTER_FROM", "ALLREDUCE_RING_FROM", "ALLREDUCE_RING_FROM_PAIR",
+THRESHOLDS = ("BCAST_SCATTER_FROM", "ALLREDUCE_RING_FROM", "ALLREDUCE_RING_FROM_PAIR", "XMAP_HOP_FROM",
               "REDUCE_RING_FROM")
 DEFAULTS = {name: getattr(collectives, name) for name in THRESHOLDS}
 FIXTURE_HC = [HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
@@ -81,9 +81,10 @@ class World:
     """``size`` forked ranks of one fresh cma world, each serving commands. A rank that
     raises or hangs fails the call and ends the world; the next call starts a new one."""
 
-    def __init__(self, size: int, transport: str = "auto") -> None:
+    def __init__(self, size: int, transport: str = "auto", xmap: bool = False) -> None:
         self.size = size
         self.transport = transport
+        self.xmap = xmap
         self.procs: list[Any] = []
         self.conns: list[Any] = []
         self._start()
@@ -91,7 +92,8 @@ class World:
     def _start(self) -> None:
         ctx = mp.get_context("fork")
         fds = WorldFds.create(self.size, cma.ChannelConfig())
-        comms = [cma.Comm(_shared_fds(fds), rank, self.transport) for rank in range(self.size)]
+        comms = [cma.Comm(_shared_fds(fds), rank, self.transport, xmap=self.xmap)
+                 for rank in range(self.size)]
         fds.close()
         self.procs, self.conns = [], []
         try:
@@ -151,6 +153,16 @@ class World:
 @pytest.fixture(scope="module", params=[1, 2, 3, 4])
 def world(request: pytest.FixtureRequest) -> Any:
     w = World(request.param)
+    try:
+        yield w
+    finally:
+        w.close()
+
+
+@pytest.fixture(scope="module", params=[2, 3, 4])
+def xmap_world(request: pytest.FixtureRequest) -> Any:
+    """A world whose ranks map each other's shared heap (xmap on)."""
+    w = World(request.param, xmap=True)
     try:
         yield w
     finally:
@@ -231,6 +243,10 @@ def wrap(form: str, array: np.ndarray, blocks: int = 1) -> tuple[Any, np.ndarray
     result (for the count form, a longer buffer whose tail must stay untouched)."""
     if form == "bare":
         return array, array
+    if form == "heap":  # (a copy in the shared heap, which xmap maps)
+        shared = cma.empty_like(array)
+        shared[...] = array
+        return shared, shared
     if form == "dtype":
         return [array, array.dtype], array
     padded = np.zeros(array.size + 3, array.dtype)
@@ -516,7 +532,7 @@ def assert_same(got: Any, want: Any, what: str) -> None:
 
 
 @st.composite
-def cases(draw: st.DrawFn, size: int) -> dict[str, Any]:
+def cases(draw: st.DrawFn, size: int, heap: bool = False) -> dict[str, Any]:
     name = draw(st.sampled_from(REDUCTIONS + MOVES))
     op = None
     if name in REDUCTIONS:
@@ -525,13 +541,14 @@ def cases(draw: st.DrawFn, size: int) -> dict[str, Any]:
     else:
         dtype = draw(st.sampled_from(ALL_DTYPES))
     count = draw(st.one_of(st.just(0), st.integers(1, 50), st.integers(1000, 40_000)))
+    if name in ("Gatherv", "Scatterv", "Allgatherv", "Alltoallv", "Alltoallw"):
+        forms = ["tuple", "four"]
+    else:
+        forms = ["heap"] if heap else ["bare", "dtype", "count"]
     return {
         "name": name, "op": op, "dtype": dtype, "count": count,
         "root": draw(st.integers(0, size - 1)), "in_place": draw(st.booleans()),
-        "form": draw(st.sampled_from(["bare", "dtype", "count"] if name not in
-                                     ("Gatherv", "Scatterv", "Allgatherv", "Alltoallv",
-                                      "Alltoallw")
-                                     else ["tuple", "four"])),
+        "form": draw(st.sampled_from(forms)),
         "small": draw(st.booleans()), "seed": draw(st.integers(0, 2**32 - 1)),
     }
 
@@ -544,6 +561,102 @@ def test_buffer_collectives_match_numpy(world: World, data: st.DataObject) -> No
     want = expected(case, world.size)
     for rank in range(world.size):
         assert_same(got[rank], want[rank], f"rank {rank} of {world.size}, {case}")
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=FIXTURE_HC)
+@given(data=st.data())
+def test_collectives_of_heap_buffers_match_numpy(xmap_world: World, data: st.DataObject) -> None:
+    """The same cases with every buffer in the shared heap and xmap on: with the
+    thresholds shrunk, every hop goes as a rendezvous that its reader copies out of its
+    mapping of the sender's pages, and the reductions combine from views of them."""
+    case = data.draw(cases(xmap_world.size, heap=True))
+    got = xmap_world.run(run_case, case)
+    want = expected(case, xmap_world.size)
+    for rank in range(xmap_world.size):
+        assert_same(got[rank], want[rank], f"rank {rank} of {xmap_world.size}, {case}")
+
+
+def heap_traffic(comm: cma.Comm, name: str, nbytes: int) -> dict[str, dict[str, float]]:
+    """The stats of one ``name`` (Bcast, or Allreduce by the ring or by doubling) of
+    ``nbytes`` of heap arrays, with XMAP_HOP_FROM shrunk so that every hop maps."""
+    _set_thresholds(False)
+    collectives.XMAP_HOP_FROM = 16 << 10
+    if name == "doubling":
+        collectives.ALLREDUCE_RING_FROM = collectives.ALLREDUCE_RING_FROM_PAIR = 1 << 40
+    rank, size = comm.Get_rank(), comm.Get_size()
+    try:
+        if name == "Bcast":
+            buf = cma.zeros(nbytes, np.uint8)
+            if rank == 1:
+                buf[:] = 7
+            comm.reset_stats()
+            comm.Barrier()
+            comm.Bcast(buf, root=1)
+            assert (buf == 7).all()
+        else:
+            send, recv = cma.empty(nbytes // 8, np.float64), cma.zeros(nbytes // 8, np.float64)
+            send[:] = np.arange(send.size) + rank
+            comm.reset_stats()
+            comm.Barrier()
+            comm.Allreduce(send, recv)
+            assert np.array_equal(recv, size * np.arange(send.size) + size * (size - 1) // 2)
+        comm.Barrier()  # (every FIN of a view is in before the stats are read)
+        return comm.stats()
+    finally:
+        _set_thresholds(False)
+
+
+def user_bytes(stats: list[dict[str, dict[str, float]]]) -> float:
+    return sum(s["user_copies"] * s["bytes"] + s["kernel_copies"] * s["bytes"]
+               for per_rank in stats for s in per_rank.values())
+
+
+@pytest.mark.parametrize("name", ["Bcast", "ring", "doubling"])
+def test_heap_buffers_are_copied_once_and_combined_in_place(xmap_world: World, name: str) -> None:
+    """With xmap on, a collective's hop of a heap buffer is read out of the reader's
+    mapping of the sender's pages, never through the ring: a Bcast copies each byte once
+    per reader ((p - 1) n in all, against 2 (p - 1) n eager), and a reduction combines
+    straight from a view of its peer's block, copying nothing for it: the ring's
+    reduce-scatter copies nothing and its allgather (p - 1) n; doubling (2 and 4 ranks)
+    nothing at its first step, n a rank at each later one."""
+    size = xmap_world.size
+    if name == "doubling" and size == 3:
+        pytest.skip("doubling over 3 ranks pairs two ranks first: the input is copied")
+    nbytes = 256 << 10
+    stats = xmap_world.run(heap_traffic, name, nbytes)
+    assert all(per_rank["eager"]["bytes"] == 0 for per_rank in stats), "a hop went eager"
+    steps = (size - 1).bit_length() if name == "doubling" else 0
+    want = {"Bcast": (size - 1) * nbytes, "ring": (size - 1) * nbytes,
+            "doubling": size * (steps - 1) * nbytes}[name]
+    assert user_bytes(stats) == want
+    hops = {"Bcast": size - 1, "ring": 2 * (size - 1) * size, "doubling": size * steps}[name]
+    assert sum(per_rank["xmap"]["messages"] for per_rank in stats) == hops
+
+
+def allreduce_then_overwrite(comm: cma.Comm, rounds: int, nbytes: int) -> int:
+    """``rounds`` Allreduces of heap arrays, each rank overwriting its input at once after
+    each: a peer still reading it through a view after the call returned would see the
+    next round's values, and its result would be wrong."""
+    collectives.XMAP_HOP_FROM = 16 << 10
+    rank, size = comm.Get_rank(), comm.Get_size()
+    send, recv = cma.empty(nbytes // 8, np.float64), cma.empty(nbytes // 8, np.float64)
+    base = np.arange(send.size, dtype=np.float64)
+    try:
+        for i in range(rounds):
+            send[:] = base * (i + 1) + rank
+            comm.Allreduce(send, recv)
+            send[:] = -1.0
+            assert np.array_equal(recv, size * (i + 1) * base + size * (size - 1) // 2), i
+        return rounds
+    finally:
+        _set_thresholds(False)
+
+
+@pytest.mark.parametrize("nbytes", [32 << 10, 512 << 10])
+def test_a_view_of_a_peer_input_is_released_before_the_peer_returns(xmap_world: World,
+                                                                    nbytes: int) -> None:
+    """Doubling (32 KiB) and the ring (512 KiB) over views of heap inputs, 40 rounds."""
+    assert xmap_world.run(allreduce_then_overwrite, 40, nbytes) == [40] * xmap_world.size
 
 
 # ------------------------------------------------------------------ object forms

@@ -85,13 +85,22 @@ class CollectiveSeries:
     error: str = ""
 
 
-def operation(comm: Any, kind: str, nbytes: int, objects: bool = False) -> Callable[[], None]:
+def _filled(count: int, dtype: Any, value: int, heap: bool) -> np.ndarray:
+    """An array of ``count`` items of ``value``, from the shared heap if ``heap``."""
+    array = cma.empty(count, dtype) if heap else np.empty(count, dtype)
+    array.fill(value)
+    return array
+
+
+def operation(comm: Any, kind: str, nbytes: int, objects: bool = False,
+              heap: bool = False) -> Callable[[], None]:
     """The collective to time, with its buffers made (every page written) beforehand;
     ``objects``: the object form (``bcast`` of a dict holding an array of ``nbytes``,
-    ``allreduce`` of the array itself, as Python objects are reduced, with ``+``)."""
+    ``allreduce`` of the array itself, as Python objects are reduced, with ``+``);
+    ``heap``: every array from the shared heap (``cma.empty``), which xmap maps."""
     size = comm.Get_size()
     if objects:
-        array = np.full(nbytes, 1, np.uint8)
+        array = _filled(nbytes, np.uint8, 1, heap)
         if kind == "bcast":
             message = {"step": 1, "name": "weights", "array": array}
             return lambda: comm.bcast(message if comm.Get_rank() == 0 else None, 0)
@@ -99,19 +108,20 @@ def operation(comm: Any, kind: str, nbytes: int, objects: bool = False) -> Calla
             return lambda: comm.allreduce(array)
         raise ValueError(f"{kind} has no object form here (bcast and allreduce do)")
     if kind == "bcast":
-        buf = np.full(nbytes, 1, np.uint8)
+        buf = _filled(nbytes, np.uint8, 1, heap)
         return lambda: comm.Bcast(buf, 0)
     if kind in ("allreduce", "reduce"):
         count = max(1, nbytes // 4)
-        send, recv = np.ones(count, np.float32), np.zeros(count, np.float32)
+        send, recv = _filled(count, np.float32, 1, heap), _filled(count, np.float32, 0, heap)
         if kind == "reduce":
             return lambda: comm.Reduce(send, recv, root=0)
         return lambda: comm.Allreduce(send, recv)
     if kind == "allgather":
-        send, recv = np.ones(nbytes, np.uint8), np.zeros(nbytes * size, np.uint8)
+        send, recv = _filled(nbytes, np.uint8, 1, heap), _filled(nbytes * size, np.uint8, 0, heap)
         return lambda: comm.Allgather(send, recv)
     if kind == "alltoall":
-        send, recv = np.ones(nbytes * size, np.uint8), np.zeros(nbytes * size, np.uint8)
+        send = _filled(nbytes * size, np.uint8, 1, heap)
+        recv = _filled(nbytes * size, np.uint8, 0, heap)
         return lambda: comm.Alltoall(send, recv)
     raise ValueError(f"unknown collective {kind!r}")
 
@@ -139,7 +149,8 @@ def _copied(stats: dict[str, dict[str, float]] | None) -> tuple[float, float, fl
 
 
 def run_sizes(comm: Any, kind: str, plan: Sequence[tuple[int, int, int]],
-              counter: Any = None, objects: bool = False) -> list[CollectiveResult]:
+              counter: Any = None, objects: bool = False, heap: bool = False
+              ) -> list[CollectiveResult]:
     """Every size of ``plan`` ((size, iterations, warmup), ...) on this rank; rank 0
     returns the results gathered from all ranks, the others an empty list. ``counter``
     has the ``stats()`` to read (default: ``comm``'s, if it has any)."""
@@ -147,7 +158,7 @@ def run_sizes(comm: Any, kind: str, plan: Sequence[tuple[int, int, int]],
     counter = comm if counter is None else counter
     has_stats = callable(getattr(counter, "reset_stats", None))
     for nbytes, iterations, warmup in plan:
-        run = operation(comm, kind, nbytes, objects)
+        run = operation(comm, kind, nbytes, objects, heap)
         measure(comm, run, 0, warmup + 1)
         if has_stats:
             counter.reset_stats()  # (no message of the warm-up is left: its last barrier came after)
@@ -168,25 +179,26 @@ def run_sizes(comm: Any, kind: str, plan: Sequence[tuple[int, int, int]],
 
 
 def _child(comm: cma.Comm, kind: str, plan: Sequence[tuple[int, int, int]], cpu: int | None,
-           objects: bool) -> None:
+           objects: bool, heap: bool) -> None:
     if cpu is not None:
         os.sched_setaffinity(0, {cpu})
     settle_allocator()
     try:
-        run_sizes(comm, kind, plan, objects=objects)
+        run_sizes(comm, kind, plan, objects=objects, heap=heap)
     finally:
         comm.close()
 
 
 def run_world(kind: str, transport: str, ranks: int, plan: Sequence[tuple[int, int, int]],
-              bind: bool, objects: bool = False) -> CollectiveSeries:
-    """One series: a cma world of ``ranks`` ranks with ``transport``, this process rank 0."""
-    series = CollectiveSeries(f"cma {transport}", ranks)
+              bind: bool, objects: bool = False, heap: bool = False) -> CollectiveSeries:
+    """One series: a cma world of ``ranks`` ranks with ``transport``, this process rank 0;
+    ``heap``: xmap on, every array from the shared heap."""
+    series = CollectiveSeries(f"cma {transport}{' heap' if heap else ''}", ranks)
     settle_allocator()
     cpus = sorted(os.sched_getaffinity(0))
     pin = bind and ranks <= len(cpus)  # (oversubscribed: the scheduler places them)
     fds = WorldFds.create(ranks, cma.ChannelConfig())
-    comms = [cma.Comm(_shared_fds(fds), r, transport) for r in range(ranks)]
+    comms = [cma.Comm(_shared_fds(fds), r, transport, xmap=heap) for r in range(ranks)]
     fds.close()
     ctx = multiprocessing.get_context("spawn")
     procs = []
@@ -194,14 +206,15 @@ def run_world(kind: str, transport: str, ranks: int, plan: Sequence[tuple[int, i
     try:
         for r in range(1, ranks):
             proc = ctx.Process(target=_child, name=f"cma-bench-rank{r}", daemon=True,
-                               args=(comms[r], kind, plan, cpus[r] if pin else None, objects))
+                               args=(comms[r], kind, plan, cpus[r] if pin else None, objects,
+                                     heap))
             proc.start()
             procs.append(proc)
         for comm in comms[1:]:
             comm.close()
         if pin:
             os.sched_setaffinity(0, {cpus[0]})
-        series.results = run_sizes(comms[0], kind, plan, objects=objects)
+        series.results = run_sizes(comms[0], kind, plan, objects=objects, heap=heap)
     except Exception as exc:  # noqa: BLE001 - reported in the table, the other series go on
         series.error = f"{type(exc).__name__}: {exc}"
     finally:
@@ -216,10 +229,13 @@ def run_world(kind: str, transport: str, ranks: int, plan: Sequence[tuple[int, i
 
 
 def run_mpi(kind: str, plan: Sequence[tuple[int, int, int]], bind: bool,
-            objects: bool = False, cma_first: bool = False) -> list[CollectiveSeries]:
+            objects: bool = False, cma_first: bool = False, heap: bool = False
+            ) -> list[CollectiveSeries]:
     """Under mpiexec: mpi4py's collective on COMM_WORLD, then cma.mpi.Comm's (cma's
     collectives when every rank is on this node), over the same processes; ``cma_first``:
-    the other way round, so that a run in each order shows what one leaves the other."""
+    the other way round, so that a run in each order shows what one leaves the other;
+    ``heap``: cma.mpi's series with xmap on and its arrays from the shared heap (mpi4py's
+    from NumPy's, as its users have them)."""
     from mpi4py import MPI
 
     import cma.mpi
@@ -233,10 +249,11 @@ def run_mpi(kind: str, plan: Sequence[tuple[int, int, int]], bind: bool,
     def plain() -> CollectiveSeries:
         return CollectiveSeries("mpi4py", world.Get_size(), run_sizes(world, kind, plan, objects=objects))
     first = None if cma_first else plain()
-    wrapped = cma.mpi.Comm(world)
+    wrapped = cma.mpi.Comm(world, xmap=True) if heap else cma.mpi.Comm(world)
     try:
-        ours = CollectiveSeries("cma.mpi", world.Get_size(),
-                                run_sizes(wrapped, kind, plan, counter=wrapped.cma, objects=objects))
+        ours = CollectiveSeries("cma.mpi heap" if heap else "cma.mpi", world.Get_size(),
+                                run_sizes(wrapped, kind, plan, counter=wrapped.cma, objects=objects,
+                                          heap=heap))
     finally:
         if wrapped.cma is not None:
             wrapped.cma.close()  # (not Free: that would free COMM_WORLD)
@@ -297,6 +314,9 @@ def build_parser(kind: str) -> argparse.ArgumentParser:
     parser.add_argument("--json", metavar="FILE", help="write the results to FILE")
     parser.add_argument("--cma-first", action="store_true",
                         help="under mpiexec: time cma.mpi's series before mpi4py's (default after)")
+    parser.add_argument("--heap", action="store_true",
+                        help="cma's series with xmap on and every array from the shared heap "
+                             "(cma.empty); under mpiexec mpi4py's arrays stay NumPy's")
     if kind in ("bcast", "allreduce"):
         parser.add_argument("--objects", action="store_true",
                             help="the object form: bcast of a dict holding an array of SIZE "
@@ -318,16 +338,16 @@ def main(kind: str, argv: Sequence[str]) -> int:
         plan.append((nbytes, iterations, warmup))
     world = mpi_world()
     if world is not None:
-        series = run_mpi(kind, plan, args.bind, objects, args.cma_first)
+        series = run_mpi(kind, plan, args.bind, objects, args.cma_first, args.heap)
         if world.Get_rank() != 0:
             return 0
     else:
-        series = [run_world(kind, t.strip(), args.ranks, plan, args.bind, objects)
+        series = [run_world(kind, t.strip(), args.ranks, plan, args.bind, objects, args.heap)
                   for t in args.transport.split(",") if t.strip()]
     print(format_report(kind, series, objects), flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"tool": "cma-bench", "kind": kind, "objects": objects,
+            json.dump({"tool": "cma-bench", "kind": kind, "objects": objects, "heap": args.heap,
                        "cma_first": bool(world is not None and args.cma_first), "argv": list(argv),
                        "machine": machine_info(), "plan": plan,
                        "series": [asdict(s) for s in series]}, f, indent=1)

@@ -5,22 +5,42 @@ through mpi4py's own method on the wrapped MPI handle; the results must agree (e
 for integers, closely for floats, whose sums MPICH and cma may add in other orders).
 Cases are drawn from one seeded generator, the same on every rank. Then: the wrapper
 must have moved the bytes through cma (its stats grew; under CMA_MPI_* pretend nodes it
-must not have), and a user-defined op must go to MPI. Prints "OK <rank>".
+must not have), and a user-defined op must go to MPI. With CMA_XMAP=1 every buffer of
+the cases is in the shared heap and every hop from 16 KiB is read out of a mapping of its
+sender's pages (the reductions combine from views of them), which must have happened.
+Prints "OK <rank>".
 """
 
 from __future__ import annotations
 
 import mmap
+import os
 import sys
 
 import numpy as np
 from mpi4py import MPI
 
+import cma.collectives
 import cma.mpi
 
 CASES = 12
 OPS = [MPI.SUM, MPI.PROD, MPI.MIN, MPI.MAX, MPI.BAND, MPI.BOR, MPI.BXOR, MPI.LAND, MPI.LOR]
 TYPES = [(np.int32, MPI.INT), (np.int64, MPI.INT64_T), (np.float64, MPI.DOUBLE)]
+HEAP = os.environ.get("CMA_XMAP") == "1"
+if HEAP:
+    cma.collectives.XMAP_HOP_FROM = 16 << 10  # (2 MiB by default: more than these cases move)
+
+
+def zeros(count: int, dtype: object) -> np.ndarray:
+    return cma.zeros(count, dtype) if HEAP else np.zeros(count, dtype)
+
+
+def copy(array: np.ndarray) -> np.ndarray:
+    if not HEAP:
+        return array.copy()
+    shared = cma.empty_like(array)
+    shared[...] = array
+    return shared
 
 
 def same(a: np.ndarray, b: np.ndarray, what: str) -> None:
@@ -50,61 +70,63 @@ def run_case(comm: cma.mpi.Comm, rng: np.random.Generator) -> None:
     mine = np.random.default_rng([seed, rank]).integers(-3, 4, count * size).astype(dtype)
     if op == MPI.PROD and dtype is np.float64:
         mine = np.random.default_rng([seed, rank]).uniform(0.5, 1.5, count * size)
+    if HEAP:
+        mine = copy(mine)
 
     def bcast(call):
-        buf = mine[:count].copy() if rank == root else np.zeros(count, dtype)
+        buf = copy(mine[:count]) if rank == root else zeros(count, dtype)
         call([buf, mpitype], root=root)
         return [buf]
 
     def allreduce(call):
-        out = np.zeros(count, dtype)
+        out = zeros(count, dtype)
         call([mine[:count], mpitype], [out, mpitype], op=op)
-        inplace = mine[:count].copy()
+        inplace = copy(mine[:count])
         call(MPI.IN_PLACE, inplace, op)
         return [out, inplace]
 
     def reduce(call):
-        out = np.zeros(count, dtype)
+        out = zeros(count, dtype)
         call(mine[:count], out, op=op, root=root)
         return [out if rank == root else np.zeros(0)]
 
     def scan(call):
-        out = np.zeros(count, dtype)
+        out = zeros(count, dtype)
         call(mine[:count], out, op=op)
         return [out]
 
     def exscan(call):
-        ex = np.zeros(count, dtype)
+        ex = zeros(count, dtype)
         call(mine[:count], ex, op=op)
         return [ex if rank else np.zeros(0)]
 
     def reduce_scatter_block(call):
-        out = np.zeros(count, dtype)
+        out = zeros(count, dtype)
         call(mine, out, op=op)
         return [out]
 
     def reduce_scatter(call):
         counts = [(r * 5 + count) % (count + 1) for r in range(size)]
-        out = np.zeros(counts[rank], dtype)
+        out = zeros(counts[rank], dtype)
         call(mine[: sum(counts)], out, counts, op)
-        inplace = mine[: sum(counts)].copy()
+        inplace = copy(mine[: sum(counts)])
         call(MPI.IN_PLACE, inplace, counts, op)
-        given = np.zeros(counts[rank], dtype)
+        given = zeros(counts[rank], dtype)
         call(mine[: sum(counts)], given, op=op)  # (counts gathered from the recvbufs)
         return [out, inplace[: counts[rank]], given]
 
     def allgather(call):
-        out = np.zeros(count * size, dtype)
+        out = zeros(count * size, dtype)
         call(mine[:count], out)
-        inplace = np.zeros(count * size, dtype)
+        inplace = zeros(count * size, dtype)
         inplace[rank * count : (rank + 1) * count] = mine[:count]
         call(MPI.IN_PLACE, inplace)
         return [out, inplace]
 
     def gather(call):
-        out = np.zeros(count * size, dtype) if rank == root else None
+        out = zeros(count * size, dtype) if rank == root else None
         call([mine[:count], mpitype], [out, mpitype] if rank == root else None, root=root)
-        inplace = np.zeros(count * size, dtype)
+        inplace = zeros(count * size, dtype)
         inplace[rank * count : (rank + 1) * count] = mine[:count]
         call(MPI.IN_PLACE if rank == root else mine[:count], inplace if rank == root else None,
              root=root)
@@ -112,21 +134,21 @@ def run_case(comm: cma.mpi.Comm, rng: np.random.Generator) -> None:
 
     def gatherv(call):
         counts = [(r * 7 + count) % (count + 1) for r in range(size)]
-        out = np.zeros(sum(counts), dtype) if rank == root else None
+        out = zeros(sum(counts), dtype) if rank == root else None
         call(mine[: counts[rank]], [out, (counts, None), mpitype] if rank == root else None,
              root=root)
         return [out if rank == root else np.zeros(0)]
 
     def scatter(call):
-        out = np.zeros(count, dtype)
+        out = zeros(count, dtype)
         call([mine, count, mpitype] if rank == root else None, out, root=root)
-        kept = mine.copy() if rank == root else np.zeros(count, dtype)
+        kept = copy(mine) if rank == root else zeros(count, dtype)
         call(kept if rank == root else None, MPI.IN_PLACE if rank == root else kept[:count],
              root=root)
         return [out, kept]
 
     def alltoall(call):
-        out = np.zeros(count * size, dtype)
+        out = zeros(count * size, dtype)
         call(mine, out)
         return [out]
 
@@ -142,7 +164,7 @@ def run_case(comm: cma.mpi.Comm, rng: np.random.Generator) -> None:
         recv = np.zeros_like(send)
         call([send, (counts, displs), [m for _, m in types]],
              [recv, counts, displs, [m for _, m in types]])
-        inplace = send.copy()
+        inplace = copy(send)
         call(MPI.IN_PLACE, [inplace, (counts, displs), [m for _, m in types]])
         return [recv, inplace]
 
@@ -232,6 +254,8 @@ def main() -> None:
     # ranks or more
     if comm.cma is not None:
         assert messages(comm) > before
+        if HEAP:
+            assert comm.cma.stats()["xmap"]["messages"] > 0, "no hop was read through xmap"
     size = comm.Get_size()
     for name, args in (("Allgather", (np.full(5, rank, np.int64), np.zeros(5 * size, np.int64))),
                        ("Gather", (np.full(5, rank, np.int64), np.zeros(5 * size, np.int64))),

@@ -555,6 +555,9 @@ class Collectives:
                        eager: bool = True, sync: bool = False) -> SendOp: ...
         def _pickle(self, obj: Any) -> list[memoryview]: ...
         def _queues(self, n: int, outbox: Outbox | None) -> bool: ...
+        def _view_from_ring(self, direct: DirectRendezvous, inbox: Inbox | None, tag: int,
+                            capacity: int | None = None) -> View | int | None: ...
+        def packets_queued(self) -> None: ...
         def load_object(self, op: RecvOp) -> Any: ...
 
     # -- the primitives: private point-to-point under COLLECTIVE_TAG (or Barrier's tag)
@@ -570,7 +573,7 @@ class Collectives:
             return self.start_send(stream, dest, tag, True,
                                    eager=box is not None and box.fits(n) or self._may_queue(n))
         view = _bytes(data)
-        if view.nbytes >= XMAP_HOP_FROM and view.nbytes:
+        if view.nbytes >= self._xmap_from() and view.nbytes:
             direct = self._direct
             if direct is not None and direct.xmap is not None and direct.can_map(dest, view):
                 return self._offer_heap(direct, view, dest, tag)
@@ -670,38 +673,46 @@ class Collectives:
         it once read: the sender's send completes then), else received into ``tmp``."""
         progress = self._progress or self._attach()
         direct = self._direct
-        if direct is None or direct.xmap is None or tmp.nbytes < XMAP_HOP_FROM or not tmp.nbytes:
+        if direct is None or direct.xmap is None or tmp.nbytes < self._xmap_from() \
+                or not tmp.nbytes:
             self._coll_take(tmp, source)
             return tmp
-        inbox = self._fast_inboxes[source]
-        matcher = self._matcher
-        # (recv_view's fast path; a view released unannounced: the engine sends its FIN first)
-        if inbox is not None and not matcher.posted and not matcher.unexpected \
-                and not direct.xmap.released and not self._busy:
-            self._busy = 1
-            try:
-                got = direct.view(inbox, COLLECTIVE_TAG)
-                spins = self._fast_spins
-                while got.__class__ is int and got == RING_EMPTY and spins:
-                    spins -= 1
-                    got = direct.view(inbox, COLLECTIVE_TAG)
-            finally:
-                self._busy = 0
-            if isinstance(got, View):
-                return got.view(tmp.dtype).reshape(tmp.shape)
-            if got == NOT_EAGER:  # (not a heap buffer's RTS: eager, or one to copy)
-                self._coll_take(tmp, source)
-                return tmp
+        got = self._view_from_ring(direct, self._fast_inboxes[source], COLLECTIVE_TAG, tmp.nbytes)
+        if isinstance(got, View):
+            return self._as_incoming(got, tmp)
+        if got.__class__ is int and got == NOT_EAGER:  # (eager, or an RTS to copy)
+            self._coll_take(tmp, source)
+            return tmp
         op = progress.post_recv(source, COLLECTIVE_TAG, _bytes(tmp), view=True)
         self._coll_wait(op)
         held, op.held = op.held, None
-        return tmp if held is None else held.view(tmp.dtype).reshape(tmp.shape)
+        return tmp if held is None else self._as_incoming(held, tmp)
 
     @staticmethod
-    def _done_with(incoming: np.ndarray) -> None:
-        """Release what ``_coll_take_view`` returned, if it was a view of a peer's pages."""
+    def _as_incoming(view: View, tmp: np.ndarray) -> np.ndarray:
+        """``view`` shaped as ``tmp``; a shorter message (a program whose ranks disagree on
+        the count: erroneous) is copied into ``tmp`` instead, as the copying paths leave it."""
+        if view.nbytes == tmp.nbytes:
+            return view.view(tmp.dtype).reshape(tmp.shape)
+        _bytes(tmp)[: view.nbytes] = view.data
+        view.release()
+        return tmp
+
+    def _done_with(self, incoming: np.ndarray) -> None:
+        """Release what ``_coll_take_view`` returned, if it was a view of a peer's pages:
+        its FIN goes at once, or, behind a full ring, at this rank's next call into cma
+        (``packets_queued``: cma.mpi's hook makes a wait inside MPI such a call)."""
         if isinstance(incoming, View):
             incoming.release()
+            progress = self._progress
+            if progress is not None and progress.txq_pending:
+                self.packets_queued()
+
+    def _xmap_from(self) -> int:
+        """The least hop that goes through xmap: XMAP_HOP_FROM, or less where the eager
+        limit is lower (3 ranks or more: ChannelConfig.for_ranks), since a larger hop is
+        a rendezvous anyway."""
+        return min(XMAP_HOP_FROM, self._eager_limit + 1)
 
     def _coll_recv_object(self, source: int) -> Any:
         op = self._coll_recv(None, source)
@@ -893,10 +904,12 @@ class Collectives:
                 if tmp is None:
                     tmp = np.empty_like(acc)
                 incoming = self._coll_take_view(tmp, (vr + mask + root) % size)
-                if not owned:
-                    acc, owned = acc.copy(), True
-                op.combine(acc, incoming)
-                self._done_with(incoming)
+                try:
+                    if not owned:
+                        acc, owned = acc.copy(), True
+                    op.combine(acc, incoming)
+                finally:
+                    self._done_with(incoming)
             mask <<= 1
 
     def _reduce_scatter_ring(self, acc: np.ndarray, op: Op, cut: list[int],
@@ -917,12 +930,14 @@ class Collectives:
             sent = acc if source is None or step else source
             sending = self._coll_send(sent[cut[out] : cut[out + 1]], right)
             incoming = self._coll_take_view(incoming, left)
-            if source is None:
-                op.combine(acc[cut[into] : cut[into + 1]], incoming)
-            else:
-                op.combine_into(acc[cut[into] : cut[into + 1]], source[cut[into] : cut[into + 1]],
-                                incoming)
-            self._done_with(incoming)
+            try:
+                if source is None:
+                    op.combine(acc[cut[into] : cut[into + 1]], incoming)
+                else:
+                    op.combine_into(acc[cut[into] : cut[into + 1]],
+                                    source[cut[into] : cut[into + 1]], incoming)
+            finally:
+                self._done_with(incoming)
             self._coll_wait(sending)
 
     def _reduce_scattered(self, source: np.ndarray, op: Op, cut: list[int]) -> np.ndarray:
@@ -996,12 +1011,14 @@ class Collectives:
             peer = rank ^ 1
             sending = self._coll_send(source, peer)
             incoming = self._coll_take_view(tmp, peer)
-            # (lower rank's first, as combine_from_lower: both partners get the same bits)
-            if peer < rank:
-                op.combine_into(acc, incoming, source)
-            else:
-                op.combine_into(acc, source, incoming)
-            self._done_with(incoming)
+            try:
+                # (lower rank's first, as combine_from_lower: both partners get the same bits)
+                if peer < rank:
+                    op.combine_into(acc, incoming, source)
+                else:
+                    op.combine_into(acc, source, incoming)
+            finally:
+                self._done_with(incoming)
             self._coll_wait(sending)
             mask = 2
         if rank < 2 * rem:

@@ -830,29 +830,40 @@ class Comm(Collectives):
                 inbox = self._fast_inboxes[peer] if peer >= 0 else None
             except (IndexError, TypeError):
                 inbox = None
-            matcher = self._matcher
-            # (a view released unannounced: the engine's pass sends its FIN first)
-            if inbox is not None and not matcher.posted and not matcher.unexpected \
-                    and not direct.xmap.released and not self._busy:
-                self._busy = 1
-                try:
-                    got = direct.view(inbox, tag)
-                    spins = self._fast_spins
-                    while got.__class__ is int and got == RING_EMPTY and spins:
-                        spins -= 1
-                        got = direct.view(inbox, tag)
-                finally:
-                    self._busy = 0
+            got = self._view_from_ring(direct, inbox, tag)
+            if got is not None:
+                assert inbox is not None
                 if isinstance(got, View):
                     if status is not None:
                         status.source = self._inbox_peer[inbox]
                         status.tag = inbox.last_tag
                         status.count = got.nbytes
                     return got
-                if got.__class__ is int and got == RING_EMPTY and self._await_late(inbox, tag):
+                if got == RING_EMPTY and self._await_late(inbox, tag):
                     return self.recv_view(source, tag, status)  # (its packet is at the head now)
         view: View = self.Irecv_view(source, tag).wait(status)
         return view
+
+    def _view_from_ring(self, direct: DirectRendezvous, inbox: Inbox | None, tag: int,
+                        capacity: int | None = None) -> View | int | None:
+        """The fast path of a view receive: ``direct.view`` of ``inbox``'s head, spun on
+        while the ring is empty (a View, RING_EMPTY or NOT_EAGER); None where the engine
+        must take the receive (it has receives posted or messages waiting, another call is
+        inside, or a view was released unannounced: its pass sends that FIN first)."""
+        matcher = self._matcher
+        if inbox is None or matcher.posted or matcher.unexpected or direct.xmap is None \
+                or direct.xmap.released or self._busy:
+            return None
+        self._busy = 1
+        try:
+            got = direct.view(inbox, tag, capacity)
+            spins = self._fast_spins
+            while got.__class__ is int and got == RING_EMPTY and spins:
+                spins -= 1
+                got = direct.view(inbox, tag, capacity)
+        finally:
+            self._busy = 0
+        return got
 
     def load_view(self, op: RecvOp) -> View:
         """What a view receive hands out: the mapped view, or the received bytes as one."""

@@ -322,11 +322,12 @@ class DirectRendezvous:
         inbox.last_tag = tag
         return nbytes
 
-    def view(self, inbox: Inbox, tag: int) -> View | int:
+    def view(self, inbox: Inbox, tag: int, capacity: int | None = None) -> View | int:
         """If the packet at the head of ``inbox`` is the RTS of a heap buffer for this
-        receive (``tag``) and this rank may map its sender's heap: a view of it (its tag in
-        ``inbox.last_tag``), the sender's FIN sent at its release. RING_EMPTY or NOT_EAGER
-        (the packet left in the ring) as ``recv``."""
+        receive (``tag``; no more than ``capacity`` bytes, if given) and this rank may map
+        its sender's heap: a view of it (its tag in ``inbox.last_tag``), the sender's FIN
+        sent at its release. RING_EMPTY or NOT_EAGER (the packet left in the ring) as
+        ``recv``."""
         at = self._heap_rts_at(inbox)
         if at < 0:
             if not inbox.ready():
@@ -340,7 +341,8 @@ class DirectRendezvous:
         t = words[at + 1]
         nbytes = words[at + 3]
         peer = inbox.peer
-        if t != tag and (tag != ANY_TAG or t < 0) or peer not in self.mappable:
+        if t != tag and (tag != ANY_TAG or t < 0) or peer not in self.mappable \
+                or capacity is not None and nbytes > capacity:
             return NOT_EAGER
         offer = decode_one_heap_rts(words[at + 4 : at + 4 + ONE_HEAP_RTS_WORDS], nbytes)
         if offer is None:

@@ -284,6 +284,18 @@ def test_shared_array_per_node(env: dict[str, str]) -> None:
     expect_ok(3, "shared.py", env=env)
 
 
+def test_the_slow_spells_bench_times_both_libraries_and_sorts_its_rounds() -> None:
+    """bench/slow_spells.py (guide section 7's slow-spell figures) runs for a second and
+    prints rounds of four times, then how many rounds fell in spells and outside them."""
+    code, out, _ = mpirun(2, str(ROOT / "bench" / "slow_spells.py"), "1", "--size", "65536")
+    assert code == 0, out
+    rows = re.findall(r"same buffer: mpi +([\d.]+) cma +([\d.]+) \| written each call: "
+                      r"mpi +([\d.]+) cma +([\d.]+)", out)
+    assert rows and all(float(t) > 0 for row in rows for t in row), out
+    counts = re.findall(r"^(\d+) rounds (?:in spells|outside them)", out, re.MULTILINE)
+    assert len(counts) == 2 and sum(map(int, counts)) == len(rows), out
+
+
 def test_the_untouched_buffers_bench_times_each_buffer_through_both_libraries() -> None:
     """bench/untouched_buffers.py (mpi.md's zero-page figures) runs, and prints a row per
     send buffer with a time for plain mpi4py and for cma.mpi."""

@@ -1282,6 +1282,41 @@ def test_bench_times_collectives_and_counts_their_copies(tmp_path: Any, kind: st
 
 
 
+class _Recording:
+    """A communicator stand-in that records the first byte of what each call sends."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank, self.sent = rank, []
+
+    def Get_size(self) -> int:  # noqa: N802 - mpi4py's names
+        return 2
+
+    def Get_rank(self) -> int:  # noqa: N802
+        return self.rank
+
+    def Bcast(self, buf: np.ndarray, root: int) -> None:  # noqa: N802
+        self.sent.append(int(buf[0]))
+
+    def Allreduce(self, send: np.ndarray, recv: np.ndarray) -> None:  # noqa: N802
+        self.sent.append(int(send[0]))
+
+
+@pytest.mark.parametrize(("kind", "rank", "writes"), [("bcast", 0, True), ("bcast", 1, False),
+                                                      ("allreduce", 1, True)])
+def test_bench_write_gives_each_call_new_data(kind: str, rank: int, writes: bool) -> None:
+    """``cma-bench ... --write``: a Bcast's root, and every rank of an Allreduce, sends new
+    values at every call (the OSU pattern, without it, sends the same ones); a Bcast's other
+    ranks write nothing (their buffer is the receive buffer)."""
+    from cma.bench.collective import operation
+
+    for write in (False, True):
+        comm = _Recording(rank)
+        run = operation(comm, kind, 64, write=write)
+        for _ in range(4):
+            run()
+        assert (len(set(comm.sent)) == 4) == (write and writes), (write, comm.sent)
+
+
 @pytest.mark.parametrize("kind", ["bcast", "allreduce"])
 def test_bench_times_collectives_of_heap_buffers(tmp_path: Any, kind: str) -> None:
     """``cma-bench bcast|allreduce --heap`` at 2 ranks and 4 MiB: xmap on and every array in

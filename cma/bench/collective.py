@@ -13,6 +13,7 @@ size, in user space and in the kernel.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import multiprocessing
 import os
@@ -93,37 +94,52 @@ def _filled(count: int, dtype: Any, value: int, heap: bool) -> np.ndarray:
 
 
 def operation(comm: Any, kind: str, nbytes: int, objects: bool = False,
-              heap: bool = False) -> Callable[[], None]:
+              heap: bool = False, write: bool = False) -> Callable[[], None]:
     """The collective to time, with its buffers made (every page written) beforehand;
     ``objects``: the object form (``bcast`` of a dict holding an array of ``nbytes``,
     ``allreduce`` of the array itself, as Python objects are reduced, with ``+``);
-    ``heap``: every array from the shared heap (``cma.empty``), which xmap maps."""
+    ``heap``: every array from the shared heap (``cma.empty``), which xmap maps;
+    ``write``: each rank that sends data of its own (a Bcast's root, every rank elsewhere)
+    writes new values into it before each call, timed with the call, as a program does."""
     size = comm.Get_size()
+    root = comm.Get_rank() == 0
     if objects:
         array = _filled(nbytes, np.uint8, 1, heap)
         if kind == "bcast":
             message = {"step": 1, "name": "weights", "array": array}
-            return lambda: comm.bcast(message if comm.Get_rank() == 0 else None, 0)
+            return _writing(lambda: comm.bcast(message if root else None, 0), array, write and root)
         if kind == "allreduce":
-            return lambda: comm.allreduce(array)
+            return _writing(lambda: comm.allreduce(array), array, write)
         raise ValueError(f"{kind} has no object form here (bcast and allreduce do)")
     if kind == "bcast":
         buf = _filled(nbytes, np.uint8, 1, heap)
-        return lambda: comm.Bcast(buf, 0)
+        return _writing(lambda: comm.Bcast(buf, 0), buf, write and root)
     if kind in ("allreduce", "reduce"):
         count = max(1, nbytes // 4)
         send, recv = _filled(count, np.float32, 1, heap), _filled(count, np.float32, 0, heap)
         if kind == "reduce":
-            return lambda: comm.Reduce(send, recv, root=0)
-        return lambda: comm.Allreduce(send, recv)
+            return _writing(lambda: comm.Reduce(send, recv, root=0), send, write)
+        return _writing(lambda: comm.Allreduce(send, recv), send, write)
     if kind == "allgather":
         send, recv = _filled(nbytes, np.uint8, 1, heap), _filled(nbytes * size, np.uint8, 0, heap)
-        return lambda: comm.Allgather(send, recv)
+        return _writing(lambda: comm.Allgather(send, recv), send, write)
     if kind == "alltoall":
         send = _filled(nbytes * size, np.uint8, 1, heap)
         recv = _filled(nbytes * size, np.uint8, 0, heap)
-        return lambda: comm.Alltoall(send, recv)
+        return _writing(lambda: comm.Alltoall(send, recv), send, write)
     raise ValueError(f"unknown collective {kind!r}")
+
+
+def _writing(call: Callable[[], None], data: np.ndarray, write: bool) -> Callable[[], None]:
+    """``call``, after writing new values into ``data`` each time if ``write``."""
+    if not write:
+        return call
+    values = itertools.count(2)
+
+    def written() -> None:
+        data.fill(next(values) & 0x7F)
+        call()
+    return written
 
 
 def measure(comm: Any, run: Callable[[], None], iterations: int, warmup: int) -> list[int]:
@@ -149,8 +165,8 @@ def _copied(stats: dict[str, dict[str, float]] | None) -> tuple[float, float, fl
 
 
 def run_sizes(comm: Any, kind: str, plan: Sequence[tuple[int, int, int]],
-              counter: Any = None, objects: bool = False, heap: bool = False
-              ) -> list[CollectiveResult]:
+              counter: Any = None, objects: bool = False, heap: bool = False,
+              write: bool = False) -> list[CollectiveResult]:
     """Every size of ``plan`` ((size, iterations, warmup), ...) on this rank; rank 0
     returns the results gathered from all ranks, the others an empty list. ``counter``
     has the ``stats()`` to read (default: ``comm``'s, if it has any)."""
@@ -158,7 +174,7 @@ def run_sizes(comm: Any, kind: str, plan: Sequence[tuple[int, int, int]],
     counter = comm if counter is None else counter
     has_stats = callable(getattr(counter, "reset_stats", None))
     for nbytes, iterations, warmup in plan:
-        run = operation(comm, kind, nbytes, objects, heap)
+        run = operation(comm, kind, nbytes, objects, heap, write)
         measure(comm, run, 0, warmup + 1)
         if has_stats:
             counter.reset_stats()  # (no message of the warm-up is left: its last barrier came after)
@@ -179,18 +195,19 @@ def run_sizes(comm: Any, kind: str, plan: Sequence[tuple[int, int, int]],
 
 
 def _child(comm: cma.Comm, kind: str, plan: Sequence[tuple[int, int, int]], cpu: int | None,
-           objects: bool, heap: bool) -> None:
+           objects: bool, heap: bool, write: bool) -> None:
     if cpu is not None:
         os.sched_setaffinity(0, {cpu})
     settle_allocator()
     try:
-        run_sizes(comm, kind, plan, objects=objects, heap=heap)
+        run_sizes(comm, kind, plan, objects=objects, heap=heap, write=write)
     finally:
         comm.close()
 
 
 def run_world(kind: str, transport: str, ranks: int, plan: Sequence[tuple[int, int, int]],
-              bind: bool, objects: bool = False, heap: bool = False) -> CollectiveSeries:
+              bind: bool, objects: bool = False, heap: bool = False, write: bool = False
+              ) -> CollectiveSeries:
     """One series: a cma world of ``ranks`` ranks with ``transport``, this process rank 0;
     ``heap``: xmap on, every array from the shared heap."""
     series = CollectiveSeries(f"cma {transport}{' heap' if heap else ''}", ranks)
@@ -207,14 +224,14 @@ def run_world(kind: str, transport: str, ranks: int, plan: Sequence[tuple[int, i
         for r in range(1, ranks):
             proc = ctx.Process(target=_child, name=f"cma-bench-rank{r}", daemon=True,
                                args=(comms[r], kind, plan, cpus[r] if pin else None, objects,
-                                     heap))
+                                     heap, write))
             proc.start()
             procs.append(proc)
         for comm in comms[1:]:
             comm.close()
         if pin:
             os.sched_setaffinity(0, {cpus[0]})
-        series.results = run_sizes(comms[0], kind, plan, objects=objects, heap=heap)
+        series.results = run_sizes(comms[0], kind, plan, objects=objects, heap=heap, write=write)
     except Exception as exc:  # noqa: BLE001 - reported in the table, the other series go on
         series.error = f"{type(exc).__name__}: {exc}"
     finally:
@@ -229,8 +246,8 @@ def run_world(kind: str, transport: str, ranks: int, plan: Sequence[tuple[int, i
 
 
 def run_mpi(kind: str, plan: Sequence[tuple[int, int, int]], bind: bool,
-            objects: bool = False, cma_first: bool = False, heap: bool = False
-            ) -> list[CollectiveSeries]:
+            objects: bool = False, cma_first: bool = False, heap: bool = False,
+            write: bool = False) -> list[CollectiveSeries]:
     """Under mpiexec: mpi4py's collective on COMM_WORLD, then cma.mpi.Comm's (cma's
     collectives when every rank is on this node), over the same processes; ``cma_first``:
     the other way round, so that a run in each order shows what one leaves the other;
@@ -247,13 +264,14 @@ def run_mpi(kind: str, plan: Sequence[tuple[int, int, int]], bind: bool,
     settle_allocator()
 
     def plain() -> CollectiveSeries:
-        return CollectiveSeries("mpi4py", world.Get_size(), run_sizes(world, kind, plan, objects=objects))
+        return CollectiveSeries("mpi4py", world.Get_size(),
+                                run_sizes(world, kind, plan, objects=objects, write=write))
     first = None if cma_first else plain()
     wrapped = cma.mpi.Comm(world, xmap=True) if heap else cma.mpi.Comm(world)
     try:
         ours = CollectiveSeries("cma.mpi heap" if heap else "cma.mpi", world.Get_size(),
                                 run_sizes(wrapped, kind, plan, counter=wrapped.cma, objects=objects,
-                                          heap=heap))
+                                          heap=heap, write=write))
     finally:
         if wrapped.cma is not None:
             wrapped.cma.close()  # (not Free: that would free COMM_WORLD)
@@ -261,7 +279,8 @@ def run_mpi(kind: str, plan: Sequence[tuple[int, int, int]], bind: bool,
     return [plain() if first is None else first, ours]
 
 
-def format_report(kind: str, series: Sequence[CollectiveSeries], objects: bool = False) -> str:
+def format_report(kind: str, series: Sequence[CollectiveSeries], objects: bool = False,
+                  write: bool = False) -> str:
     ok = [s for s in series if s.results]
     if not ok:
         return "\n".join(f"{s.name}: {s.error}" for s in series)
@@ -275,7 +294,7 @@ def format_report(kind: str, series: Sequence[CollectiveSeries], objects: bool =
         row = [format_size(nbytes)] + [format_number(m) for m in means]
         row += [f"{m / means[0]:.2f}x" for m in means[1:]]
         rows.append(row)
-    form = " (objects)" if objects else ""
+    form = (" (objects)" if objects else "") + (" (new data written each call)" if write else "")
     parts = [f"{kind}{form}, {ok[0].ranks} ranks: time per collective, mean over iterations "
              "averaged over ranks (barrier between iterations not timed); a / b: a's time "
              "over b's",
@@ -314,6 +333,11 @@ def build_parser(kind: str) -> argparse.ArgumentParser:
     parser.add_argument("--json", metavar="FILE", help="write the results to FILE")
     parser.add_argument("--cma-first", action="store_true",
                         help="under mpiexec: time cma.mpi's series before mpi4py's (default after)")
+    parser.add_argument("--write", action="store_true",
+                        help="each rank that sends data of its own (a Bcast's root) writes new "
+                             "values into it before each call, timed with the call, as a "
+                             "program does (the OSU pattern, the default, sends one buffer "
+                             "unchanged)")
     parser.add_argument("--heap", action="store_true",
                         help="cma's series with xmap on and every array from the shared heap "
                              "(cma.empty); under mpiexec mpi4py's arrays stay NumPy's")
@@ -338,16 +362,18 @@ def main(kind: str, argv: Sequence[str]) -> int:
         plan.append((nbytes, iterations, warmup))
     world = mpi_world()
     if world is not None:
-        series = run_mpi(kind, plan, args.bind, objects, args.cma_first, args.heap)
+        series = run_mpi(kind, plan, args.bind, objects, args.cma_first, args.heap, args.write)
         if world.Get_rank() != 0:
             return 0
     else:
-        series = [run_world(kind, t.strip(), args.ranks, plan, args.bind, objects, args.heap)
+        series = [run_world(kind, t.strip(), args.ranks, plan, args.bind, objects, args.heap,
+                            args.write)
                   for t in args.transport.split(",") if t.strip()]
-    print(format_report(kind, series, objects), flush=True)
+    print(format_report(kind, series, objects, args.write), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"tool": "cma-bench", "kind": kind, "objects": objects, "heap": args.heap,
+                       "write": args.write,
                        "cma_first": bool(world is not None and args.cma_first), "argv": list(argv),
                        "machine": machine_info(), "plan": plan,
                        "series": [asdict(s) for s in series]}, f, indent=1)

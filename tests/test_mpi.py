@@ -9,12 +9,14 @@ off-node peers at once.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from mpijobs import find_mpiexec, job_env, kill, launcher_flags, segments_removed, start
@@ -284,16 +286,44 @@ def test_shared_array_per_node(env: dict[str, str]) -> None:
     expect_ok(3, "shared.py", env=env)
 
 
+def _slow_spells_module() -> Any:
+    spec = importlib.util.spec_from_file_location("slow_spells", ROOT / "bench" / "slow_spells.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # (no MPI: main() imports mpi4py)
+    return module
+
+
+def test_the_slow_spells_bench_sorts_rounds_by_the_quiet_level() -> None:
+    """bench/slow_spells.py's rule: a round is in a spell when cma.mpi's same-buffer time
+    is over 3 times the level a tenth of the rounds are faster than; the summary's ratios
+    are mpi4py's time over cma.mpi's, per kind of round."""
+    bench = _slow_spells_module()
+    quiet = [(100.0, 40.0 + i, 150.0, 60.0, 60.0, 15.0) for i in range(7)]
+    spells = [(100.0, 400.0, 600.0, 450.0, 550.0, 30.0) for _ in range(3)]
+    inside, outside, level = bench.sort_rounds(quiet + spells)
+    assert (inside, outside, level) == (spells, quiet, 41.0)
+    lines = bench.summary(quiet + spells)
+    assert lines[0].startswith("3 rounds in spells: mpi4py/cma.mpi same buffer 0.25-0.25x"), lines
+    assert "written each call 1.33-1.33x" in lines[0] and "mpi4py 550.0, cma.mpi 30.0" in lines[0]
+    assert lines[1].startswith("7 rounds outside them: mpi4py/cma.mpi same buffer 2.17-2.50x"), lines
+
+
 def test_the_slow_spells_bench_times_both_libraries_and_sorts_its_rounds() -> None:
     """bench/slow_spells.py (guide section 7's slow-spell figures) runs for a second and
-    prints rounds of four times, then how many rounds fell in spells and outside them."""
+    prints rounds of four times and the root's fills, then its summary, which must be the
+    summary of the rounds it printed."""
+    bench = _slow_spells_module()
     code, out, _ = mpirun(2, str(ROOT / "bench" / "slow_spells.py"), "1", "--size", "65536")
     assert code == 0, out
-    rows = re.findall(r"same buffer: mpi +([\d.]+) cma +([\d.]+) \| written each call: "
-                      r"mpi +([\d.]+) cma +([\d.]+)", out)
-    assert rows and all(float(t) > 0 for row in rows for t in row), out
-    counts = re.findall(r"^(\d+) rounds (?:in spells|outside them)", out, re.MULTILINE)
-    assert len(counts) == 2 and sum(map(int, counts)) == len(rows), out
+    rows = [tuple(map(float, row)) for row in re.findall(
+        r"same buffer: mpi +([\d.]+) cma +([\d.]+) \| written each call: mpi +([\d.]+) "
+        r"cma +([\d.]+) \(fill +([\d.]+) +([\d.]+)\)", out)]
+    assert rows and all(t > 0 for row in rows for t in row), out
+    printed = re.findall(r"^\d+ rounds (?:in spells|outside them).*$", out, re.MULTILINE)
+    # (the rows are printed to 0.1 us: the ratios agree to their 2 decimals but for rounding)
+    assert [line.split(":")[0] for line in printed] == \
+        [line.split(":")[0] for line in bench.summary(rows)], out
 
 
 def test_the_untouched_buffers_bench_times_each_buffer_through_both_libraries() -> None:

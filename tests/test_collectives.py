@@ -579,11 +579,14 @@ def test_collectives_of_heap_buffers_match_numpy(xmap_world: World, data: st.Dat
         assert_same(got[rank], want[rank], f"rank {rank} of {xmap_world.size}, {case}")
 
 
-def heap_traffic(comm: cma.Comm, name: str, nbytes: int) -> dict[str, dict[str, float]]:
+def heap_traffic(comm: cma.Comm, name: str, nbytes: int, shrink: bool = True
+                 ) -> dict[str, dict[str, float]]:
     """The stats of one ``name`` (Bcast, or Allreduce by the ring or by doubling) of
-    ``nbytes`` of heap arrays, with XMAP_HOP_FROM shrunk so that every hop maps."""
+    ``nbytes`` of heap arrays, with XMAP_HOP_FROM shrunk so that every hop maps (unless
+    not ``shrink``: the default thresholds)."""
     _set_thresholds(False)
-    collectives.XMAP_HOP_FROM = 16 << 10
+    if shrink:
+        collectives.XMAP_HOP_FROM = 16 << 10
     if name == "doubling":
         collectives.ALLREDUCE_RING_FROM = collectives.ALLREDUCE_RING_FROM_PAIR = 1 << 40
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -636,20 +639,6 @@ def test_heap_buffers_are_copied_once_and_combined_in_place(xmap_world: World, n
     assert sum(per_rank["xmap"]["messages"] for per_rank in stats) == hops
 
 
-def heap_allreduce(comm: cma.Comm, nbytes: int) -> dict[str, dict[str, float]]:
-    """The stats of one Allreduce of ``nbytes`` of heap arrays, default thresholds."""
-    _set_thresholds(False)
-    rank, size = comm.Get_rank(), comm.Get_size()
-    send, recv = cma.empty(nbytes // 8, np.float64), cma.zeros(nbytes // 8, np.float64)
-    send[:] = np.arange(send.size) + rank
-    comm.reset_stats()
-    comm.Barrier()
-    comm.Allreduce(send, recv)
-    assert np.array_equal(recv, size * np.arange(send.size) + size * (size - 1) // 2)
-    comm.Barrier()
-    return comm.stats()
-
-
 def test_heap_hops_above_a_lower_eager_limit_are_combined_from_views(xmap_world: World) -> None:
     """From 3 ranks the eager limit is 256 KiB, so a ring's blocks of 384-512 KiB are
     rendezvous below XMAP_HOP_FROM (2 MiB): they are mapped as well, and combined from
@@ -659,7 +648,7 @@ def test_heap_hops_above_a_lower_eager_limit_are_combined_from_views(xmap_world:
     if size == 2:
         pytest.skip("2 ranks: the eager limit is XMAP_HOP_FROM")
     nbytes = 3 << 19  # 1.5 MiB: blocks of 512 KiB (3 ranks), 384 KiB (4)
-    stats = xmap_world.run(heap_allreduce, nbytes)
+    stats = xmap_world.run(heap_traffic, "ring", nbytes, False)
     assert user_bytes(stats) == (size - 1) * nbytes
     assert sum(per_rank["xmap"]["messages"] for per_rank in stats) == 2 * (size - 1) * size
 

@@ -995,6 +995,27 @@ def test_cli_mpi_object_collectives_in_either_order(tmp_path: Path, kind: str) -
     assert f"{kind} (objects), 2 ranks" in stdout
 
 
+@needs_mpiexec
+@pytest.mark.parametrize("cma_first", [False, True])
+def test_cli_mpi_collectives_interleaved_take_turns_size_by_size(tmp_path: Path,
+                                                                 cma_first: bool) -> None:
+    """cma-bench bcast --interleave --write under mpiexec: each size is timed through one
+    library, then the other (cma.mpi first with --cma-first), before the next size; without
+    --interleave one library's whole series comes first."""
+    for interleave in (True, False):
+        out = tmp_path / "out.json"
+        mpi_job(["-m", "cma.bench", "bcast", "--write", "--min-size", "1K", "--max-size", "4K",
+                 "--iterations", "3", "--warmup", "1", "--json", str(out)]
+                + (["--interleave"] if interleave else []) + (["--cma-first"] if cma_first else []))
+        doc = json.loads(out.read_text())
+        assert doc["interleave"] == interleave and doc["write"]
+        plain, ours = ([r["started"] for r in s["results"]] for s in doc["series"])
+        first, second = (ours, plain) if cma_first else (plain, ours)
+        turns = sorted([(t, 0) for t in first] + [(t, 1) for t in second])
+        want = [0, 1] * 3 if interleave else [0] * 3 + [1] * 3
+        assert [who for _, who in turns] == want, (interleave, doc["series"])
+
+
 def test_help_lists_every_pattern(capsys: pytest.CaptureFixture[str]) -> None:
     """``cma-bench --help`` names the collectives too (they are parsed apart, in collective.py)."""
     from cma.bench.cli import KINDS, main

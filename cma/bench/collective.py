@@ -71,6 +71,7 @@ class CollectiveResult:
     user_copied: float = 0.0  # bytes copied in user space per collective, all ranks
     kernel_copied: float = 0.0
     messages: float = 0.0  # point-to-point messages per collective, all ranks, both ends
+    started: float = 0.0  # (time.time() on rank 0 when this size began: series' turns)
 
     @property
     def mean_us(self) -> float:
@@ -174,6 +175,7 @@ def run_sizes(comm: Any, kind: str, plan: Sequence[tuple[int, int, int]],
     counter = comm if counter is None else counter
     has_stats = callable(getattr(counter, "reset_stats", None))
     for nbytes, iterations, warmup in plan:
+        started = time.time()
         run = operation(comm, kind, nbytes, objects, heap, write)
         measure(comm, run, 0, warmup + 1)
         if has_stats:
@@ -190,7 +192,7 @@ def run_sizes(comm: Any, kind: str, plan: Sequence[tuple[int, int, int]],
                 nbytes, iterations, [m for m, _ in gathered],
                 user_copied=sum(c[0] for c in per) / iterations,
                 kernel_copied=sum(c[1] for c in per) / iterations,
-                messages=sum(c[2] for c in per) / iterations))
+                messages=sum(c[2] for c in per) / iterations, started=started))
     return out
 
 
@@ -247,12 +249,13 @@ def run_world(kind: str, transport: str, ranks: int, plan: Sequence[tuple[int, i
 
 def run_mpi(kind: str, plan: Sequence[tuple[int, int, int]], bind: bool,
             objects: bool = False, cma_first: bool = False, heap: bool = False,
-            write: bool = False) -> list[CollectiveSeries]:
+            write: bool = False, interleave: bool = False) -> list[CollectiveSeries]:
     """Under mpiexec: mpi4py's collective on COMM_WORLD, then cma.mpi.Comm's (cma's
     collectives when every rank is on this node), over the same processes; ``cma_first``:
     the other way round, so that a run in each order shows what one leaves the other;
     ``heap``: cma.mpi's series with xmap on and its arrays from the shared heap (mpi4py's
-    from NumPy's, as its users have them)."""
+    from NumPy's, as its users have them); ``interleave``: the two take turns size by
+    size, so that a slow spell of the host (guide.md section 7) falls on both series."""
     from mpi4py import MPI
 
     import cma.mpi
@@ -263,20 +266,35 @@ def run_mpi(kind: str, plan: Sequence[tuple[int, int, int]], bind: bool,
         os.sched_setaffinity(0, {cpus[world.Get_rank()]})
     settle_allocator()
 
-    def plain() -> CollectiveSeries:
-        return CollectiveSeries("mpi4py", world.Get_size(),
-                                run_sizes(world, kind, plan, objects=objects, write=write))
-    first = None if cma_first else plain()
+    size = world.Get_size()
+    name = "cma.mpi heap" if heap else "cma.mpi"
+
+    def plain(steps: Sequence[tuple[int, int, int]]) -> list[CollectiveResult]:
+        return run_sizes(world, kind, steps, objects=objects, write=write)
+
+    def ours(wrapped: Any, steps: Sequence[tuple[int, int, int]]) -> list[CollectiveResult]:
+        return run_sizes(wrapped, kind, steps, counter=wrapped.cma, objects=objects, heap=heap,
+                         write=write)
+
+    theirs = None if cma_first or interleave else plain(plan)
     wrapped = cma.mpi.Comm(world, xmap=True) if heap else cma.mpi.Comm(world)
     try:
-        ours = CollectiveSeries("cma.mpi heap" if heap else "cma.mpi", world.Get_size(),
-                                run_sizes(wrapped, kind, plan, counter=wrapped.cma, objects=objects,
-                                          heap=heap, write=write))
+        if interleave:
+            theirs, mine = [], []
+            for step in plan:
+                if cma_first:
+                    mine += ours(wrapped, [step])
+                theirs += plain([step])
+                if not cma_first:
+                    mine += ours(wrapped, [step])
+        else:
+            mine = ours(wrapped, plan)
     finally:
         if wrapped.cma is not None:
             wrapped.cma.close()  # (not Free: that would free COMM_WORLD)
     # (mpi4py first in the report either way: the ratios' baseline)
-    return [plain() if first is None else first, ours]
+    return [CollectiveSeries("mpi4py", size, plain(plan) if theirs is None else theirs),
+            CollectiveSeries(name, size, mine)]
 
 
 def format_report(kind: str, series: Sequence[CollectiveSeries], objects: bool = False,
@@ -333,6 +351,10 @@ def build_parser(kind: str) -> argparse.ArgumentParser:
     parser.add_argument("--json", metavar="FILE", help="write the results to FILE")
     parser.add_argument("--cma-first", action="store_true",
                         help="under mpiexec: time cma.mpi's series before mpi4py's (default after)")
+    parser.add_argument("--interleave", action="store_true",
+                        help="under mpiexec: time the two libraries size by size, in turns "
+                             "(default: one library's whole series, then the other's), so that "
+                             "a slow spell of the host falls on both")
     parser.add_argument("--write", action="store_true",
                         help="each rank that sends data of its own (a Bcast's root) writes new "
                              "values into it before each call, timed with the call, as a "
@@ -362,7 +384,8 @@ def main(kind: str, argv: Sequence[str]) -> int:
         plan.append((nbytes, iterations, warmup))
     world = mpi_world()
     if world is not None:
-        series = run_mpi(kind, plan, args.bind, objects, args.cma_first, args.heap, args.write)
+        series = run_mpi(kind, plan, args.bind, objects, args.cma_first, args.heap, args.write,
+                         args.interleave)
         if world.Get_rank() != 0:
             return 0
     else:
@@ -373,7 +396,7 @@ def main(kind: str, argv: Sequence[str]) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"tool": "cma-bench", "kind": kind, "objects": objects, "heap": args.heap,
-                       "write": args.write,
+                       "write": args.write, "interleave": args.interleave,
                        "cma_first": bool(world is not None and args.cma_first), "argv": list(argv),
                        "machine": machine_info(), "plan": plan,
                        "series": [asdict(s) for s in series]}, f, indent=1)

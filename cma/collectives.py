@@ -60,10 +60,12 @@ REDUCE_RING_FROM = 512 << 10  # reduce-scatter + gather to the root instead of a
 QUEUED_BYTES_LIMIT = 8 << 20
 # Where xmap is on, a collective's message of at least this many bytes from the shared heap
 # goes as a rendezvous its reader copies once out of its mapping of the sender's pages, or
-# combines straight from them, instead of twice through the ring. Below, the ring's two
-# copies cost less than the rendezvous's round trip: a 1 MiB Bcast took 86-90 us mapped
-# against 56 eager, a 2 MiB one 114-117 against 162-164 (docs/guide.md section 7, "From
-# the shared heap").
+# combines straight from them, instead of twice through the ring; so does one above the
+# eager limit where that is lower (3 ranks or more: ChannelConfig.for_ranks), a rendezvous
+# anyway. Below, the ring's two copies cost less than the rendezvous's round trip: a 1 MiB
+# Bcast took 86-90 us mapped against 56 eager, a 2 MiB one 114-117 against 162-164
+# (docs/guide.md section 7, "From the shared heap"). The rule is written out where it is
+# applied, in _coll_send and _coll_take_view: both are on every hop's path.
 XMAP_HOP_FROM = 2 << 20
 
 
@@ -573,24 +575,25 @@ class Collectives:
             return self.start_send(stream, dest, tag, True,
                                    eager=box is not None and box.fits(n) or self._may_queue(n))
         view = _bytes(data)
-        if view.nbytes >= self._xmap_from() and view.nbytes:
+        n = view.nbytes
+        if (n >= XMAP_HOP_FROM or n > self._eager_limit) and n:
             direct = self._direct
             if direct is not None and direct.xmap is not None and direct.can_map(dest, view):
                 return self._offer_heap(direct, view, dest, tag)
         box = self._fast_outboxes[dest]
-        if box is not None and view.nbytes <= self._eager_limit and not self._busy:
+        if box is not None and n <= self._eager_limit and not self._busy:
             # Send's fast path: straight into the ring. The engine's path would first copy
             # the payload into a packet (3 copies per eager message instead of 2: guide.md).
             self._busy = 1  # (as in Send: another thread's call now raises ConcurrentUse)
             try:
-                sleeping = box.put_eager(tag, view, view.nbytes)
+                sleeping = box.put_eager(tag, view, n)
             finally:
                 self._busy = 0
             if sleeping != RING_FULL:
                 if sleeping:
                     self._ring(dest)
                 return None
-        if view.nbytes > self._eager_limit or self._may_queue(view.nbytes):
+        if n > self._eager_limit or self._may_queue(n):
             return self.start_send([view], dest, tag, False)
         return self.start_send([view], dest, tag, False, eager=False)
 
@@ -671,19 +674,20 @@ class Collectives:
         """Receive a message that will only be read (combined) from ``source``: a read-only
         view of the sender's own pages where it comes through xmap (no copy; ``_done_with``
         it once read: the sender's send completes then), else received into ``tmp``."""
-        progress = self._progress or self._attach()
         direct = self._direct
-        if direct is None or direct.xmap is None or tmp.nbytes < self._xmap_from() \
-                or not tmp.nbytes:
+        n = tmp.nbytes
+        if direct is None or direct.xmap is None or n < XMAP_HOP_FROM and n <= self._eager_limit \
+                or not n:
             self._coll_take(tmp, source)
             return tmp
-        got = self._view_from_ring(direct, self._fast_inboxes[source], COLLECTIVE_TAG, tmp.nbytes)
+        got = self._view_from_ring(direct, self._fast_inboxes[source], COLLECTIVE_TAG, n)
         if isinstance(got, View):
             return self._as_incoming(got, tmp)
         if got.__class__ is int and got == NOT_EAGER:  # (eager, or an RTS to copy)
             self._coll_take(tmp, source)
             return tmp
-        op = progress.post_recv(source, COLLECTIVE_TAG, _bytes(tmp), view=True)
+        op = (self._progress or self._attach()).post_recv(source, COLLECTIVE_TAG, _bytes(tmp),
+                                                           view=True)
         self._coll_wait(op)
         held, op.held = op.held, None
         return tmp if held is None else self._as_incoming(held, tmp)
@@ -707,12 +711,6 @@ class Collectives:
             progress = self._progress
             if progress is not None and progress.txq_pending:
                 self.packets_queued()
-
-    def _xmap_from(self) -> int:
-        """The least hop that goes through xmap: XMAP_HOP_FROM, or less where the eager
-        limit is lower (3 ranks or more: ChannelConfig.for_ranks), since a larger hop is
-        a rendezvous anyway."""
-        return min(XMAP_HOP_FROM, self._eager_limit + 1)
 
     def _coll_recv_object(self, source: int) -> Any:
         op = self._coll_recv(None, source)

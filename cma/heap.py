@@ -390,9 +390,7 @@ def _extent(arr: Any) -> tuple[int, int, int]:
 
 def is_shared(obj: Any) -> bool:
     """Whether an array (or the buffer an object exports) lies in the shared heap."""
-    lo, hi, _ = _extent(_as_array(obj))
-    found = HEAP.locate(lo)
-    return found is not None and hi - lo <= found.segment.size - (lo - found.segment.address)
+    return locate(obj) is not None
 
 
 def locate(obj: Any) -> Location | None:

@@ -579,16 +579,23 @@ def test_collectives_of_heap_buffers_match_numpy(xmap_world: World, data: st.Dat
         assert_same(got[rank], want[rank], f"rank {rank} of {xmap_world.size}, {case}")
 
 
+def _map_hops(doubling: bool = False) -> None:
+    """The default thresholds, but every hop from 16 KiB through xmap, and (``doubling``)
+    every Allreduce by recursive doubling (reset by _set_thresholds(False))."""
+    _set_thresholds(False)
+    collectives.XMAP_HOP_FROM = 16 << 10
+    if doubling:
+        collectives.ALLREDUCE_RING_FROM = collectives.ALLREDUCE_RING_FROM_PAIR = 1 << 40
+
+
 def heap_traffic(comm: cma.Comm, name: str, nbytes: int, shrink: bool = True
                  ) -> dict[str, dict[str, float]]:
     """The stats of one ``name`` (Bcast, or Allreduce by the ring or by doubling) of
     ``nbytes`` of heap arrays, with XMAP_HOP_FROM shrunk so that every hop maps (unless
     not ``shrink``: the default thresholds)."""
-    _set_thresholds(False)
-    if shrink:
-        collectives.XMAP_HOP_FROM = 16 << 10
-    if name == "doubling":
-        collectives.ALLREDUCE_RING_FROM = collectives.ALLREDUCE_RING_FROM_PAIR = 1 << 40
+    _map_hops(doubling=name == "doubling")
+    if not shrink:
+        collectives.XMAP_HOP_FROM = DEFAULTS["XMAP_HOP_FROM"]
     rank, size = comm.Get_rank(), comm.Get_size()
     try:
         if name == "Bcast":
@@ -662,9 +669,7 @@ def views_after_a_failed_combine(comm: cma.Comm) -> tuple[str, int]:
     """Doubling over heap arrays with an op whose combine raises (as a KeyboardInterrupt
     in a long combine would): the view of the peer's input must be released as the error
     leaves the call, not when its traceback is collected (the peer waits for that FIN)."""
-    _set_thresholds(False)
-    collectives.XMAP_HOP_FROM = 16 << 10
-    collectives.ALLREDUCE_RING_FROM = collectives.ALLREDUCE_RING_FROM_PAIR = 1 << 40
+    _map_hops(doubling=True)
     failing = cma.Op("FAIL", _fail, _fail, _fail)
     send, recv = cma.empty(8192, np.float64), cma.empty(8192, np.float64)
     send[:] = 1.0
@@ -691,9 +696,7 @@ def mismatched_allreduce(comm: cma.Comm) -> str:
     """Rank 0 gives twice the elements rank 1 gives (an erroneous program): rank 1's
     receive of the larger message must raise TruncationError, as the copying paths do,
     not fail to shape a view of it, and rank 0 must not wait for ever."""
-    _set_thresholds(False)
-    collectives.XMAP_HOP_FROM = 16 << 10
-    collectives.ALLREDUCE_RING_FROM = collectives.ALLREDUCE_RING_FROM_PAIR = 1 << 40
+    _map_hops(doubling=True)
     n = 8192 if comm.Get_rank() == 0 else 4096
     send, recv = cma.empty(n, np.float64), cma.empty(n, np.float64)
     send[:] = 1.0
@@ -716,7 +719,7 @@ def allreduce_then_overwrite(comm: cma.Comm, rounds: int, nbytes: int) -> int:
     """``rounds`` Allreduces of heap arrays, each rank overwriting its input at once after
     each: a peer still reading it through a view after the call returned would see the
     next round's values, and its result would be wrong."""
-    collectives.XMAP_HOP_FROM = 16 << 10
+    _map_hops()
     rank, size = comm.Get_rank(), comm.Get_size()
     send, recv = cma.empty(nbytes // 8, np.float64), cma.empty(nbytes // 8, np.float64)
     base = np.arange(send.size, dtype=np.float64)

@@ -45,12 +45,18 @@ __all__ = [
 # the same algorithm). Not yet tuned here: MPICH's bcast switch, and first guesses for the
 # others (docs/guide.md section 7; measure with cma-bench bcast/allreduce/reduce).
 BCAST_SCATTER_FROM = 512 << 10  # and 3 ranks or more: van de Geijn instead of a binomial tree
-ALLREDUCE_RING_FROM = 64 << 10  # ring reduce-scatter + allgather instead of recursive doubling
+# a reduce-scatter + allgather (by halving and doubling, or by the ring) instead of recursive
+# doubling
+ALLREDUCE_SCATTER_FROM = 64 << 10
 # ... and with 2 ranks, where both move n bytes a rank: the ring halves the combine but takes
 # two steps to doubling's one, which won at 64 and 128 KiB (25-35 against 29-40 us at
 # 64 KiB) and tied at 256 KiB (docs/guide.md section 7)
-ALLREDUCE_RING_FROM_PAIR = 256 << 10
-REDUCE_RING_FROM = 512 << 10  # reduce-scatter + gather to the root instead of a binomial tree
+ALLREDUCE_SCATTER_FROM_PAIR = 256 << 10
+# Over 5 or more ranks that are no power of two, a reduce-scatter by halving below this
+# size, by the ring from it: at 6 ranks the two tied at 4 MiB and the ring won at 16 MiB,
+# where halving's pairing moves 2 n more (docs/guide.md section 7, "Many ranks")
+HALVING_UNTIL = 4 << 20
+REDUCE_SCATTER_FROM = 512 << 10  # reduce-scatter + gather to the root instead of a binomial tree
 # A collective's message (an array, or an object's pickle) that finds the ring full is
 # copied into a queued packet only if it is smaller than QUEUED_COPY_LIMIT (Isend's,
 # 128 KiB), and only while less than this waits queued in all (for every peer together);
@@ -743,7 +749,7 @@ class Collectives:
         if self.size == 1:
             return
         if raw.size >= BCAST_SCATTER_FROM and self.size >= 3:
-            self._bcast_scatter_ring(raw, root)
+            self._bcast_scatter_allgather(raw, root)
         else:
             self._bcast_binomial(raw, root)
 
@@ -763,9 +769,12 @@ class Collectives:
             mask >>= 1
         self._coll_wait(*sends)
 
-    def _bcast_scatter_ring(self, data: np.ndarray, root: int) -> None:
-        """van de Geijn: the root sends block i to relative rank i, then the blocks pass
-        along the chain 0 -> 1 -> ... -> size-1 (no block goes back to the root)."""
+    def _bcast_scatter_allgather(self, data: np.ndarray, root: int) -> None:
+        """van de Geijn: the root sends block i to relative rank i, then the blocks are
+        gathered by every rank: by recursive doubling over a power of two of ranks (log2 p
+        steps: 1.1-2.3x faster than the chain at 4-16 ranks, docs/guide.md section 7, "Many
+        ranks"), else along the chain 0 -> 1 -> ... -> size-1 (p - 1 steps). No block goes
+        back to the root."""
         size, vr = self.size, (self.rank - root) % self.size
         cut = _cuts(data.size, size)
 
@@ -777,6 +786,9 @@ class Collectives:
             self._coll_wait(*[self._coll_send(block(i), (i + root) % size) for i in range(1, size)])
         else:
             self._coll_take(block(vr), root)
+        if size & (size - 1) == 0:
+            self._allgather_doubling(data, cut, vr, lambda v: (v + root) % size, whole=0)
+            return
         right, left = (vr + 1 + root) % size, (vr - 1 + root) % size
         for step in range(size - 1):
             ops: list[SendOp | RecvOp | None] = []
@@ -873,15 +885,23 @@ class Collectives:
                 # casts the result into recvbuf at the end (as Allreduce casts its own)
                 cast = (result, np.empty_like(source))
                 result = cast[1]
-        ring = self.size > 1 and source.nbytes >= REDUCE_RING_FROM
-        read_in_place = ring and result is not source  # (the ring reads its input where it lies)
+        scatter = self.size > 1 and source.nbytes >= REDUCE_SCATTER_FROM
+        # (a reduce-scatter reads its input where it lies)
+        read_in_place = scatter and result is not source
         if result is not None and result is not source and not read_in_place:
             np.copyto(result, source)
-        if ring:
+        if scatter:
             acc = result if result is not None else np.empty_like(source)
-            cut = _cuts(acc.size, self.size)
-            self._reduce_scatter_ring(acc, ours, cut, source if read_in_place else None)
-            self._gather_blocks(acc, cut, root)
+            given = source if read_in_place else None
+            if self._halves(source.nbytes):
+                cut, newrank = self._reduce_scatter_halving(acc, ours, given)
+                rem = self.size - (len(cut) - 1)
+                owners = [self._halving_peer(i, rem) for i in range(len(cut) - 1)]
+                self._gather_blocks(acc, cut, root, owners, newrank)
+            else:
+                cut = _cuts(acc.size, self.size)
+                self._reduce_scatter_ring(acc, ours, cut, given)
+                self._gather_blocks(acc, cut, root, range(self.size), self.rank)
         elif self.size > 1:
             self._reduce_binomial(source, result, ours, root)
         if cast is not None:
@@ -956,14 +976,16 @@ class Collectives:
             out, into = (rank - step) % size, (rank - step - 1) % size
             self._sendrecv(data[cut[out] : cut[out + 1]], right, data[cut[into] : cut[into + 1]], left)
 
-    def _gather_blocks(self, data: np.ndarray, cut: list[int], root: int) -> None:
-        """Every rank's block ``rank`` of ``data`` to the same place in the root's ``data``."""
+    def _gather_blocks(self, data: np.ndarray, cut: list[int], root: int, owners: Sequence[int],
+                       mine: int | None) -> None:
+        """Block i of ``data`` (cut[i]:cut[i+1]), held by rank owners[i], to the same place
+        in the root's ``data``; ``mine``: the block this rank holds (None: none)."""
         if self.rank == root:
-            ops = [self._coll_recv(data[cut[r] : cut[r + 1]], r)
-                   for r in range(self.size) if r != root]
+            ops = [self._coll_recv(data[cut[i] : cut[i + 1]], r)
+                   for i, r in enumerate(owners) if r != root]
             self._coll_wait(*ops)
-        else:
-            self._coll_wait(self._coll_send(data[cut[self.rank] : cut[self.rank + 1]], root))
+        elif mine is not None:
+            self._coll_wait(self._coll_send(data[cut[mine] : cut[mine + 1]], root))
 
     def Allreduce(self, sendbuf: Any, recvbuf: Any, op: Any = SUM) -> None:
         """Combine every rank's ``sendbuf`` with ``op`` into every rank's ``recvbuf``
@@ -971,13 +993,16 @@ class Collectives:
         self._coll_start()
         source, result, ours = self._reduce_inputs(sendbuf, recvbuf, op, result_here=True)
         assert result is not None
-        ring_from = ALLREDUCE_RING_FROM_PAIR if self.size == 2 else ALLREDUCE_RING_FROM
-        ring = self.size > 1 and result.nbytes >= ring_from and result.size >= self.size
-        # The ring, and doubling over a power of two of ranks, read the input where it lies
-        # (its first step sends it, and combines it with what comes into the result),
+        size = self.size
+        scatter_from = ALLREDUCE_SCATTER_FROM_PAIR if size == 2 else ALLREDUCE_SCATTER_FROM
+        # (a reduce-scatter and an allgather, by halving and doubling or by the ring)
+        scatter = size > 1 and result.nbytes >= scatter_from and result.size >= size
+        halving = scatter and self._halves(result.nbytes)
+        # These read the input where it lies (the first step sends it, and combines it with
+        # what comes into the result), and so does doubling over a power of two of ranks,
         # unless it must be cast to the result's type.
-        read_in_place = result is not source and result.dtype == source.dtype and self.size > 1 \
-            and (ring or self.size & (self.size - 1) == 0)
+        read_in_place = result is not source and result.dtype == source.dtype and size > 1 \
+            and (scatter or size & (size - 1) == 0)
         if result is not source:
             if result.size != source.size:
                 raise BufferError(f"recvbuf holds {result.size} elements, sendbuf {source.size}")
@@ -985,8 +1010,10 @@ class Collectives:
                 np.copyto(result, source)
         if self.size == 1:
             return
-        if ring:
-            cut = _cuts(result.size, self.size)
+        if halving:
+            self._allreduce_halving(result, ours, source if read_in_place else None)
+        elif scatter:
+            cut = _cuts(result.size, size)
             self._reduce_scatter_ring(result, ours, cut, source if read_in_place else None)
             self._allgather_ring(result, cut)
         else:
@@ -1040,6 +1067,115 @@ class Collectives:
             mask <<= 1
         if rank < 2 * rem:
             self._coll_wait(self._coll_send(acc, rank - 1))
+
+    def _halves(self, nbytes: int) -> bool:
+        """Whether a reduce-scatter of ``nbytes`` over 3 or more ranks goes by recursive
+        halving, not by the ring: over a power of two of ranks, always (the same bytes a
+        rank in log2 p steps where the ring takes p - 1); over 5 or more other counts below
+        HALVING_UNTIL (their first 2 (p - 2^k) ranks pair up first, which moves 2 n more);
+        over 3, never (the pairing takes as many steps as the ring saves)."""
+        size = self.size
+        if size & (size - 1) == 0:
+            return size > 2
+        return size > 4 and nbytes < HALVING_UNTIL
+
+    def _reduce_scatter_halving(self, acc: np.ndarray, op: Op, source: np.ndarray | None
+                                ) -> tuple[list[int], int | None]:
+        """Rabenseifner's reduce-scatter by recursive halving: at each step a rank keeps one
+        half of the blocks it still holds, sends the other half to its partner and combines
+        the partner's copy of its own half into ``acc``. Over 2^k ranks of the 2^k + rem,
+        the first 2 rem pairing up first (evens hand their input to odds, as in
+        ``_allreduce_doubling``). Returns (cut, newrank): block newrank of ``acc`` (elements
+        cut[newrank]:cut[newrank+1], of 2^k blocks) holds the combination of every rank's;
+        newrank is None at an even rank of a pair, which holds no block. ``source``: the
+        input, where ``acc`` is not a copy of it yet, read in place at the first step (over
+        a power of two of ranks; else copied)."""
+        size, rank = self.size, self.rank
+        pof2 = 1 << (size.bit_length() - 1)
+        rem = size - pof2
+        cut = _cuts(acc.size, pof2)
+        if rem and source is not None:
+            np.copyto(acc, source)
+            source = None
+        if rank < 2 * rem:
+            if rank % 2 == 0:
+                self._coll_wait(self._coll_send(acc, rank + 1))
+                return cut, None
+            tmp = np.empty_like(acc)
+            self._coll_take(tmp, rank - 1)
+            op.combine_from_lower(acc, tmp)
+            newrank = rank // 2
+        else:
+            newrank = rank - rem
+            tmp = np.empty(cut[pof2 >> 1], acc.dtype)  # (the lower half: _cuts's larger)
+        lo, hi = 0, pof2  # the blocks this rank still holds
+        mask = pof2 >> 1
+        while mask:
+            peer = self._halving_peer(newrank ^ mask, rem)
+            mid = lo + mask
+            if newrank & mask:
+                out, lo = (lo, mid), mid
+            else:
+                out, hi = (mid, hi), mid
+            keep = slice(cut[lo], cut[hi])
+            sent = acc if source is None else source
+            sending = self._coll_send(sent[cut[out[0]] : cut[out[1]]], peer)
+            incoming = self._coll_take_view(tmp[: cut[hi] - cut[lo]], peer)
+            try:
+                # (each block is combined at one rank and copied to the others: no order to
+                # agree on, as in the ring)
+                if source is None:
+                    op.combine(acc[keep], incoming)
+                else:
+                    op.combine_into(acc[keep], source[keep], incoming)
+            finally:
+                self._done_with(incoming)
+            self._coll_wait(sending)
+            source = None
+            mask >>= 1
+        return cut, newrank
+
+    @staticmethod
+    def _halving_peer(newrank: int, rem: int) -> int:
+        """The rank of the halving's ``newrank`` (the odd rank of a pair, or one unpaired)."""
+        return newrank * 2 + 1 if newrank < rem else newrank + rem
+
+    def _allreduce_halving(self, acc: np.ndarray, op: Op, source: np.ndarray | None) -> None:
+        """Rabenseifner's Allreduce: ``_reduce_scatter_halving``, then an allgather by
+        recursive doubling (log2 p steps each way, where the ring takes p - 1), then the
+        odd rank of each pair hands the result to the even."""
+        cut, newrank = self._reduce_scatter_halving(acc, op, source)
+        if newrank is None:
+            self._coll_take(acc, self.rank + 1)
+            return
+        rem = self.size - (len(cut) - 1)
+        self._allgather_doubling(acc, cut, newrank, lambda r: self._halving_peer(r, rem))
+        if self.rank < 2 * rem:
+            self._coll_wait(self._coll_send(acc, self.rank - 1))
+
+    def _allgather_doubling(self, data: np.ndarray, cut: list[int], index: int,
+                            rank_of: Callable[[int], int], whole: int | None = None) -> None:
+        """Recursive-doubling allgather in place over 2^k blocks of ``data`` (elements
+        cut[i]:cut[i+1]), one held by each of 2^k ranks: this one holds block ``index``;
+        ``rank_of(i)`` is the rank holding block i. At each step a rank swaps all it holds
+        with the rank whose index differs in one bit: log2 of the blocks' count steps. The
+        rank of index ``whole`` (a Bcast's root) holds every block already: it only sends,
+        and its partners only receive, so no block goes back to it."""
+        lo, hi = index, index + 1
+        mask = 1
+        while lo or hi < len(cut) - 1:
+            partner = index ^ mask
+            peer = rank_of(partner)
+            other = (lo - mask, lo) if index & mask else (hi, hi + mask)
+            mine, theirs = data[cut[lo] : cut[hi]], data[cut[other[0]] : cut[other[1]]]
+            if index == whole:
+                self._coll_wait(self._coll_send(mine, peer))
+            elif partner == whole:
+                self._coll_take(theirs, peer)
+            else:
+                self._sendrecv(mine, peer, theirs, peer)
+            lo, hi = min(lo, other[0]), max(hi, other[1])
+            mask <<= 1
 
     def Reduce_scatter_block(self, sendbuf: Any, recvbuf: Any, op: Any = SUM) -> None:
         """Combine every rank's ``sendbuf`` (``size`` blocks of ``recvbuf``'s count) and

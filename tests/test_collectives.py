@@ -52,8 +52,8 @@ REDUCTIONS = ["Reduce", "Allreduce", "Reduce_scatter_block", "Reduce_scatter", "
 MOVES = ["Bcast", "Gather", "Gatherv", "Scatter", "Scatterv", "Allgather", "Allgatherv",
          "Alltoall", "Alltoallv", "Alltoallw"]
 WTYPES = [np.dtype(t) for t in ("u1", "i4", "f8", "c16")]
-THRESHOLDS = ("BCAST_SCATTER_FROM", "ALLREDUCE_RING_FROM", "ALLREDUCE_RING_FROM_PAIR", "XMAP_HOP_FROM",
-              "REDUCE_RING_FROM")
+THRESHOLDS = ("BCAST_SCATTER_FROM", "ALLREDUCE_SCATTER_FROM", "ALLREDUCE_SCATTER_FROM_PAIR",
+              "XMAP_HOP_FROM", "REDUCE_SCATTER_FROM", "HALVING_UNTIL")
 DEFAULTS = {name: getattr(collectives, name) for name in THRESHOLDS}
 FIXTURE_HC = [HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
 
@@ -272,6 +272,8 @@ def _set_thresholds(small: bool) -> None:
 
 def run_case(comm: cma.Comm, case: dict[str, Any]) -> Any:
     _set_thresholds(case["small"])
+    if case.get("halving"):  # (5 ranks or more, no power of two: halving at every size)
+        collectives.HALVING_UNTIL = 1 << 40
     name, n, root, seed = case["name"], case["count"], case["root"], case["seed"]
     dtype, form, in_place = np.dtype(case["dtype"]), case["form"], case["in_place"]
     op = getattr(cma, case["op"]) if case["op"] else None
@@ -535,8 +537,9 @@ def assert_same(got: Any, want: Any, what: str) -> None:
 
 
 @st.composite
-def cases(draw: st.DrawFn, size: int, heap: bool = False) -> dict[str, Any]:
-    name = draw(st.sampled_from(REDUCTIONS + MOVES))
+def cases(draw: st.DrawFn, size: int, heap: bool = False,
+          names: list[str] = REDUCTIONS + MOVES) -> dict[str, Any]:
+    name = draw(st.sampled_from(names))
     op = None
     if name in REDUCTIONS:
         op = draw(st.sampled_from(sorted(DTYPES_FOR)))
@@ -566,6 +569,114 @@ def test_buffer_collectives_match_numpy(world: World, data: st.DataObject) -> No
         assert_same(got[rank], want[rank], f"rank {rank} of {world.size}, {case}")
 
 
+@pytest.fixture(scope="module", params=[5, 6, 8])
+def many_world(request: pytest.FixtureRequest) -> Any:
+    """More ranks than the 2-4 above, where reductions go by recursive halving: 5 and 6
+    (no power of two: 1 and 2 pairs first) and 8 (three halving steps)."""
+    w = World(request.param, config=cma.ChannelConfig.for_ranks(request.param))
+    try:
+        yield w
+    finally:
+        w.close()
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=FIXTURE_HC)
+@given(data=st.data())
+def test_reductions_and_bcast_over_more_ranks_match_numpy(many_world: World, data: st.DataObject) -> None:
+    """Allreduce and Reduce by halving (and, at 5 and 6 ranks, by the ring, which larger
+    messages take there), and Bcast's allgathers (doubling at 8 ranks, the chain at 5 and
+    6), against NumPy, thresholds shrunk in half the cases."""
+    case = data.draw(cases(many_world.size, names=["Allreduce", "Reduce", "Bcast"]))
+    case["halving"] = data.draw(st.booleans())
+    got = many_world.run(run_case, case)
+    want = expected(case, many_world.size)
+    for rank in range(many_world.size):
+        assert_same(got[rank], want[rank], f"rank {rank} of {many_world.size}, {case}")
+
+
+def sends_of(comm: cma.Comm, name: str, nbytes: int, root: int = 0) -> list[tuple[int, int]]:
+    """(dest, bytes) of every message this rank sends in one Allreduce or Bcast (from
+    ``root``) of ``nbytes`` (the default thresholds), in order."""
+    _set_thresholds(False)
+    sent: list[tuple[int, int]] = []
+    send = comm._coll_send
+
+    def recording(data: Any, dest: int, *rest: Any) -> Any:
+        sent.append((dest, data.nbytes))
+        return send(data, dest, *rest)
+
+    comm._coll_send = recording  # type: ignore[method-assign]
+    try:
+        if name == "Bcast":
+            buf = np.arange(nbytes, dtype=np.uint8) if comm.Get_rank() == root \
+                else np.zeros(nbytes, np.uint8)
+            comm.Bcast(buf, root=root)
+            assert np.array_equal(buf, np.arange(nbytes, dtype=np.uint8))
+        else:
+            mine, result = np.full(nbytes // 8, comm.Get_rank(), np.float64), np.empty(nbytes // 8)
+            comm.Allreduce(mine, result)
+            assert (result == sum(range(comm.Get_size()))).all()
+    finally:
+        del comm._coll_send
+    return sent
+
+
+def test_allreduce_over_more_ranks_takes_log2_steps_each_way(many_world: World) -> None:
+    """From 64 KiB over 5-8 ranks an Allreduce goes by halving and doubling: over 2^k
+    ranks each rank sends 2 k messages, to the ranks whose rank differs from its own in
+    one bit (from the highest bit down, then back up), of n/2, n/4, ... then the same
+    back; the ring sent 2 (p - 1) to its right neighbour. Over 2^k + rem ranks the first
+    2 rem pair up: the even one sends its whole input to the odd one, which takes part
+    and sends it the whole result at the end."""
+    size, nbytes = many_world.size, 1 << 20
+    pof2 = 1 << (size.bit_length() - 1)
+    rem, steps = size - pof2, pof2.bit_length() - 1
+    sends = many_world.run(sends_of, "Allreduce", nbytes)
+    for rank, sent in enumerate(sends):
+        if rank < 2 * rem and rank % 2 == 0:
+            assert sent == [(rank + 1, nbytes)], f"rank {rank}"
+            continue
+        newrank = rank // 2 if rank < 2 * rem else rank - rem
+        partners = [newrank ^ (pof2 >> (i + 1)) for i in range(steps)]
+        partners += partners[::-1]
+        halves = [nbytes >> (i + 1) for i in range(steps)]
+        want = [(p * 2 + 1 if p < rem else p + rem, n)
+                for p, n in zip(partners, halves + halves[::-1], strict=True)]
+        if rank < 2 * rem:
+            want.append((rank - 1, nbytes))
+        assert sent == want, f"rank {rank}"
+
+
+def test_a_large_bcast_gathers_its_blocks_by_doubling_or_along_the_chain(many_world: World
+                                                                         ) -> None:
+    """From 512 KiB the root sends block i of p to relative rank i; then, over 2^k ranks,
+    the ranks swap what they hold with the rank whose relative rank differs in one bit
+    (k steps; the root only sends, and nothing goes back to it), and over other counts
+    the blocks pass along the chain root -> root + 1 -> ... (p - 1 steps)."""
+    size, nbytes, root = many_world.size, 1 << 20, 3
+    cut = [sum(nbytes // size + (i < nbytes % size) for i in range(j)) for j in range(size + 1)]
+
+    def block(i: int) -> int:
+        i %= size
+        return cut[i + 1] - cut[i]
+
+    def rank(vr: int) -> int:
+        return (vr + root) % size
+
+    sends = many_world.run(sends_of, "Bcast", nbytes, root)
+    for vr in range(size):
+        want = [(rank(i), block(i)) for i in range(1, size)] if vr == 0 else []
+        if size & (size - 1) == 0:
+            mask = 1
+            while mask < size:
+                if vr ^ mask != 0:  # (the root's partners send nothing back to it)
+                    want.append((rank(vr ^ mask), mask * nbytes // size))
+                mask <<= 1
+        elif vr < size - 1:
+            want += [(rank(vr + 1), block(vr - step)) for step in range(size - 1)]
+        assert sends[rank(vr)] == want, f"relative rank {vr}"
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=FIXTURE_HC)
 @given(data=st.data())
 def test_collectives_of_heap_buffers_match_numpy(xmap_world: World, data: st.DataObject) -> None:
@@ -585,14 +696,14 @@ def _map_hops(doubling: bool = False) -> None:
     _set_thresholds(False)
     collectives.XMAP_HOP_FROM = 16 << 10
     if doubling:
-        collectives.ALLREDUCE_RING_FROM = collectives.ALLREDUCE_RING_FROM_PAIR = 1 << 40
+        collectives.ALLREDUCE_SCATTER_FROM = collectives.ALLREDUCE_SCATTER_FROM_PAIR = 1 << 40
 
 
 def heap_traffic(comm: cma.Comm, name: str, nbytes: int, shrink: bool = True
                  ) -> dict[str, dict[str, float]]:
-    """The stats of one ``name`` (Bcast, or Allreduce by the ring or by doubling) of
-    ``nbytes`` of heap arrays, with XMAP_HOP_FROM shrunk so that every hop maps (unless
-    not ``shrink``: the default thresholds)."""
+    """The stats of one ``name`` (Bcast, or Allreduce by reduce-scatter + allgather or by
+    doubling) of ``nbytes`` of heap arrays, with XMAP_HOP_FROM shrunk so that every hop
+    maps (unless not ``shrink``: the default thresholds)."""
     _map_hops(doubling=name == "doubling")
     if not shrink:
         collectives.XMAP_HOP_FROM = DEFAULTS["XMAP_HOP_FROM"]
@@ -624,13 +735,20 @@ def user_bytes(stats: list[dict[str, dict[str, float]]]) -> float:
                for per_rank in stats for s in per_rank.values())
 
 
-@pytest.mark.parametrize("name", ["Bcast", "ring", "doubling"])
+def scatter_hops(size: int) -> int:
+    """The messages of an Allreduce by reduce-scatter + allgather over ``size`` ranks, all
+    ranks together: 2 (p - 1) per rank by the ring (2 and 3 ranks), 2 log2 p by halving
+    and doubling (4)."""
+    return 2 * size * (size - 1 if size < 4 else (size - 1).bit_length())
+
+
+@pytest.mark.parametrize("name", ["Bcast", "scatter", "doubling"])
 def test_heap_buffers_are_copied_once_and_combined_in_place(xmap_world: World, name: str) -> None:
     """With xmap on, a collective's hop of a heap buffer is read out of the reader's
     mapping of the sender's pages, never through the ring: a Bcast copies each byte once
     per reader ((p - 1) n in all, against 2 (p - 1) n eager), and a reduction combines
-    straight from a view of its peer's block, copying nothing for it: the ring's
-    reduce-scatter copies nothing and its allgather (p - 1) n; doubling (2 and 4 ranks)
+    straight from a view of its peer's block, copying nothing for it: the reduce-scatter
+    (ring or halving) copies nothing and its allgather (p - 1) n; doubling (2 and 4 ranks)
     nothing at its first step, n a rank at each later one."""
     size = xmap_world.size
     if name == "doubling" and size == 3:
@@ -639,25 +757,25 @@ def test_heap_buffers_are_copied_once_and_combined_in_place(xmap_world: World, n
     stats = xmap_world.run(heap_traffic, name, nbytes)
     assert all(per_rank["eager"]["bytes"] == 0 for per_rank in stats), "a hop went eager"
     steps = (size - 1).bit_length() if name == "doubling" else 0
-    want = {"Bcast": (size - 1) * nbytes, "ring": (size - 1) * nbytes,
+    want = {"Bcast": (size - 1) * nbytes, "scatter": (size - 1) * nbytes,
             "doubling": size * (steps - 1) * nbytes}[name]
     assert user_bytes(stats) == want
-    hops = {"Bcast": size - 1, "ring": 2 * (size - 1) * size, "doubling": size * steps}[name]
+    hops = {"Bcast": size - 1, "scatter": scatter_hops(size), "doubling": size * steps}[name]
     assert sum(per_rank["xmap"]["messages"] for per_rank in stats) == hops
 
 
 def test_heap_hops_above_a_lower_eager_limit_are_combined_from_views(xmap_world: World) -> None:
-    """From 3 ranks the eager limit is 256 KiB, so a ring's blocks of 384-512 KiB are
-    rendezvous below XMAP_HOP_FROM (2 MiB): they are mapped as well, and combined from
-    views ((p - 1) n bytes copied in all: the allgather's), where the engine's path read
-    them out of the mapping into a scratch block first (2 (p - 1) n)."""
+    """From 3 ranks the eager limit is 256 KiB, so the reduce-scatter's blocks of 384 KiB
+    to 768 KiB are rendezvous below XMAP_HOP_FROM (2 MiB): they are mapped as well, and
+    combined from views ((p - 1) n bytes copied in all: the allgather's), where the
+    engine's path read them out of the mapping into a scratch block first (2 (p - 1) n)."""
     size = xmap_world.size
     if size == 2:
         pytest.skip("2 ranks: the eager limit is XMAP_HOP_FROM")
-    nbytes = 3 << 19  # 1.5 MiB: blocks of 512 KiB (3 ranks), 384 KiB (4)
-    stats = xmap_world.run(heap_traffic, "ring", nbytes, False)
+    nbytes = 3 << 19  # 1.5 MiB: blocks of 512 KiB (3 ranks, ring), 768 and 384 KiB (4, halving)
+    stats = xmap_world.run(heap_traffic, "scatter", nbytes, False)
     assert user_bytes(stats) == (size - 1) * nbytes
-    assert sum(per_rank["xmap"]["messages"] for per_rank in stats) == 2 * (size - 1) * size
+    assert sum(per_rank["xmap"]["messages"] for per_rank in stats) == scatter_hops(size)
 
 
 def _fail(*arrays: Any) -> None:

@@ -266,10 +266,12 @@ def test_interrupts_in_a_mixed_ranks_waits() -> None:
                                         (4, {"CMA_MPI_RANKS_PER_NODE": "2"}),
                                         (4, {"CMA_MPI_NODES": "0,1,0,1"}),
                                         (2, {"CMA_XMAP": "1"}), (4, {"CMA_XMAP": "1"}),
-                                        (3, {"CMA_XMAP": "1", "CMA_MPI_RANKS_PER_NODE": "2"})])
+                                        (3, {"CMA_XMAP": "1", "CMA_MPI_RANKS_PER_NODE": "2"}),
+                                        (6, {})])
 def test_collectives_agree_with_mpi(n: int, env: dict[str, str]) -> None:
     """cma.mpi.Comm's collectives give MPI's own results: through cma when every rank is
-    on one node; on pretend nodes (one of one rank at 3; at 4, also nodes whose ranks
+    on one node (at 4 and 6 ranks the larger reductions by halving, at 6 with two pairs
+    first); on pretend nodes (one of one rank at 3; at 4, also nodes whose ranks
     interleave), Bcast, Reduce, Allreduce, Gather, Scatter and Allgather through cma on each node and MPI
     between (the program checks that cma moved bytes);
     a user-defined op that commutes through cma, one that does not through MPI. With

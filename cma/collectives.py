@@ -27,6 +27,7 @@ import numpy as np
 from ._exporters import cai_array, dlpack_array
 from .channel import NOT_EAGER, RING_EMPTY, RING_FULL
 from .errors import BufferError, CmaError, InvalidCount, InvalidDatatype, InvalidRank
+from .protocol import SendOp
 from .transports.xmap import View
 from .wire import COLLECTIVE_TAG
 
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
     from .channel import Inbox, Outbox
     from .direct import DirectRendezvous
     from .progress import Progress
-    from .protocol import Matcher, RecvOp, SendOp
+    from .protocol import Matcher, RecvOp
 
 __all__ = [
     "BAND", "BOR", "BXOR", "IN_PLACE", "LAND", "LOR", "LXOR", "MAX", "MAXLOC", "MIN",
@@ -565,6 +566,7 @@ class Collectives:
         def _queues(self, n: int, outbox: Outbox | None) -> bool: ...
         def _view_from_ring(self, direct: DirectRendezvous, inbox: Inbox | None, tag: int,
                             capacity: int | None = None) -> View | int | None: ...
+        def _await_late(self, inbox: Inbox, tag: int) -> bool: ...
         def packets_queued(self) -> None: ...
         def load_object(self, op: RecvOp) -> Any: ...
 
@@ -641,7 +643,7 @@ class Collectives:
         progress = self._progress or self._attach()
         try:
             for op in ops:
-                if op is None:
+                if op is None or op.__class__ is SendOp and self._fin_taken(op):
                     continue
                 progress.wait(op)
                 error = getattr(op, "error", None)
@@ -652,6 +654,28 @@ class Collectives:
                 if op is not None:
                     progress.withdraw(op)
             raise
+
+    def _fin_taken(self, op: SendOp) -> bool:
+        """Whether the FIN that completes ``op`` (a rendezvous) was taken from the head of
+        its reader's ring without the engine, at once or once it came (``_await_late``), as
+        a direct rendezvous's ``Send`` takes it; False (nothing taken) where the engine
+        must wait: another packet first, a receive posted, or other work for this rank.
+        In the engine's wait, the reader's next message behind the FIN was taken too, as an
+        unexpected one, and the next receive then went through the engine as well."""
+        direct, inbox = self._direct, self._fast_inboxes[op.dest]
+        if direct is None or inbox is None or not op.awaits_fin:
+            return False
+        while not self._busy and not self._matcher.posted:
+            self._busy = 1
+            try:
+                came = direct.fin_came(op, op.dest)
+            finally:
+                self._busy = 0
+            if came:
+                return True
+            if inbox.ready() or not self._await_late(inbox, COLLECTIVE_TAG):
+                return False
+        return False
 
     def _coll_take(self, data: np.ndarray, source: int, tag: int = COLLECTIVE_TAG) -> None:
         """Receive into ``data`` from ``source`` and wait for it: straight from the ring, as
@@ -674,6 +698,9 @@ class Collectives:
                 self._busy = 0
             if n >= 0:
                 return
+            if n == RING_EMPTY and self._await_late(inbox, tag):
+                self._coll_take(data, source, tag)  # (its packet is at the head now)
+                return
         self._coll_wait(self._coll_recv(data, source, tag))
 
     def _coll_take_view(self, tmp: np.ndarray, source: int) -> np.ndarray:
@@ -686,12 +713,16 @@ class Collectives:
                 or not n:
             self._coll_take(tmp, source)
             return tmp
-        got = self._view_from_ring(direct, self._fast_inboxes[source], COLLECTIVE_TAG, n)
+        inbox = self._fast_inboxes[source]
+        got = self._view_from_ring(direct, inbox, COLLECTIVE_TAG, n)
         if isinstance(got, View):
             return self._as_incoming(got, tmp)
-        if got.__class__ is int and got == NOT_EAGER:  # (eager, or an RTS to copy)
-            self._coll_take(tmp, source)
-            return tmp
+        if got.__class__ is int:
+            if got == NOT_EAGER:  # (eager, or an RTS to copy)
+                self._coll_take(tmp, source)
+                return tmp
+            if inbox is not None and self._await_late(inbox, COLLECTIVE_TAG):
+                return self._coll_take_view(tmp, source)  # (its packet is at the head now)
         op = (self._progress or self._attach()).post_recv(source, COLLECTIVE_TAG, _bytes(tmp),
                                                            view=True)
         self._coll_wait(op)

@@ -1190,6 +1190,80 @@ def test_stats_count_collective_traffic(world: World, nbytes: int) -> None:
         assert all(per_rank["eager"]["bytes"] == 0 for per_rank in stats)
 
 
+def engine_receives_when_late(comm: cma.Comm, name: str, nbytes: int) -> int:
+    """How many receives this rank posted to the engine in a Bcast from rank 0 that came
+    to it 0.3 s after the others; or, of heap arrays whose hops map (xmap), in a (binomial)
+    Reduce to rank 0, which combines from a view, that rank 1 came to late, or in an Allreduce (a
+    ring: the allgather's message follows the FIN of the reduce-scatter's) that rank 0
+    came to late."""
+    heap = name != "Bcast"
+    if heap:
+        _map_hops()
+    else:
+        _set_thresholds(False)
+    progress = comm._attach()
+    posted = 0
+    post = progress.post_recv
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        nonlocal posted
+        posted += 1
+        return post(*args, **kwargs)
+
+    rank = comm.Get_rank()
+    mine = (cma.empty if heap else np.empty)(nbytes // 8, np.float64)
+    mine[:] = rank + 1
+    result = (cma.zeros if heap else np.zeros)(nbytes // 8, np.float64)
+    comm.Barrier()
+    progress.post_recv = counting  # type: ignore[method-assign]
+    try:
+        if rank == (1 if name == "Reduce" else 0):
+            time.sleep(0.3)  # (the scenario: a rank that comes late)
+        if name == "Reduce":
+            comm.Reduce(mine, result, root=0)
+            assert rank or (result == sum(range(1, comm.Get_size() + 1))).all()
+        elif name == "Allreduce":
+            comm.Allreduce(mine, result)
+            assert (result == sum(range(1, comm.Get_size() + 1))).all()
+        else:
+            comm.Bcast(mine, root=0)
+            assert (mine == 1).all()
+    finally:
+        del progress.post_recv
+        _set_thresholds(False)
+    # Every view's FIN in before the next test (2 ranks). No barrier after a Bcast: it
+    # would send to ranks still waiting in the Bcast, whose waits would see other work.
+    if heap:
+        comm.Barrier()
+    return posted
+
+
+@pytest.mark.parametrize("nbytes", [8, 64 << 10])
+def test_a_late_collective_message_is_taken_without_the_engine(world: World, nbytes: int) -> None:
+    """A collective's receive whose message has not come yet waits for it as Recv does
+    (Progress.await_head: spin, then sleep on the doorbell) and takes it on the fast
+    path, instead of posting it to the engine once its spin ran out (the engine's
+    receive cost ~16 us of Python more, which ranks that outnumber CPUs paid on most
+    hops: docs/guide.md section 7, "Many ranks")."""
+    if world.size == 1:
+        pytest.skip("one rank receives nothing")
+    assert world.run(engine_receives_when_late, "Bcast", nbytes) == [0] * world.size
+
+
+@pytest.mark.parametrize(("name", "nbytes"), [("Reduce", 256 << 10), ("Allreduce", 1 << 20)])
+def test_late_hops_of_heap_buffers_are_taken_without_the_engine(xmap_world: World, name: str,
+                                                                nbytes: int) -> None:
+    """The same for a reduction's hop of a heap buffer, which the root combines from a
+    view; and a rendezvous's FIN (a mapped hop's is sent when its view is released) is
+    taken from the ring as the direct rendezvous's Send takes it, not in the engine's
+    wait, which took the message behind it too (the allgather's, here) and left its
+    receive to the engine. 2 ranks: each rank's one peer is the late one (with more, a
+    message of a third rank that comes first still sends a wait to the engine)."""
+    if xmap_world.size != 2:
+        pytest.skip("2 ranks: every hop from or to the late rank")
+    assert xmap_world.run(engine_receives_when_late, name, nbytes) == [0, 0]
+
+
 BEHIND_BCASTS = 64
 BEHIND_BYTES = 256 << 10  # within the eager limit up to 4 ranks, binomial up to 4 ranks
 

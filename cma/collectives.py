@@ -10,8 +10,9 @@ the transport: single copy with cma), and ``comm.stats()`` counts them.
 
 Which algorithm runs where, and what each copies, is in docs/guide.md ("Collectives").
 The algorithms are the classic ones of MPICH and Open MPI's tuned component: binomial
-trees, van de Geijn's scatter + ring allgather broadcast, recursive doubling, and the
-ring reduce-scatter + allgather allreduce (Rabenseifner's shape, with a ring).
+trees, van de Geijn's broadcast (a scatter, then an allgather by recursive doubling or
+along a chain), recursive doubling, and Rabenseifner's reduce-scatter + allgather (by
+recursive halving and doubling, or by rings).
 """
 
 from __future__ import annotations
@@ -661,9 +662,11 @@ class Collectives:
         a direct rendezvous's ``Send`` takes it; False (nothing taken) where the engine
         must wait: another packet first, a receive posted, or other work for this rank.
         In the engine's wait, the reader's next message behind the FIN was taken too, as an
-        unexpected one, and the next receive then went through the engine as well."""
+        unexpected one, and the next receive then went through the engine as well. Only
+        before any CTS (the reader pulls or maps it all): after one, this rank pushes and
+        its engine completes and counts the send."""
         direct, inbox = self._direct, self._fast_inboxes[op.dest]
-        if direct is None or inbox is None or not op.awaits_fin:
+        if direct is None or inbox is None or not (op.awaits_cts and op.awaits_fin):
             return False
         while not self._busy and not self._matcher.posted:
             self._busy = 1
@@ -1119,22 +1122,23 @@ class Collectives:
         ``_allreduce_doubling``). Returns (cut, newrank): block newrank of ``acc`` (elements
         cut[newrank]:cut[newrank+1], of 2^k blocks) holds the combination of every rank's;
         newrank is None at an even rank of a pair, which holds no block. ``source``: the
-        input, where ``acc`` is not a copy of it yet, read in place at the first step (over
-        a power of two of ranks; else copied)."""
+        input, where ``acc`` is not a copy of it yet, read in place (by the pair's step, or
+        the first halving step)."""
         size, rank = self.size, self.rank
         pof2 = 1 << (size.bit_length() - 1)
         rem = size - pof2
         cut = _cuts(acc.size, pof2)
-        if rem and source is not None:
-            np.copyto(acc, source)
-            source = None
         if rank < 2 * rem:
             if rank % 2 == 0:
-                self._coll_wait(self._coll_send(acc, rank + 1))
+                self._coll_wait(self._coll_send(acc if source is None else source, rank + 1))
                 return cut, None
             tmp = np.empty_like(acc)
             self._coll_take(tmp, rank - 1)
-            op.combine_from_lower(acc, tmp)
+            if source is None:
+                op.combine_from_lower(acc, tmp)
+            else:  # (the lower rank's first, as combine_from_lower)
+                op.combine_into(acc, tmp, source)
+                source = None
             newrank = rank // 2
         else:
             newrank = rank - rem

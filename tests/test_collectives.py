@@ -572,8 +572,9 @@ def test_buffer_collectives_match_numpy(world: World, data: st.DataObject) -> No
 @pytest.fixture(scope="module", params=[5, 6, 8])
 def many_world(request: pytest.FixtureRequest) -> Any:
     """More ranks than the 2-4 above, where reductions go by recursive halving: 5 and 6
-    (no power of two: 1 and 2 pairs first) and 8 (three halving steps)."""
-    w = World(request.param, config=cma.ChannelConfig.for_ranks(request.param))
+    (no power of two: 1 and 2 pairs first) and 8 (three halving steps); xmap on, for the
+    cases of heap buffers."""
+    w = World(request.param, xmap=True, config=cma.ChannelConfig.for_ranks(request.param))
     try:
         yield w
     finally:
@@ -585,8 +586,10 @@ def many_world(request: pytest.FixtureRequest) -> Any:
 def test_reductions_and_bcast_over_more_ranks_match_numpy(many_world: World, data: st.DataObject) -> None:
     """Allreduce and Reduce by halving (and, at 5 and 6 ranks, by the ring, which larger
     messages take there), and Bcast's allgathers (doubling at 8 ranks, the chain at 5 and
-    6), against NumPy, thresholds shrunk in half the cases."""
-    case = data.draw(cases(many_world.size, names=["Allreduce", "Reduce", "Bcast"]))
+    6), against NumPy, thresholds shrunk in half the cases; in half, every buffer in the
+    shared heap (with the thresholds shrunk, every hop mapped and combined from views)."""
+    case = data.draw(cases(many_world.size, heap=data.draw(st.booleans()),
+                           names=["Allreduce", "Reduce", "Bcast"]))
     case["halving"] = data.draw(st.booleans())
     got = many_world.run(run_case, case)
     want = expected(case, many_world.size)
@@ -1174,10 +1177,11 @@ def traffic(comm: cma.Comm, nbytes: int) -> tuple[dict[str, dict[str, float]], b
 @pytest.mark.parametrize("nbytes", [1 << 10, 16 << 20])
 def test_stats_count_collective_traffic(world: World, nbytes: int) -> None:
     """Every non-root rank receives the whole message once (a binomial tree, or the
-    root's scatter and the chain), so the bytes counted across ranks are (size-1) x n
-    received, plus as many sent where the sender copies too: eager, and SPLIT above the
-    eager limit, unless ranks outnumber CPUs, where the receiver pulls all of it and
-    only it counts (the barrier's messages carry no bytes)."""
+    root's scatter and the chain or, at 4 ranks, recursive doubling), so the bytes
+    counted across ranks are (size-1) x n received, plus as many sent where the sender
+    copies too: eager, and SPLIT above the eager limit, unless ranks outnumber CPUs,
+    where the receiver pulls all of it and only it counts (the barrier's messages carry
+    no bytes)."""
     if world.size == 1:
         pytest.skip("one rank moves nothing")
     results = world.run(traffic, nbytes)
@@ -1262,6 +1266,102 @@ def test_late_hops_of_heap_buffers_are_taken_without_the_engine(xmap_world: Worl
     if xmap_world.size != 2:
         pytest.skip("2 ranks: every hop from or to the late rank")
     assert xmap_world.run(engine_receives_when_late, name, nbytes) == [0, 0]
+
+
+def message_behind_a_fin(comm: cma.Comm) -> tuple[int, int]:
+    """Rank 0 offers rank 1 a heap array (a rendezvous rank 1 copies out of its mapping,
+    with no CTS), rank 1 answers with its FIN and then an eager message of its own; only
+    then (0.3 s) does rank 0 wait for its send and take the message. Rank 0's count of
+    messages left unexpected after the wait, and of receives it posted to the engine."""
+    _map_hops()
+    progress = comm._attach()
+    heap = cma.zeros(64 << 10, np.uint8)
+    small = np.zeros(8, np.uint8)
+    comm.Barrier()
+    try:
+        if comm.Get_rank() == 0:
+            heap[:] = 3
+            op = comm._coll_send(heap, 1)
+            time.sleep(0.3)  # (the scenario: the FIN and the next message are both in)
+            posted = 0
+            post = progress.post_recv
+
+            def counting(*args: Any, **kwargs: Any) -> Any:
+                nonlocal posted
+                posted += 1
+                return post(*args, **kwargs)
+
+            progress.post_recv = counting  # type: ignore[method-assign]
+            try:
+                comm._coll_wait(op)
+                unexpected = len(comm._matcher.unexpected)
+                comm._coll_take(small, 1)
+            finally:
+                del progress.post_recv
+            assert (small == 4).all()
+            return unexpected, posted
+        comm._coll_take(heap, 0)
+        assert (heap == 3).all()
+        comm._coll_wait(comm._coll_send(np.full(8, 4, np.uint8), 0))
+        return 0, 0
+    finally:
+        _set_thresholds(False)
+        comm.Barrier()
+
+
+def test_the_message_behind_a_fin_stays_in_the_ring(xmap_world: World) -> None:
+    """A collective's wait for a rendezvous send takes the FIN from the ring and leaves the
+    reader's next message there for the fast path, where the engine's wait took it too,
+    as an unexpected message, and its receive went through the engine."""
+    if xmap_world.size != 2:
+        pytest.skip("2 ranks: one pair")
+    assert xmap_world.run(message_behind_a_fin)[0] == (0, 0)
+
+
+def split_send_counted(comm: cma.Comm, nbytes: int) -> tuple[int, int]:
+    """Rank 0 sends rank 1 a rendezvous message of ``nbytes`` and waits for it only after
+    an engine pass has taken the reader's CTS (SPLIT: rank 0 has pushed its half), as a
+    root waiting for its first message takes the CTSs of the others; rank 1 copies its
+    half 0.2 s late, so its FIN comes while rank 0 waits. What rank 0's stats count for
+    the message (messages, bytes)."""
+    _set_thresholds(False)
+    progress = comm._attach()
+    buf = np.full(nbytes, 5 if comm.Get_rank() == 0 else 0, np.uint8)
+    comm.Barrier()
+    comm.reset_stats()
+    if comm.Get_rank() == 0:
+        op = comm._coll_send(buf, 1)
+        while op is not None and op.awaits_cts and not op.done:
+            progress.poll()
+        comm._coll_wait(op)
+    else:
+        pull = progress._pull
+
+        def late_pull(action: Any) -> None:
+            time.sleep(0.2)  # (the scenario: the reader's half comes late)
+            pull(action)
+
+        progress._pull = late_pull  # type: ignore[method-assign]
+        try:
+            comm._coll_wait(comm._coll_recv(buf, 0))
+        finally:
+            del progress._pull
+        assert (buf == 5).all()
+    stats = comm.stats()
+    comm.Barrier()
+    return (sum(int(s["messages"]) for name, s in stats.items() if name != "eager"),
+            sum(int(s["bytes"]) for name, s in stats.items() if name != "eager"))
+
+
+def test_a_send_completed_after_its_cts_is_counted(world: World) -> None:
+    """A send whose reader answered with a CTS (SPLIT: the sender pushes half) completes
+    in the engine, which counts it: its FIN is not for the ring's fast path to take (which
+    took it too, and the sender's stats lost the message)."""
+    if world.size != 2:
+        pytest.skip("2 ranks: a pair, a CPU each, splits its large messages")
+    nbytes = 16 << 20
+    sender, _ = world.run(split_send_counted, nbytes)
+    assert sender == (1, nbytes)
 
 
 BEHIND_BCASTS = 64
@@ -1365,8 +1465,8 @@ def test_allreduce_gives_every_rank_the_same_bits_and_casts_to_the_result(
         world: World, nbytes: int) -> None:
     """Partners in recursive doubling combine in rank order, so every rank gets the same
     bits (MIN and MAX of -0.0 and +0.0 differ by operand order in NumPy); a recvbuf of
-    another dtype than sendbuf gets the sum cast to it, on the ring too (which reads the
-    input in place only when the two dtypes agree)."""
+    another dtype than sendbuf gets the sum cast to it, by the ring and by halving too
+    (which read the input in place only when the two dtypes agree)."""
     n = nbytes // 8
     results = world.run(allreduce_bits, n, "i4", "i8")
     want = sum((np.arange(n) % 7 + r) for r in range(world.size)).tolist()
@@ -1388,7 +1488,8 @@ def reduce_into_wider(comm: cma.Comm, n: int) -> Any:
 @pytest.mark.parametrize("nbytes", [8 << 10, 1 << 20])
 def test_reduce_casts_into_a_root_recvbuf_of_another_dtype(world: World, nbytes: int) -> None:
     """The messages carry sendbuf's type on every rank, the root's too, which casts the
-    result into its recvbuf at the end: on the tree (8 KiB) and the ring (1 MiB). Before,
+    result into its recvbuf at the end: on the tree (8 KiB) and a reduce-scatter (1 MiB:
+    the ring at 2-3 ranks, halving at 4). Before,
     the root combined in recvbuf's type, reading its peers' int32 blocks as int64 (the
     tree) or refusing them as truncated (the ring)."""
     n = nbytes // 4

@@ -161,6 +161,26 @@ def world(request: pytest.FixtureRequest) -> Any:
         w.close()
 
 
+@pytest.fixture(scope="module")
+def pair() -> Any:
+    """A world of 2 ranks, for what only a pair shows: one peer each, a CPU each."""
+    w = World(2)
+    try:
+        yield w
+    finally:
+        w.close()
+
+
+@pytest.fixture(scope="module")
+def xmap_pair() -> Any:
+    """``pair`` with xmap on."""
+    w = World(2, xmap=True, config=cma.ChannelConfig.for_ranks(2))
+    try:
+        yield w
+    finally:
+        w.close()
+
+
 @pytest.fixture(scope="module", params=[2, 3, 4])
 def xmap_world(request: pytest.FixtureRequest) -> Any:
     """A world whose ranks map each other's shared heap (xmap on), its rings sized as
@@ -1255,7 +1275,7 @@ def test_a_late_collective_message_is_taken_without_the_engine(world: World, nby
 
 
 @pytest.mark.parametrize(("name", "nbytes"), [("Reduce", 256 << 10), ("Allreduce", 1 << 20)])
-def test_late_hops_of_heap_buffers_are_taken_without_the_engine(xmap_world: World, name: str,
+def test_late_hops_of_heap_buffers_are_taken_without_the_engine(xmap_pair: World, name: str,
                                                                 nbytes: int) -> None:
     """The same for a reduction's hop of a heap buffer, which the root combines from a
     view; and a rendezvous's FIN (a mapped hop's is sent when its view is released) is
@@ -1263,9 +1283,7 @@ def test_late_hops_of_heap_buffers_are_taken_without_the_engine(xmap_world: Worl
     wait, which took the message behind it too (the allgather's, here) and left its
     receive to the engine. 2 ranks: each rank's one peer is the late one (with more, a
     message of a third rank that comes first still sends a wait to the engine)."""
-    if xmap_world.size != 2:
-        pytest.skip("2 ranks: every hop from or to the late rank")
-    assert xmap_world.run(engine_receives_when_late, name, nbytes) == [0, 0]
+    assert xmap_pair.run(engine_receives_when_late, name, nbytes) == [0, 0]
 
 
 def message_behind_a_fin(comm: cma.Comm) -> tuple[int, int]:
@@ -1309,13 +1327,11 @@ def message_behind_a_fin(comm: cma.Comm) -> tuple[int, int]:
         comm.Barrier()
 
 
-def test_the_message_behind_a_fin_stays_in_the_ring(xmap_world: World) -> None:
+def test_the_message_behind_a_fin_stays_in_the_ring(xmap_pair: World) -> None:
     """A collective's wait for a rendezvous send takes the FIN from the ring and leaves the
     reader's next message there for the fast path, where the engine's wait took it too,
     as an unexpected message, and its receive went through the engine."""
-    if xmap_world.size != 2:
-        pytest.skip("2 ranks: one pair")
-    assert xmap_world.run(message_behind_a_fin)[0] == (0, 0)
+    assert xmap_pair.run(message_behind_a_fin)[0] == (0, 0)
 
 
 def split_send_counted(comm: cma.Comm, nbytes: int) -> tuple[int, int]:
@@ -1353,14 +1369,12 @@ def split_send_counted(comm: cma.Comm, nbytes: int) -> tuple[int, int]:
             sum(int(s["bytes"]) for name, s in stats.items() if name != "eager"))
 
 
-def test_a_send_completed_after_its_cts_is_counted(world: World) -> None:
+def test_a_send_completed_after_its_cts_is_counted(pair: World) -> None:
     """A send whose reader answered with a CTS (SPLIT: the sender pushes half) completes
     in the engine, which counts it: its FIN is not for the ring's fast path to take (which
     took it too, and the sender's stats lost the message)."""
-    if world.size != 2:
-        pytest.skip("2 ranks: a pair, a CPU each, splits its large messages")
-    nbytes = 16 << 20
-    sender, _ = world.run(split_send_counted, nbytes)
+    nbytes = 16 << 20  # (a pair, a CPU each, splits it)
+    sender, _ = pair.run(split_send_counted, nbytes)
     assert sender == (1, nbytes)
 
 

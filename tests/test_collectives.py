@@ -11,6 +11,7 @@ the ring and scatter algorithms run at small sizes as well as the trees.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import mmap
 import multiprocessing as mp
@@ -20,7 +21,7 @@ import threading
 import time
 import traceback
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from multiprocessing.connection import wait
 from typing import Any
 
@@ -140,6 +141,12 @@ class World:
             if proc.is_alive():
                 proc.kill()
 
+    def __enter__(self) -> World:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def close(self) -> None:
         for conn, proc in zip(self.conns, self.procs, strict=True):
             if proc.is_alive():
@@ -154,42 +161,30 @@ class World:
 
 @pytest.fixture(scope="module", params=[1, 2, 3, 4])
 def world(request: pytest.FixtureRequest) -> Any:
-    w = World(request.param)
-    try:
+    with World(request.param) as w:
         yield w
-    finally:
-        w.close()
 
 
 @pytest.fixture(scope="module")
 def pair() -> Any:
     """A world of 2 ranks, for what only a pair shows: one peer each, a CPU each."""
-    w = World(2)
-    try:
+    with World(2) as w:
         yield w
-    finally:
-        w.close()
 
 
 @pytest.fixture(scope="module")
 def xmap_pair() -> Any:
     """``pair`` with xmap on."""
-    w = World(2, xmap=True, config=cma.ChannelConfig.for_ranks(2))
-    try:
+    with World(2, xmap=True, config=cma.ChannelConfig.for_ranks(2)) as w:
         yield w
-    finally:
-        w.close()
 
 
 @pytest.fixture(scope="module", params=[2, 3, 4])
 def xmap_world(request: pytest.FixtureRequest) -> Any:
     """A world whose ranks map each other's shared heap (xmap on), its rings sized as
     cma-run and cma.mpi size them (3 ranks or more: a 256 KiB eager limit)."""
-    w = World(request.param, xmap=True, config=cma.ChannelConfig.for_ranks(request.param))
-    try:
+    with World(request.param, xmap=True, config=cma.ChannelConfig.for_ranks(request.param)) as w:
         yield w
-    finally:
-        w.close()
 
 
 # ------------------------------------------------------------------ inputs, both sides
@@ -594,11 +589,8 @@ def many_world(request: pytest.FixtureRequest) -> Any:
     """More ranks than the 2-4 above, where reductions go by recursive halving: 5 and 6
     (no power of two: 1 and 2 pairs first) and 8 (three halving steps); xmap on, for the
     cases of heap buffers."""
-    w = World(request.param, xmap=True, config=cma.ChannelConfig.for_ranks(request.param))
-    try:
+    with World(request.param, xmap=True, config=cma.ChannelConfig.for_ranks(request.param)) as w:
         yield w
-    finally:
-        w.close()
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=FIXTURE_HC)
@@ -1214,6 +1206,23 @@ def test_stats_count_collective_traffic(world: World, nbytes: int) -> None:
         assert all(per_rank["eager"]["bytes"] == 0 for per_rank in stats)
 
 
+@contextlib.contextmanager
+def engine_receives(progress: Any) -> Iterator[list[int]]:
+    """[how many receives were posted to ``progress``'s engine meanwhile]."""
+    posted = [0]
+    post = progress.post_recv
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        posted[0] += 1
+        return post(*args, **kwargs)
+
+    progress.post_recv = counting
+    try:
+        yield posted
+    finally:
+        del progress.post_recv
+
+
 def engine_receives_when_late(comm: cma.Comm, name: str, nbytes: int) -> int:
     """How many receives this rank posted to the engine in a Bcast from rank 0 that came
     to it 0.3 s after the others; or, of heap arrays whose hops map (xmap), in a (binomial)
@@ -1225,38 +1234,28 @@ def engine_receives_when_late(comm: cma.Comm, name: str, nbytes: int) -> int:
         _map_hops()
     else:
         _set_thresholds(False)
-    progress = comm._attach()
-    posted = 0
-    post = progress.post_recv
-
-    def counting(*args: Any, **kwargs: Any) -> Any:
-        nonlocal posted
-        posted += 1
-        return post(*args, **kwargs)
-
     rank = comm.Get_rank()
     mine = (cma.empty if heap else np.empty)(nbytes // 8, np.float64)
     mine[:] = rank + 1
     result = (cma.zeros if heap else np.zeros)(nbytes // 8, np.float64)
     comm.Barrier()
-    progress.post_recv = counting  # type: ignore[method-assign]
     try:
-        if rank == (1 if name == "Reduce" else 0):
-            time.sleep(0.3)  # (the scenario: a rank that comes late)
-        if name == "Reduce":
-            comm.Reduce(mine, result, root=0)
-            assert rank or (result == sum(range(1, comm.Get_size() + 1))).all()
-        elif name == "Allreduce":
-            comm.Allreduce(mine, result)
-            assert (result == sum(range(1, comm.Get_size() + 1))).all()
-        else:
-            comm.Bcast(mine, root=0)
-            assert (mine == 1).all()
+        with engine_receives(comm._progress) as posted:
+            if rank == (1 if name == "Reduce" else 0):
+                time.sleep(0.3)  # (the scenario: a rank that comes late)
+            if name == "Reduce":
+                comm.Reduce(mine, result, root=0)
+                assert rank or (result == sum(range(1, comm.Get_size() + 1))).all()
+            elif name == "Allreduce":
+                comm.Allreduce(mine, result)
+                assert (result == sum(range(1, comm.Get_size() + 1))).all()
+            else:
+                comm.Bcast(mine, root=0)
+                assert (mine == 1).all()
     finally:
-        del progress.post_recv
         _set_thresholds(False)
     comm.Barrier()  # (every view's FIN in before the next test)
-    return posted
+    return posted[0]
 
 
 @pytest.mark.parametrize("nbytes", [8, 64 << 10])
@@ -1289,7 +1288,6 @@ def message_behind_a_fin(comm: cma.Comm) -> tuple[int, int]:
     then (0.3 s) does rank 0 wait for its send and take the message. Rank 0's count of
     messages left unexpected after the wait, and of receives it posted to the engine."""
     _map_hops()
-    progress = comm._attach()
     heap = cma.zeros(64 << 10, np.uint8)
     small = np.zeros(8, np.uint8)
     comm.Barrier()
@@ -1298,23 +1296,12 @@ def message_behind_a_fin(comm: cma.Comm) -> tuple[int, int]:
             heap[:] = 3
             op = comm._coll_send(heap, 1)
             time.sleep(0.3)  # (the scenario: the FIN and the next message are both in)
-            posted = 0
-            post = progress.post_recv
-
-            def counting(*args: Any, **kwargs: Any) -> Any:
-                nonlocal posted
-                posted += 1
-                return post(*args, **kwargs)
-
-            progress.post_recv = counting  # type: ignore[method-assign]
-            try:
+            with engine_receives(comm._progress) as posted:
                 comm._coll_wait(op)
                 unexpected = len(comm._matcher.unexpected)
                 comm._coll_take(small, 1)
-            finally:
-                del progress.post_recv
             assert (small == 4).all()
-            return unexpected, posted
+            return unexpected, posted[0]
         comm._coll_take(heap, 0)
         assert (heap == 3).all()
         comm._coll_wait(comm._coll_send(np.full(8, 4, np.uint8), 0))
@@ -1338,9 +1325,10 @@ def split_send_counted(comm: cma.Comm, nbytes: int) -> tuple[int, int]:
     half 0.2 s late, so its FIN comes while rank 0 waits. What rank 0's stats count for
     the message (messages, bytes)."""
     _set_thresholds(False)
-    progress = comm._attach()
     buf = np.full(nbytes, 5 if comm.Get_rank() == 0 else 0, np.uint8)
-    comm.Barrier()
+    comm.Barrier()  # (attached by now)
+    progress = comm._progress
+    assert progress is not None
     comm.reset_stats()
     if comm.Get_rank() == 0:
         op = comm._coll_send(buf, 1)

@@ -56,7 +56,8 @@ ALLREDUCE_SCATTER_FROM = 64 << 10
 ALLREDUCE_SCATTER_FROM_PAIR = 256 << 10
 # Over 5 or more ranks that are no power of two, a reduce-scatter by halving below this
 # size, by the ring from it: at 6 ranks the two tied at 4 MiB and the ring won at 16 MiB,
-# where halving's pairing moves 2 n more (docs/guide.md section 7, "Many ranks")
+# where the odd rank of each of halving's pairs moves 2 n more (docs/guide.md section 7,
+# "Many ranks")
 HALVING_UNTIL = 4 << 20
 REDUCE_SCATTER_FROM = 512 << 10  # reduce-scatter + gather to the root instead of a binomial tree
 # A collective's message (an array, or an object's pickle) that finds the ring full is
@@ -930,7 +931,7 @@ class Collectives:
             if self._halves(source.nbytes):
                 cut, newrank = self._reduce_scatter_halving(acc, ours, given)
                 rem = self.size - (len(cut) - 1)
-                owners = [self._halving_peer(i, rem) for i in range(len(cut) - 1)]
+                owners = [self._paired_rank(i, rem) for i in range(len(cut) - 1)]
                 self._gather_blocks(acc, cut, root, owners, newrank)
             else:
                 cut = _cuts(acc.size, self.size)
@@ -1092,7 +1093,7 @@ class Collectives:
             newrank = rank - rem
         while mask < pof2:
             partner = newrank ^ mask
-            peer = partner * 2 + 1 if partner < rem else partner + rem
+            peer = self._paired_rank(partner, rem)
             self._sendrecv(acc, peer, tmp, peer)
             if peer < rank:  # (both partners then combine in the same order: the same bits)
                 op.combine_from_lower(acc, tmp)
@@ -1106,7 +1107,7 @@ class Collectives:
         """Whether a reduce-scatter of ``nbytes`` over 3 or more ranks goes by recursive
         halving, not by the ring: over a power of two of ranks, always (the same bytes a
         rank in log2 p steps where the ring takes p - 1); over 5 or more other counts below
-        HALVING_UNTIL (their first 2 (p - 2^k) ranks pair up first, which moves 2 n more);
+        HALVING_UNTIL (their first 2 (p - 2^k) ranks pair up first: each odd one moves 2 n more);
         over 3, never (the pairing takes as many steps as the ring saves)."""
         size = self.size
         if size & (size - 1) == 0:
@@ -1146,7 +1147,7 @@ class Collectives:
         lo, hi = 0, pof2  # the blocks this rank still holds
         mask = pof2 >> 1
         while mask:
-            peer = self._halving_peer(newrank ^ mask, rem)
+            peer = self._paired_rank(newrank ^ mask, rem)
             mid = lo + mask
             if newrank & mask:
                 out, lo = (lo, mid), mid
@@ -1171,8 +1172,9 @@ class Collectives:
         return cut, newrank
 
     @staticmethod
-    def _halving_peer(newrank: int, rem: int) -> int:
-        """The rank of the halving's ``newrank`` (the odd rank of a pair, or one unpaired)."""
+    def _paired_rank(newrank: int, rem: int) -> int:
+        """The rank of ``newrank`` among the 2^k ranks left once the first 2 ``rem`` have
+        paired up (doubling's and halving's): the odd rank of a pair, or one unpaired."""
         return newrank * 2 + 1 if newrank < rem else newrank + rem
 
     def _allreduce_halving(self, acc: np.ndarray, op: Op, source: np.ndarray | None) -> None:
@@ -1184,7 +1186,7 @@ class Collectives:
             self._coll_take(acc, self.rank + 1)
             return
         rem = self.size - (len(cut) - 1)
-        self._allgather_doubling(acc, cut, newrank, lambda r: self._halving_peer(r, rem))
+        self._allgather_doubling(acc, cut, newrank, lambda r: self._paired_rank(r, rem))
         if self.rank < 2 * rem:
             self._coll_wait(self._coll_send(acc, self.rank - 1))
 

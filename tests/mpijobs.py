@@ -81,6 +81,17 @@ def _tagged(tag: str) -> list[int]:
     return found
 
 
+def signal_processes(job: Job, signum: int, marker: str) -> None:
+    """Send ``signum`` to the processes of ``job`` whose command line holds ``marker`` (its
+    ranks, say, not mpiexec or its daemons)."""
+    for pid in _tagged(job.tag):
+        try:
+            if marker.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                os.kill(pid, signum)
+        except OSError:
+            continue  # it exited meanwhile
+
+
 def kill(job: Job) -> None:
     """End every process of ``job`` that is still running, mpiexec first; raise if one
     survives SIGKILL for KILL_GRACE seconds."""

@@ -14,6 +14,7 @@ missing or the sdist cannot be downloaded, and fails then under CI. ``-m "not mp
 from __future__ import annotations
 
 import os
+import re
 import warnings
 from typing import NoReturn
 
@@ -85,3 +86,77 @@ def test_plugin_passes_what_plain_passes(module: str, config: run_matrix.Config,
                     f"(the jobs' files: {config.workdir})")
         lines = [f"  {d.outcome} {d.test}: {d.reason}" for d in failing]
         pytest.fail("\n".join([headline, *lines, *problems]), pytrace=False)
+
+
+# The runner itself, on modules of its own (no sdist needed). The stall timeout exceeds
+# SLOW_TEST by 2.5 s, which a slow test needs to stay clear of a stall even on a loaded machine.
+SLOW_TEST = 3.5
+RUNNER_STALL_TIMEOUT = 6.0
+RUNNER_MODULES = {
+    "test_stall": f"""
+import time
+import unittest
+
+from mpi4py import MPI
+
+
+class TestStall(unittest.TestCase):
+    def test_a_slow_one(self):
+        time.sleep({SLOW_TEST})
+
+    def test_b_waits_for_ever(self):
+        if MPI.COMM_WORLD.Get_rank() == 1:
+            MPI.COMM_WORLD.recv(source=0, tag=77)  # rank 0 sends nothing
+""",
+    "test_crash": """
+import ctypes
+import unittest
+
+from mpi4py import MPI
+
+
+class TestCrash(unittest.TestCase):
+    def test_dies(self):
+        if MPI.COMM_WORLD.Get_rank() == 1:
+            ctypes.string_at(0)
+        MPI.COMM_WORLD.barrier()
+""",
+}
+
+
+@pytest.fixture
+def runner_config(tmp_path: pytest.TempPathFactory) -> run_matrix.Config:
+    testdir = tmp_path / "test"
+    testdir.mkdir()
+    for name, text in RUNNER_MODULES.items():
+        (testdir / f"{name}.py").write_text(text, encoding="utf-8")
+    return run_matrix.Config(MPIEXEC, testdir, tmp_path, launcher_flags(MPIEXEC),
+                             stall_timeout=RUNNER_STALL_TIMEOUT, max_hangs=1, env=job_env())
+
+
+def line_of(text: str, code: str) -> int:
+    return next(number for number, line in enumerate(text.splitlines(), 1) if code in line)
+
+
+def test_a_stalled_job_reports_where_each_rank_waited_and_only_then(runner_config: run_matrix.Config) -> None:
+    """The ranks write their stacks when the runner finds the job stalled, not while a test
+    is merely slow: a dump on a timer read the main thread's frames from faulthandler's
+    watchdog thread while that thread ran, and crashed ranks at 8 ranks
+    (docs/figures/many-ranks-2026-12-04.txt, section 5)."""
+    run = run_matrix.run_module("test_stall", NP, "plain", runner_config)
+    assert run.tests["test_stall.TestStall.test_a_slow_one"].outcome == "passed"
+    stuck = run.tests["test_stall.TestStall.test_b_waits_for_ever"]
+    recv_line = line_of(RUNNER_MODULES["test_stall"], "COMM_WORLD.recv")
+    assert stuck.outcome == "hang", stuck
+    assert re.search(rf"rank 1 at test_stall.py:{recv_line}\b", stuck.reason), stuck.reason
+    for stacks in runner_config.workdir.glob("test_stall-*.stacks.*"):
+        assert "test_a_slow_one" not in stacks.read_text(), f"{stacks.name} has stacks of the slow test"
+
+
+def test_a_rank_that_dies_is_reported_with_its_fatal_error(runner_config: run_matrix.Config) -> None:
+    run = run_matrix.run_module("test_crash", NP, "plain", runner_config)
+    died = run.tests["test_crash.TestCrash.test_dies"]
+    line = line_of(RUNNER_MODULES["test_crash"], "string_at")
+    assert died.outcome == "crash", died
+    fatal = f"rank 1 Fatal Python error: Segmentation fault at test_crash.py:{line}"
+    assert fatal in died.reason, died.reason

@@ -27,8 +27,11 @@ did is still there after its job hung and was killed:
 - ``{"event": "end"}`` once the module has run.
 
 Each rank also writes ``<out without suffix>.stacks.<rank>``: faulthandler's Python stacks
-of the rank when a test outlasts ``--dump-after`` seconds (so that a hang shows where each
-rank waited) and when the process dies of a fatal signal.
+of the rank when it gets ``DUMP_SIGNAL`` (run_matrix.py sends it to a job it found stalled,
+so that a hang shows where each rank waited) and when the process dies of a fatal signal.
+Not on a timer: faulthandler's timer dumps from a watchdog thread that reads the main
+thread's frames while that thread runs, and at 8 ranks that crashed ranks of slow tests
+(docs/figures/many-ranks-2026-12-04.txt, section 5).
 
 The tests are loaded as mpi4py's test/main.py loads them (unittest's loader over the module,
 an fnmatch pattern on ``module.Class.method`` to exclude a test, no CuPy or Numba arrays),
@@ -42,6 +45,7 @@ import faulthandler
 import fnmatch
 import importlib
 import json
+import signal
 import sys
 import time
 import unittest
@@ -52,6 +56,7 @@ from typing import IO, Any
 
 # a test's outcome is the worst of its parts' (subtests, setUp, tearDown)
 SEVERITY = {"passed": 0, "skipped": 1, "failed": 2, "error": 3}
+DUMP_SIGNAL = signal.SIGUSR1  # run_matrix.py's request for the stacks of a stalled rank
 TRACEBACK_LINES = 20
 
 ExcInfo = tuple[type[BaseException], BaseException, TracebackType]
@@ -65,8 +70,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, required=True, help="each rank writes OUT.<rank>")
     parser.add_argument("--exclude-file", type=Path,
                         help="test ids (module.Class.method) or fnmatch patterns not to run, one a line")
-    parser.add_argument("--dump-after", type=float, default=20.0,
-                        help="write the rank's stacks when a test runs longer than this (seconds)")
     return parser.parse_args(argv)
 
 
@@ -86,29 +89,22 @@ def first_line(exc: BaseException) -> str:
     return lines[0] if lines else type(exc).__name__
 
 
-class StackDumps:
-    """faulthandler's stacks of this rank, in a file of its own: on a fatal signal, and when
-    the test it is in runs longer than ``seconds``."""
-
-    def __init__(self, path: Path, seconds: float) -> None:
-        self._file: IO[str] = path.open("w", encoding="utf-8")
-        self._seconds = seconds
-        faulthandler.enable(self._file, all_threads=True)
-
-    def arm(self) -> None:
-        faulthandler.dump_traceback_later(self._seconds, file=self._file)
-
-    def disarm(self) -> None:
-        faulthandler.cancel_dump_traceback_later()
+def write_stacks_to(path: Path) -> None:
+    """faulthandler's stacks of this rank into ``path`` (faulthandler keeps the file open):
+    on a fatal signal, and on DUMP_SIGNAL. The kernel hands a signal sent to the process to
+    its main thread unless that thread blocks it, so the dump is made by the thread it
+    interrupts instead of being read by another thread while the main thread runs."""
+    file = path.open("w", encoding="utf-8")
+    faulthandler.enable(file, all_threads=True)
+    faulthandler.register(DUMP_SIGNAL, file, all_threads=True)
 
 
 class Recorder(unittest.TestResult):
     """Logs each test's start, then its outcome with the reason of its worst part."""
 
-    def __init__(self, log: Log, dumps: StackDumps) -> None:
+    def __init__(self, log: Log) -> None:
         super().__init__()
         self._log = log
-        self._dumps = dumps
         self._current: dict[str, Any] | None = None  # None between tests
         self._started = 0.0
 
@@ -117,10 +113,8 @@ class Recorder(unittest.TestResult):
         self._current = {"outcome": "passed", "reason": "", "traceback": []}
         self._started = time.monotonic()
         self._log.write("start", test=test.id())
-        self._dumps.arm()
 
     def stopTest(self, test: unittest.TestCase) -> None:
-        self._dumps.disarm()
         super().stopTest(test)
         seconds = round(time.monotonic() - self._started, 3)
         comm = getattr(test, "COMM", None)  # not ``comm and ...``: MPI.COMM_NULL is false
@@ -244,18 +238,18 @@ def main(argv: list[str] | None = None) -> int:
     sys.modules["numba"] = None  # type: ignore[assignment]
     from mpi4py import MPI
 
+    rank = MPI.COMM_WORLD.Get_rank()
+    write_stacks_to(args.out.with_name(f"{args.out.stem}.stacks.{rank}"))
     if args.mode == "plugin":
-        install_plugin()
+        install_plugin()  # collective: a stall in it has stacks too
     world = MPI.COMM_WORLD
-    rank = world.Get_rank()
     log = Log(args.out.with_name(f"{args.out.name}.{rank}"))
-    dumps = StackDumps(args.out.with_name(f"{args.out.stem}.stacks.{rank}"), args.dump_after)
     module = importlib.import_module(args.module)
     suite = ExcludingLoader(read_patterns(args.exclude_file)).loadTestsFromModule(module)
     tests = list(flatten(suite))
     log.write("begin", rank=rank, size=world.Get_size(), mode=args.mode, module=args.module,
               order=[t.id() for t in tests], comms=comms_seen(tests))
-    suite.run(Recorder(log, dumps))
+    suite.run(Recorder(log))
     log.write("end")
     return 0
 

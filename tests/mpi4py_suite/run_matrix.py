@@ -16,8 +16,9 @@ driver.py ...``: "plain" is mpi4py as installed, "plugin" the same tests after
 ``MPI.COMM_WORLD = cma.mpi.Comm(MPI.COMM_WORLD)`` (and COMM_SELF), see driver.py.
 
 A job whose ranks log nothing new for ``--stall-timeout`` seconds is killed, mpiexec and
-every rank. The test that the earliest rank was in is recorded as ``hang`` (``crash`` if
-the job died in it instead), with where each stuck rank waited, and the module runs again
+every rank, once each rank has written its stacks (driver.py's DUMP_SIGNAL). The test that
+the earliest rank was in is recorded as ``hang`` (``crash`` if the job died in it instead),
+with where each stuck rank waited, and the module runs again
 without it and without the tests that already finished on every rank, until every test
 has an outcome (or ``--max-hangs`` hangs). Tests listed in ``not_applicable.txt`` beside
 this file (``test_id  reason`` a line) are reported apart and are not counted as the
@@ -55,6 +56,8 @@ if str(HERE.parent) not in sys.path:  # run as a script: mpijobs sits in tests/
     sys.path.insert(0, str(HERE.parent))
 import mpijobs  # noqa: E402
 
+from mpi4py_suite.driver import DUMP_SIGNAL  # noqa: E402
+
 DRIVER = HERE / "driver.py"
 NOT_APPLICABLE = HERE / "not_applicable.txt"
 OPEN_MPI_ONLY = "[Open MPI] "
@@ -69,9 +72,11 @@ STALL_TIMEOUT = 30.0  # the slowest test of the default modules takes < 1 s plai
 JOB_TIMEOUT = 900.0  # a backstop: stalls end jobs well before
 FETCH_TIMEOUT = 300  # pip builds the sdist's metadata too: ~10-15 s here
 POLL = 0.2
+DUMP_GRACE = 10.0  # seconds for the ranks of a stalled job to write their stacks
 EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b.*$", re.MULTILINE)
-# faulthandler's output: a dump starts with one of these, each thread with "Thread 0x..."
-DUMP_START = re.compile(r"^(Timeout \(|Fatal Python error)", re.MULTILINE)
+# faulthandler's output: each thread starts with "Thread 0x..."; the dump of a fatal error
+# with this line (a stacks file holds the dump asked of a stalled rank, or that one)
+FATAL_ERROR = "Fatal Python error"
 THREAD_START = re.compile(r"^(Current thread|Thread) 0x", re.MULTILINE)
 FRAME = re.compile(r'^\s+File "(?P<path>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)', re.MULTILINE)
 
@@ -190,7 +195,7 @@ def progress(out: Path) -> int:
     return sum(path.stat().st_size for path in out.parent.glob(f"{out.name}.*"))
 
 
-def watch(proc: subprocess.Popen[str], out: Path, config: Config) -> str:
+def watch(proc: mpijobs.Job, out: Path, config: Config) -> str:
     begin = last_change = time.monotonic()
     last = progress(out)
     while proc.poll() is None:
@@ -199,10 +204,25 @@ def watch(proc: subprocess.Popen[str], out: Path, config: Config) -> str:
         if current != last:
             last, last_change = current, now
         elif now - last_change > config.stall_timeout:
+            ask_for_stacks(proc, out)
             return "stalled"
         if now - begin > config.job_timeout:
+            ask_for_stacks(proc, out)
             return "timed out"
     return "exited"
+
+
+def ask_for_stacks(proc: mpijobs.Job, out: Path) -> None:
+    """Have each rank of a job about to be killed write where it is (driver.py's stacks
+    file), and wait until every rank that has not finished its tests has, for up to
+    DUMP_GRACE seconds (one that has is in MPI's finalization, and writes nothing)."""
+    waiting = {path: path.stat().st_size for path in out.parent.glob(f"{out.stem}.stacks.*")
+               if not read_rank_log(out.with_name(f"{out.name}.{path.suffix[1:]}")).ended}
+    mpijobs.signal_processes(proc, DUMP_SIGNAL, str(DRIVER))
+    deadline = time.monotonic() + DUMP_GRACE
+    while waiting and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(POLL)  # (also lets the last one finish writing)
+        waiting = {path: size for path, size in waiting.items() if path.stat().st_size == size}
 
 
 def run_job(command: list[str], out: Path, config: Config) -> tuple[str, int | None, float]:
@@ -285,11 +305,8 @@ def where(stacks: Path, testdir: Path) -> str:
     "[fatal error] at test line -> call the test made -> innermost call", of the thread
     that runs the test."""
     text = stacks.read_text(errors="replace") if stacks.exists() else ""
-    dumps = list(DUMP_START.finditer(text))
-    if not dumps:
-        return ""
-    dump = text[dumps[-1].start():]
-    fatal = dump.splitlines()[0] if dump.startswith("Fatal") else ""
+    dump = text[max(text.rfind(FATAL_ERROR), 0):]
+    fatal = dump.splitlines()[0] if dump.startswith(FATAL_ERROR) else ""
     for thread in THREAD_START.split(dump):
         frames = list(FRAME.finditer(thread))  # innermost first
         index = next((i for i, frame in enumerate(frames) if is_test_file(frame["path"], testdir)), None)
@@ -346,9 +363,7 @@ class ModuleRun:
 def command(config: Config, module: str, n: int, mode: str, out: Path, exclude: Path) -> list[str]:
     return [config.mpiexec, *config.flags, "-n", str(n), sys.executable, "-m", "mpi4py", str(DRIVER),
             "--mode", mode, "--testdir", str(config.testdir), "--module", module, "--out", str(out),
-            "--exclude-file", str(exclude),
-            # a hung rank's stacks must be dumped before the stall timeout kills it
-            "--dump-after", str(max(1.0, config.stall_timeout / 2))]
+            "--exclude-file", str(exclude)]
 
 
 def describe(job: JobRecord, config: Config) -> str:
@@ -379,7 +394,7 @@ def stuck_outcome(test: str, stuck_ranks: list[int], logs: list[RankLog], job: J
         shown = [f"rank {rank} {places[rank] or 'never finished it'}" for rank in stuck_ranks]
     else:  # the rank that died left its fatal error's stacks
         cause = f"the job died ({describe(job, config)})"
-        shown = [f"rank {rank} {place}" for rank, place in places.items() if place.startswith("Fatal")]
+        shown = [f"rank {rank} {place}" for rank, place in places.items() if place.startswith(FATAL_ERROR)]
         shown = shown or [last_exception(out.with_suffix(".log"))]
     reasons = [f"rank {rank}: {result['reason']}" for rank, result in reported]
     traceback = reported[0][1]["traceback"] if reported else []

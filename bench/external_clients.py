@@ -15,6 +15,9 @@ What it measures, in one ``mpiexec -n 2`` job, each program once over plain mpi4
   mpi4py, downloaded with pip at run time into ``$CMA_IPC_CACHE`` (default
   ``~/.cache/cma-ipc``) and reused from there: the plain series runs the source as it is,
   the plugin series the source with its line ``comm = MPI.COMM_WORLD`` replaced.
+  ``--demos`` may also name the sdist's collective demos (COLLECTIVE_DEMOS: osu_bcast,
+  osu_allgather...), which rank 0 times; with only those (``--no-pingpong``), the job
+  may have any number of ranks from 2.
 
 Every round runs plain and plugin back to back for every case: round 0 plain first,
 round 1 plugin first, and so on, so that what one library leaves behind in the process
@@ -22,7 +25,7 @@ round 1 plugin first, and so on, so that what one library leaves behind in the p
 rather than deciding the comparison. The tables give, per order, each series' median over
 rounds with [min-max], and the median [min-max] of the per-round ratio plugin bandwidth /
 plain bandwidth (> 1: the plugin is faster); ``--json`` keeps every round. Under each
-table, per round: the CPU share of the two ranks (other work on the machine) and
+table, per round: the CPU share of the ranks (other work on the machine) and
 cma-bench's hand-off probe before and after each series (the host's slow spells,
 docs/guide.md), since either decides a comparison more than the order does.
 
@@ -33,6 +36,7 @@ Run (from the repository root; about 4 minutes with the defaults on a 2-CPU mach
 
     mpiexec -n 2 python bench/external_clients.py --json external-clients.json
     mpiexec -n 2 python bench/external_clients.py --max-size 2M --no-demos --rounds 8 --each-round
+    mpiexec -n 16 python bench/external_clients.py --no-pingpong --demos osu_bcast,osu_allgather --rounds 2
 """
 
 from __future__ import annotations
@@ -72,8 +76,10 @@ from cma.bench.sizes import format_size, parse_size
 
 SERIES = ("plain", "plugin")
 DEMOS = ("osu_latency", "osu_bw", "osu_bibw")
-# what --demos may name besides DEMOS: osu_bcast (Bcast of [mmap, n, MPI.BYTE], back to back)
-MORE_DEMOS = ("osu_bcast",)
+# what --demos may name besides DEMOS: collectives over [mmap, n, MPI.BYTE] specs, back to back,
+# on any number of ranks
+COLLECTIVE_DEMOS = ("osu_bcast", "osu_allgather", "osu_alltoall", "osu_alltoallv", "osu_gather",
+                    "osu_scatter")
 # the demos that print MB/s; the others print microseconds: one way, or per collective
 BANDWIDTH_DEMOS = ("osu_bw", "osu_bibw")
 ARRAYS = ("numpy", "none")
@@ -99,7 +105,7 @@ class SeriesTimeout(Exception):
 
 
 def _on_alarm(signum: int, frame: object) -> None:
-    # SIGALRM interrupts a wait in Python code (cma's): the series raises and both ranks
+    # SIGALRM interrupts a wait in Python code (cma's): the series raises and the ranks
     # can leave it; a wait inside MPI's C code is not interrupted (see run_series)
     raise SeriesTimeout("no result within --timeout")
 
@@ -147,7 +153,7 @@ def agree(ctl: MPI.Intracomm, report: object, deadline: float, on_stuck: Callabl
     a message the failed rank will never send. No later collective could complete, so
     this rank calls ``on_stuck`` (which reports what was measured) and aborts the job."""
     if not sleep_until(ctl.Ibarrier(), deadline):
-        print(f"external_clients: rank {ctl.Get_rank()}: the other rank is stuck in a series; "
+        print(f"external_clients: rank {ctl.Get_rank()}: another rank is stuck in a series; "
               "aborting the job", file=sys.stderr, flush=True)
         on_stuck()
         ctl.Abort(3)
@@ -183,7 +189,7 @@ def handoff_probe(ctl: MPI.Intracomm) -> float:
     CPU has just written than 1 MiB it wrote itself. ~1 on a quiet machine; 1.7-2.1 in the
     spells docs/guide.md describes, when the host hands cache lines between our two vCPUs
     slowly (invisible from inside the VM otherwise). Rank 0 probes with two threads while
-    rank 1 sleeps, leaving its CPU to the probe; nan with fewer than two CPUs."""
+    the others sleep, leaving a CPU to the probe; nan with fewer than two CPUs."""
     ratio = math.nan
     if ctl.Get_rank() == 0:
         cpus = sorted(os.sched_getaffinity(0))[:2]
@@ -458,15 +464,15 @@ class Run:
         if args.probe:
             print(f"# hand-off probe: time for one CPU to copy 1 MiB the other CPU just wrote / 1 MiB it "
                   f"wrote itself; ~1 quiet, > {QUIET_RATIO} a slow spell of the host (docs/guide.md)")
-        print(f"# cpu: CPU time of both ranks / (2 x wall time); < {BUSY_SHARE}: other work took "
-              "CPUs from them (and the probe means nothing then)")
+        print(f"# cpu: CPU time of the ranks / (min(ranks, CPUs) x wall time); < {BUSY_SHARE}: other "
+              "work took CPUs from them (and the probe means nothing then)")
         print(report(self.cases, self.records, args.each_round))
         for note in self.notes:
             print(f"note: {note}")
         sys.stdout.flush()
 
     def on_stuck(self) -> None:
-        self.notes.append(f"job aborted by rank {self.ctl.Get_rank()}: the other rank was stuck in "
+        self.notes.append(f"job aborted by rank {self.ctl.Get_rank()}: another rank was stuck in "
                           f"{self.current} (past --timeout, inside MPI's C code)")
         self.save()
         self.print_report()
@@ -516,7 +522,7 @@ def order_table(case: Case, records: Sequence[Record], first: str, each_round: b
 
 
 def usage_lines(records: Sequence[Record]) -> list[str]:
-    """Median page faults and context switches per series (both ranks summed)."""
+    """Median page faults and context switches per series (the ranks summed)."""
     parts = []
     for series in SERIES:
         usage = [r.usage for r in records if r.series == series and r.status == "ok"]
@@ -526,14 +532,16 @@ def usage_lines(records: Sequence[Record]) -> list[str]:
 
             parts.append(f"{series} {median('minflt'):.0f} minor faults, {median('nvcsw'):.0f}"
                          f"/{median('nivcsw'):.0f} vol/invol switches")
-    return ["  per series, both ranks: " + "; ".join(parts)] if parts else []
+    return ["  per series, the ranks summed: " + "; ".join(parts)] if parts else []
 
 
 def cpu_share(record: Record) -> float:
-    """CPU time of both ranks over twice the wall time: ~1 while both spin on their own CPU
-    (MPICH and cma both spin while waiting), less when other work took a CPU from them."""
+    """CPU time of the ranks over the wall time of as many CPUs as they can use at once:
+    ~1 while each spins on a CPU of its own, or while more ranks than CPUs share them all
+    (MPICH and cma both spin while waiting); less when other work took CPUs from them."""
     used = sum(rank["utime"] + rank["stime"] for rank in record.usage)
-    return used / (len(record.usage) * record.seconds) if record.usage and record.seconds else math.nan
+    cpus = min(len(record.usage), len(os.sched_getaffinity(0)))
+    return used / (cpus * record.seconds) if record.usage and record.seconds else math.nan
 
 
 def round_lines(records: Sequence[Record]) -> list[str]:
@@ -584,7 +592,7 @@ def report(cases: Sequence[Case], records: Sequence[Record], each_round: bool) -
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="mpiexec -n 2 python bench/external_clients.py",
+        prog="mpiexec -n N python bench/external_clients.py",
         description="mpi4py.bench pingpong and mpi4py's OSU demos, plain and with cma.mpi.Comm, "
                     "both orders in one job.")
     parser.add_argument("--rounds", type=int, default=6,
@@ -602,7 +610,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-pingpong", action="store_true")
     parser.add_argument("--demos", default=",".join(DEMOS),
                         help="demos of the mpi4py sdist, comma-separated (default the three "
-                             "point-to-point ones; osu_bcast too)")
+                             f"point-to-point ones; also {', '.join(COLLECTIVE_DEMOS)})")
     parser.add_argument("--no-demos", action="store_true")
     parser.add_argument("--timeout", type=float, default=120.0,
                         help="seconds a series may take before it is stopped as failed (default 120)")
@@ -616,7 +624,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.objects = [] if args.no_pingpong else [o for o in args.objects.split(",") if o]
     args.demos = [] if args.no_demos else [d for d in args.demos.split(",") if d]
     unknown = sorted(set(args.arrays) - set(ARRAYS)) + sorted(set(args.objects) - set(OBJECTS)) + \
-        sorted(set(args.demos) - set(DEMOS) - set(MORE_DEMOS))
+        sorted(set(args.demos) - set(DEMOS) - set(COLLECTIVE_DEMOS))
     if unknown:
         parser.error(f"unknown array kind, object mode or demo: {', '.join(unknown)}")
     return args
@@ -647,9 +655,11 @@ def make_cases(run: Run) -> list[Case]:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     world = MPI.COMM_WORLD
-    if world.Get_size() != 2:
+    collectives_only = not args.arrays and not args.objects and set(args.demos) <= set(COLLECTIVE_DEMOS)
+    if world.Get_size() < 2 or (world.Get_size() > 2 and not collectives_only):
         if world.Get_rank() == 0:
-            print("external_clients: run with exactly two ranks (mpiexec -n 2)", file=sys.stderr)
+            print("external_clients: run with exactly two ranks (mpiexec -n 2), or with 2 or more "
+                  "for collective demos alone (--no-pingpong --demos osu_bcast,...)", file=sys.stderr)
         return 2
     signal.signal(signal.SIGALRM, _on_alarm)
     ctl = world.Dup()  # agreement and barriers, apart from anything a series sends

@@ -17,6 +17,7 @@ recursive halving and doubling, or by rings).
 
 from __future__ import annotations
 
+import itertools
 import mmap
 import operator
 import sys
@@ -569,7 +570,6 @@ class Collectives:
         def _view_from_ring(self, direct: DirectRendezvous, inbox: Inbox | None, tag: int,
                             capacity: int | None = None) -> View | int | None: ...
         def _await_late(self, inbox: Inbox, tag: int) -> bool: ...
-        def packets_queued(self) -> None: ...
         def load_object(self, op: RecvOp) -> Any: ...
 
     # -- the primitives: private point-to-point under COLLECTIVE_TAG (or Barrier's tag)
@@ -651,6 +651,8 @@ class Collectives:
                 error = getattr(op, "error", None)
                 if error is not None:
                     raise error
+                if progress.txq_pending:
+                    self._settle(op.dest if isinstance(op, SendOp) else op.source)
         except BaseException:
             for op in ops:
                 if op is not None:
@@ -701,11 +703,24 @@ class Collectives:
             finally:
                 self._busy = 0
             if n >= 0:
+                self._settle(source)  # (a direct rendezvous's FIN may be queued)
                 return
             if n == RING_EMPTY and self._await_late(inbox, tag):
                 self._coll_take(data, source, tag)  # (its packet is at the head now)
                 return
         self._coll_wait(self._coll_recv(data, source, tag))
+
+    def _settle(self, peer: int) -> None:
+        """Wait until nothing waits for ``peer`` in this rank's queue. A packet of a
+        collective that found ``peer``'s ring full (a message, or the FIN of one received)
+        is queued, and goes out at this rank's next call into cma: left there when the
+        collective returned, it kept ``peer`` waiting in the collective until that call,
+        for ever if none came (docs/guide.md section 7, "Nothing left queued")."""
+        progress = self._progress
+        if progress is not None and progress.txq_pending:
+            queue = progress.txq[peer]
+            if queue:
+                progress.wait_until(lambda: not queue, peer)
 
     def _coll_take_view(self, tmp: np.ndarray, source: int) -> np.ndarray:
         """Receive a message that will only be read (combined) from ``source``: a read-only
@@ -743,15 +758,12 @@ class Collectives:
         view.release()
         return tmp
 
-    def _done_with(self, incoming: np.ndarray) -> None:
-        """Release what ``_coll_take_view`` returned, if it was a view of a peer's pages:
-        its FIN goes at once, or, behind a full ring, at this rank's next call into cma
-        (``packets_queued``: cma.mpi's hook makes a wait inside MPI such a call)."""
+    def _done_with(self, incoming: np.ndarray, source: int) -> None:
+        """Release what ``_coll_take_view`` returned from ``source``, if it was a view of
+        its pages: its FIN goes at once, or, behind a full ring, once the ring has room."""
         if isinstance(incoming, View):
             incoming.release()
-            progress = self._progress
-            if progress is not None and progress.txq_pending:
-                self.packets_queued()
+            self._settle(source)
 
     def _coll_recv_object(self, source: int) -> Any:
         op = self._coll_recv(None, source)
@@ -956,13 +968,14 @@ class Collectives:
             if vr + mask < size:
                 if tmp is None:
                     tmp = np.empty_like(acc)
-                incoming = self._coll_take_view(tmp, (vr + mask + root) % size)
+                child = (vr + mask + root) % size
+                incoming = self._coll_take_view(tmp, child)
                 try:
                     if not owned:
                         acc, owned = acc.copy(), True
                     op.combine(acc, incoming)
                 finally:
-                    self._done_with(incoming)
+                    self._done_with(incoming, child)
             mask <<= 1
 
     def _reduce_scatter_ring(self, acc: np.ndarray, op: Op, cut: list[int],
@@ -990,16 +1003,21 @@ class Collectives:
                     op.combine_into(acc[cut[into] : cut[into + 1]],
                                     source[cut[into] : cut[into + 1]], incoming)
             finally:
-                self._done_with(incoming)
+                self._done_with(incoming, left)
             self._coll_wait(sending)
 
     def _reduce_scattered(self, source: np.ndarray, op: Op, cut: list[int]) -> np.ndarray:
-        """``_reduce_scatter_ring`` of ``source`` into an array of its own (``source`` itself
-        on one rank), whose block ``rank`` holds the result."""
-        if self.size == 1:
+        """The reduce-scatter of ``source`` into an array of its own (``source`` itself on
+        one rank), whose block ``rank`` holds the result: by recursive halving over a power
+        of two of ranks from 4 (log2 p steps, the ring's bytes), else by the ring."""
+        size = self.size
+        if size == 1:
             return source
         acc = np.empty_like(source)
-        self._reduce_scatter_ring(acc, op, cut, source)
+        if size > 2 and size & (size - 1) == 0:
+            self._reduce_scatter_halving(acc, op, source, cut)
+        else:
+            self._reduce_scatter_ring(acc, op, cut, source)
         return acc
 
     def _allgather_ring(self, data: np.ndarray, cut: list[int]) -> None:
@@ -1078,19 +1096,13 @@ class Collectives:
                 else:
                     op.combine_into(acc, source, incoming)
             finally:
-                self._done_with(incoming)
+                self._done_with(incoming, peer)
             self._coll_wait(sending)
             mask = 2
-        if rank < 2 * rem:
-            if rank % 2 == 0:
-                self._coll_wait(self._coll_send(acc, rank + 1))
-                self._coll_take(acc, rank + 1)
-                return
-            self._coll_take(tmp, rank - 1)
-            op.combine_from_lower(acc, tmp)
-            newrank = rank // 2
-        else:
-            newrank = rank - rem
+        newrank, _ = self._pair_first(acc, op, tmp, None)
+        if newrank is None:
+            self._coll_take(acc, rank + 1)
+            return
         while mask < pof2:
             partner = newrank ^ mask
             peer = self._paired_rank(partner, rem)
@@ -1114,36 +1126,30 @@ class Collectives:
             return size > 2
         return size > 4 and nbytes < HALVING_UNTIL
 
-    def _reduce_scatter_halving(self, acc: np.ndarray, op: Op, source: np.ndarray | None
-                                ) -> tuple[list[int], int | None]:
+    def _reduce_scatter_halving(self, acc: np.ndarray, op: Op, source: np.ndarray | None,
+                                cut: list[int] | None = None) -> tuple[list[int], int | None]:
         """Rabenseifner's reduce-scatter by recursive halving: at each step a rank keeps one
         half of the blocks it still holds, sends the other half to its partner and combines
         the partner's copy of its own half into ``acc``. Over 2^k ranks of the 2^k + rem,
-        the first 2 rem pairing up first (evens hand their input to odds, as in
-        ``_allreduce_doubling``). Returns (cut, newrank): block newrank of ``acc`` (elements
-        cut[newrank]:cut[newrank+1], of 2^k blocks) holds the combination of every rank's;
-        newrank is None at an even rank of a pair, which holds no block. ``source``: the
-        input, where ``acc`` is not a copy of it yet, read in place (by the pair's step, or
-        the first halving step)."""
+        the first 2 rem pairing up first (``_pair_first``). Returns (cut, newrank): block
+        newrank of ``acc`` (elements cut[newrank]:cut[newrank+1], of 2^k blocks) holds the
+        combination of every rank's; newrank is None at an even rank of a pair, which holds
+        no block. ``source``: the input, where ``acc`` is not a copy of it yet, read in
+        place (by the pair's step, or the first halving step). ``cut``: the blocks' bounds,
+        when they are given (only over a power of two of ranks); else 2^k nearly equal
+        blocks."""
         size, rank = self.size, self.rank
         pof2 = 1 << (size.bit_length() - 1)
         rem = size - pof2
-        cut = _cuts(acc.size, pof2)
+        if cut is None:
+            cut = _cuts(acc.size, pof2)
         if rank < 2 * rem:
-            if rank % 2 == 0:
-                self._coll_wait(self._coll_send(acc if source is None else source, rank + 1))
-                return cut, None
             tmp = np.empty_like(acc)
-            self._coll_take(tmp, rank - 1)
-            if source is None:
-                op.combine_from_lower(acc, tmp)
-            else:  # (the lower rank's first, as combine_from_lower)
-                op.combine_into(acc, tmp, source)
-                source = None
-            newrank = rank // 2
-        else:
-            newrank = rank - rem
-            tmp = np.empty(cut[pof2 >> 1], acc.dtype)  # (the lower half: _cuts's larger)
+        else:  # (the larger half)
+            tmp = np.empty(max(cut[pof2 >> 1] - cut[0], cut[pof2] - cut[pof2 >> 1]), acc.dtype)
+        newrank, source = self._pair_first(acc, op, tmp, source)
+        if newrank is None:
+            return cut, None
         lo, hi = 0, pof2  # the blocks this rank still holds
         mask = pof2 >> 1
         while mask:
@@ -1165,11 +1171,32 @@ class Collectives:
                 else:
                     op.combine_into(acc[keep], source[keep], incoming)
             finally:
-                self._done_with(incoming)
+                self._done_with(incoming, peer)
             self._coll_wait(sending)
             source = None
             mask >>= 1
         return cut, newrank
+
+    def _pair_first(self, acc: np.ndarray, op: Op, tmp: np.ndarray, source: np.ndarray | None
+                    ) -> tuple[int | None, np.ndarray | None]:
+        """Over 2^k + rem ranks, the step before doubling or halving: the first 2 rem pair
+        up, each even one handing its input (``source``, else ``acc``) to the odd one above
+        it, which combines it into ``acc`` (the lower rank's first) using ``tmp`` (acc's
+        size). Returns this rank's index among the 2^k that go on (None at an even rank of
+        a pair) and the input still to be read in place (None once combined into ``acc``)."""
+        rank = self.rank
+        rem = self.size - (1 << (self.size.bit_length() - 1))
+        if rank >= 2 * rem:
+            return rank - rem, source
+        if rank % 2 == 0:
+            self._coll_wait(self._coll_send(acc if source is None else source, rank + 1))
+            return None, source
+        self._coll_take(tmp, rank - 1)
+        if source is None:
+            op.combine_from_lower(acc, tmp)
+        else:
+            op.combine_into(acc, tmp, source)
+        return rank // 2, None
 
     @staticmethod
     def _paired_rank(newrank: int, rem: int) -> int:
@@ -1410,8 +1437,8 @@ class Collectives:
         self._coll_wait(*ops)
 
     def Allgather(self, sendbuf: Any, recvbuf: Any) -> None:
-        """Every rank's ``sendbuf`` to block ``rank`` of every rank's ``recvbuf`` (a ring;
-        ``MPI_Allgather``); ``IN_PLACE`` as ``sendbuf``: each rank's block is in place."""
+        """Every rank's ``sendbuf`` to block ``rank`` of every rank's ``recvbuf``
+        (``MPI_Allgather``); ``IN_PLACE`` as ``sendbuf``: each rank's block is in place."""
         self._coll_start()
         data = _message(recvbuf, writable=True, blocks=self.size)
         count = data.size // self.size
@@ -1426,6 +1453,9 @@ class Collectives:
 
     def _allgatherv(self, sendbuf: Any, data: np.ndarray, counts: list[int],
                     displs: list[int]) -> None:
+        """By recursive doubling when the ranks are a power of two (4 or more) and the
+        blocks lie end to end in rank order (log2 p steps, the ring's bytes: docs/guide.md
+        section 7, "Many ranks"), else along a ring (p - 1 steps)."""
         size, rank = self.size, self.rank
 
         def block(r: int) -> np.ndarray:
@@ -1434,6 +1464,10 @@ class Collectives:
 
         if not _is_in_place(sendbuf):
             _copy_bytes(block(rank), _message(sendbuf, writable=False))
+        cut = list(itertools.accumulate(counts, initial=displs[0]))
+        if size > 2 and size & (size - 1) == 0 and cut[:-1] == displs:
+            self._allgather_doubling(data, cut, rank, lambda r: r)
+            return
         right, left = (rank + 1) % size, (rank - 1) % size
         for step in range(size - 1):
             self._sendrecv(block(rank - step), right, block(rank - step - 1), left)

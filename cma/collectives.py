@@ -550,6 +550,7 @@ class Collectives:
     # the last reduction's input and result (None: IN_PLACE, no result here), op, and flags
     _last_inputs: KeptInputs | None = None
     _last_bcast: KeptMessage | None = None  # the last Bcast's buffer, as bytes
+    _queued_to: dict[int, int] | None = None  # dest -> mark of a message queued (_mark_queued)
 
     if TYPE_CHECKING:  # what cma.Comm provides (docs/architecture.md, "What cma.Comm lets ...")
         _progress: Progress | None
@@ -582,8 +583,10 @@ class Collectives:
             stream = self._pickle(obj)
             n = sum(segment.nbytes for segment in stream)
             box = self._fast_outboxes[dest]
-            return self.start_send(stream, dest, tag, True,
-                                   eager=box is not None and box.fits(n) or self._may_queue(n))
+            op = self.start_send(stream, dest, tag, True,
+                                 eager=box is not None and box.fits(n) or self._may_queue(n))
+            self._mark_queued(dest)
+            return op
         view = _bytes(data)
         n = view.nbytes
         if (n >= XMAP_HOP_FROM or n > self._eager_limit) and n:
@@ -604,8 +607,21 @@ class Collectives:
                     self._ring(dest)
                 return None
         if n > self._eager_limit or self._may_queue(n):
-            return self.start_send([view], dest, tag, False)
+            op = self.start_send([view], dest, tag, False)
+            self._mark_queued(dest)
+            return op
         return self.start_send([view], dest, tag, False, eager=False)
+
+    def _mark_queued(self, dest: int) -> None:
+        """Note the message just sent to ``dest`` if it was queued (the ring full): the
+        collective's wait for it then waits until it has gone out (``_settle``)."""
+        progress = self._progress
+        if progress is not None and progress.txq_pending:
+            mark = progress.queued_at(dest)
+            if mark:
+                if self._queued_to is None:
+                    self._queued_to = {}
+                self._queued_to[dest] = mark
 
     def _offer_heap(self, direct: DirectRendezvous, view: memoryview, dest: int, tag: int
                     ) -> SendOp:
@@ -652,7 +668,12 @@ class Collectives:
                 if error is not None:
                     raise error
                 if progress.txq_pending:
-                    self._settle(op.dest if isinstance(op, SendOp) else op.source)
+                    if isinstance(op, SendOp):
+                        marks = self._queued_to
+                        self._settle(op.dest, marks.pop(op.dest, 0) if marks else 0)
+                    elif op.mechanism != "eager":  # (its FIN may be queued, the last packet
+                        # then, or behind what the same pass of the engine queued after it)
+                        self._settle(op.source, progress.queued_at(op.source))
         except BaseException:
             for op in ops:
                 if op is not None:
@@ -698,29 +719,33 @@ class Collectives:
                 while n == RING_EMPTY and spins:
                     spins -= 1
                     n = inbox.take_eager(view, tag)
-                if n == NOT_EAGER and self._direct is not None:
-                    n = self._direct.recv(inbox, view, tag)  # (Recv's: an RTS it may read)
+                direct = self._direct if n == NOT_EAGER else None
+                if direct is not None:
+                    n = direct.recv(inbox, view, tag)  # (Recv's: an RTS it may read)
             finally:
                 self._busy = 0
             if n >= 0:
-                self._settle(source)  # (a direct rendezvous's FIN may be queued)
+                progress = self._progress
+                if direct is not None and progress is not None and progress.txq_pending:
+                    self._settle(source, progress.queued_at(source))  # (its FIN: last if queued)
                 return
             if n == RING_EMPTY and self._await_late(inbox, tag):
                 self._coll_take(data, source, tag)  # (its packet is at the head now)
                 return
         self._coll_wait(self._coll_recv(data, source, tag))
 
-    def _settle(self, peer: int) -> None:
-        """Wait until nothing waits for ``peer`` in this rank's queue. A packet of a
-        collective that found ``peer``'s ring full (a message, or the FIN of one received)
-        is queued, and goes out at this rank's next call into cma: left there when the
-        collective returned, it kept ``peer`` waiting in the collective until that call,
-        for ever if none came (docs/guide.md section 7, "Nothing left queued")."""
+    def _settle(self, peer: int, mark: int) -> None:
+        """Wait until this rank's packet for ``peer`` queued with ``mark`` (``Progress.
+        queued_at``; 0: none) has gone into ``peer``'s ring. A collective's packet that
+        found the ring full (a message, or the FIN of one received) goes out at this
+        rank's next call into cma: left queued when the collective returned, it kept
+        ``peer`` waiting in the collective until that call, for ever if none came
+        (docs/guide.md section 7, "Nothing left queued"). Packets queued after it (a
+        user's Isend, an UNMAP) are not waited for: ``peer`` may not need them."""
         progress = self._progress
-        if progress is not None and progress.txq_pending:
-            queue = progress.txq[peer]
-            if queue:
-                progress.wait_until(lambda: not queue, peer)
+        if mark and progress is not None and progress.moved_out[peer] < mark:
+            moved, world = progress.moved_out, progress.world
+            progress.wait_until(lambda: moved[peer] >= mark or world.has_closed(peer), peer)
 
     def _coll_take_view(self, tmp: np.ndarray, source: int) -> np.ndarray:
         """Receive a message that will only be read (combined) from ``source``: a read-only
@@ -763,7 +788,9 @@ class Collectives:
         its pages: its FIN goes at once, or, behind a full ring, once the ring has room."""
         if isinstance(incoming, View):
             incoming.release()
-            self._settle(source)
+            progress = self._progress
+            if progress is not None and progress.txq_pending:
+                self._settle(source, progress.queued_at(source))
 
     def _coll_recv_object(self, source: int) -> Any:
         op = self._coll_recv(None, source)
@@ -1453,9 +1480,10 @@ class Collectives:
 
     def _allgatherv(self, sendbuf: Any, data: np.ndarray, counts: list[int],
                     displs: list[int]) -> None:
-        """By recursive doubling when the ranks are a power of two (4 or more) and the
-        blocks lie end to end in rank order (log2 p steps, the ring's bytes: docs/guide.md
-        section 7, "Many ranks"), else along a ring (p - 1 steps)."""
+        """By recursive doubling when the ranks are a power of two (4 or more: log2 p
+        steps, the ring's bytes, docs/guide.md section 7, "Many ranks"), through a scratch
+        array where this rank's blocks do not lie end to end in rank order; else along a
+        ring (p - 1 steps)."""
         size, rank = self.size, self.rank
 
         def block(r: int) -> np.ndarray:
@@ -1464,9 +1492,17 @@ class Collectives:
 
         if not _is_in_place(sendbuf):
             _copy_bytes(block(rank), _message(sendbuf, writable=False))
-        cut = list(itertools.accumulate(counts, initial=displs[0]))
-        if size > 2 and size & (size - 1) == 0 and cut[:-1] == displs:
-            self._allgather_doubling(data, cut, rank, lambda r: r)
+        if size > 2 and size & (size - 1) == 0:
+            # (chosen by size alone: the counts agree across ranks, each rank's displs not)
+            cut = list(itertools.accumulate(counts, initial=0))
+            end_to_end = all(displs[r] - displs[0] == cut[r] for r in range(size))
+            whole = data[displs[0] : displs[0] + cut[-1]] if end_to_end else np.empty(cut[-1], data.dtype)
+            if not end_to_end:
+                np.copyto(whole[cut[rank] : cut[rank + 1]], block(rank))
+            self._allgather_doubling(whole, cut, rank, lambda r: r)
+            if not end_to_end:
+                for r in range(size):
+                    np.copyto(block(r), whole[cut[r] : cut[r + 1]])
             return
         right, left = (rank + 1) % size, (rank - 1) % size
         for step in range(size - 1):

@@ -64,9 +64,11 @@ REDUCE_SCATTER_FROM = 512 << 10  # reduce-scatter + gather to the root instead o
 # A collective's message (an array, or an object's pickle) that finds the ring full is
 # copied into a queued packet only if it is smaller than QUEUED_COPY_LIMIT (Isend's,
 # 128 KiB), and only while less than this waits queued in all (for every peer together);
-# else it goes as a rendezvous: every rank is in the collective, so none waits for ever,
-# and a root cannot run ahead of its readers without bound. (Isend keeps queueing: a
-# program may exit after its Waitall, and the queue is delivered as it exits.)
+# else it goes as a rendezvous: every rank is in the collective, so none waits for ever.
+# A call returns only once what it queued has gone out (_settle), so this bounds what one
+# call queues (a root of many readers), and no root runs ahead of its readers. (Isend
+# keeps queueing: a program may exit after its Waitall, and the queue is delivered as it
+# exits.)
 QUEUED_BYTES_LIMIT = 8 << 20
 # Where xmap is on, a collective's message of at least this many bytes from the shared heap
 # goes as a rendezvous its reader copies once out of its mapping of the sender's pages, or
@@ -820,7 +822,7 @@ class Collectives:
             raw = _message(buf, writable).view(np.uint8)
             if raw.nbytes <= self._eager_limit:  # (where the 2-4 us show)
                 self._last_bcast = KeptMessage.of(buf, raw)
-        if self.size == 1:
+        if self.size == 1 or not raw.size:  # (the count is every rank's: nothing to move)
             return
         if raw.size >= BCAST_SCATTER_FROM and self.size >= 3:
             self._bcast_scatter_allgather(raw, root)
@@ -959,7 +961,7 @@ class Collectives:
                 # casts the result into recvbuf at the end (as Allreduce casts its own)
                 cast = (result, np.empty_like(source))
                 result = cast[1]
-        scatter = self.size > 1 and source.nbytes >= REDUCE_SCATTER_FROM
+        scatter = self.size > 1 and source.size and source.nbytes >= REDUCE_SCATTER_FROM
         # (a reduce-scatter reads its input where it lies)
         read_in_place = scatter and result is not source
         if result is not None and result is not source and not read_in_place:
@@ -976,7 +978,7 @@ class Collectives:
                 cut = _cuts(acc.size, self.size)
                 self._reduce_scatter_ring(acc, ours, cut, given)
                 self._gather_blocks(acc, cut, root, range(self.size), self.rank)
-        elif self.size > 1:
+        elif self.size > 1 and source.size:
             self._reduce_binomial(source, result, ours, root)
         if cast is not None:
             np.copyto(*cast)
@@ -1088,7 +1090,7 @@ class Collectives:
                 raise BufferError(f"recvbuf holds {result.size} elements, sendbuf {source.size}")
             if not read_in_place:
                 np.copyto(result, source)
-        if self.size == 1:
+        if self.size == 1 or not result.size:
             return
         if halving:
             self._allreduce_halving(result, ours, source if read_in_place else None)
@@ -1492,6 +1494,8 @@ class Collectives:
 
         if not _is_in_place(sendbuf):
             _copy_bytes(block(rank), _message(sendbuf, writable=False))
+        if not any(counts):  # (the counts are every rank's: nothing to move)
+            return
         if size > 2 and size & (size - 1) == 0:
             # (chosen by size alone: the counts agree across ranks, each rank's displs not)
             cut = list(itertools.accumulate(counts, initial=0))
@@ -1522,7 +1526,8 @@ class Collectives:
             send = _message(sendbuf, writable=False, blocks=self.size)
             if send.size // self.size != count:
                 send = send[: count * self.size]
-        self._alltoallv(send, layout, recv, layout)
+        if count:  # (every rank's: with none, nothing to move)
+            self._alltoallv(send, layout, recv, layout)
 
     def Alltoallv(self, sendbuf: Any, recvbuf: Any) -> None:
         """``Alltoall`` with counts and displacements per rank in v-form ``sendbuf`` and

@@ -36,7 +36,7 @@ from .wire import COLLECTIVE_TAG
 if TYPE_CHECKING:
     from .channel import Inbox, Outbox
     from .direct import DirectRendezvous
-    from .progress import Progress
+    from .progress import Packet, Progress
     from .protocol import Matcher, RecvOp
 
 __all__ = [
@@ -532,6 +532,13 @@ def _copy_bytes(dst: np.ndarray, src: np.ndarray) -> None:
     dst.view(np.uint8)[:] = src.view(np.uint8)[: dst.nbytes]
 
 
+def _last_queued(progress: Progress, dest: int) -> Packet | None:
+    """The packet this rank queued last for ``dest``, if any waits queued: right after a
+    send or a FIN that went to the queue, that one (every later packet queues behind it)."""
+    queue = progress.txq[dest]
+    return queue[-1] if queue else None
+
+
 def _cuts(n: int, parts: int) -> list[int]:
     """Boundaries of ``parts`` nearly equal blocks of ``n`` elements: parts + 1 offsets."""
     base, extra = divmod(n, parts)
@@ -552,7 +559,7 @@ class Collectives:
     # the last reduction's input and result (None: IN_PLACE, no result here), op, and flags
     _last_inputs: KeptInputs | None = None
     _last_bcast: KeptMessage | None = None  # the last Bcast's buffer, as bytes
-    _queued_to: dict[int, int] | None = None  # dest -> mark of a message queued (_mark_queued)
+    _queued_to: dict[int, Packet] | None = None  # dest -> a message's packet queued (_mark_queued)
 
     if TYPE_CHECKING:  # what cma.Comm provides (docs/architecture.md, "What cma.Comm lets ...")
         _progress: Progress | None
@@ -619,11 +626,11 @@ class Collectives:
         collective's wait for it then waits until it has gone out (``_settle``)."""
         progress = self._progress
         if progress is not None and progress.txq_pending:
-            mark = progress.queued_at(dest)
-            if mark:
+            packet = _last_queued(progress, dest)
+            if packet is not None:
                 if self._queued_to is None:
                     self._queued_to = {}
-                self._queued_to[dest] = mark
+                self._queued_to[dest] = packet
 
     def _offer_heap(self, direct: DirectRendezvous, view: memoryview, dest: int, tag: int
                     ) -> SendOp:
@@ -672,10 +679,10 @@ class Collectives:
                 if progress.txq_pending:
                     if isinstance(op, SendOp):
                         marks = self._queued_to
-                        self._settle(op.dest, marks.pop(op.dest, 0) if marks else 0)
+                        self._settle(op.dest, marks.pop(op.dest, None) if marks else None)
                     elif op.mechanism != "eager":  # (its FIN may be queued, the last packet
                         # then, or behind what the same pass of the engine queued after it)
-                        self._settle(op.source, progress.queued_at(op.source))
+                        self._settle(op.source, _last_queued(progress, op.source))
         except BaseException:
             for op in ops:
                 if op is not None:
@@ -729,25 +736,28 @@ class Collectives:
             if n >= 0:
                 progress = self._progress
                 if direct is not None and progress is not None and progress.txq_pending:
-                    self._settle(source, progress.queued_at(source))  # (its FIN: last if queued)
+                    self._settle(source, _last_queued(progress, source))  # (its FIN: last if queued)
                 return
             if n == RING_EMPTY and self._await_late(inbox, tag):
                 self._coll_take(data, source, tag)  # (its packet is at the head now)
                 return
         self._coll_wait(self._coll_recv(data, source, tag))
 
-    def _settle(self, peer: int, mark: int) -> None:
-        """Wait until this rank's packet for ``peer`` queued with ``mark`` (``Progress.
-        queued_at``; 0: none) has gone into ``peer``'s ring. A collective's packet that
-        found the ring full (a message, or the FIN of one received) goes out at this
-        rank's next call into cma: left queued when the collective returned, it kept
-        ``peer`` waiting in the collective until that call, for ever if none came
-        (docs/guide.md section 7, "Nothing left queued"). Packets queued after it (a
-        user's Isend, an UNMAP) are not waited for: ``peer`` may not need them."""
+    def _settle(self, peer: int, packet: Packet | None) -> None:
+        """Wait until ``packet`` (``_last_queued``; None: none), queued by this rank for
+        ``peer``, has gone into ``peer``'s ring. A collective's packet that found the ring
+        full (a message, or the FIN of one received) goes out at this rank's next call into
+        cma: left queued when the collective returned, it kept ``peer`` waiting in the
+        collective until that call, for ever if none came (docs/guide.md section 7,
+        "Nothing left queued"). Packets queued after it (a user's Isend, an UNMAP) are not
+        waited for: ``peer`` may not need them."""
         progress = self._progress
-        if mark and progress is not None and progress.moved_out[peer] < mark:
-            moved, world = progress.moved_out, progress.world
-            progress.wait_until(lambda: moved[peer] >= mark or world.has_closed(peer), peer)
+        if packet is None or progress is None:
+            return
+        queue, world = progress.txq[peer], progress.world
+        if any(p is packet for p in queue):
+            progress.wait_until(lambda: all(p is not packet for p in queue) or world.has_closed(peer),
+                                peer)
 
     def _coll_take_view(self, tmp: np.ndarray, source: int) -> np.ndarray:
         """Receive a message that will only be read (combined) from ``source``: a read-only
@@ -792,7 +802,7 @@ class Collectives:
             incoming.release()
             progress = self._progress
             if progress is not None and progress.txq_pending:
-                self._settle(source, progress.queued_at(source))
+                self._settle(source, _last_queued(progress, source))
 
     def _coll_recv_object(self, source: int) -> Any:
         op = self._coll_recv(None, source)

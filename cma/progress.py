@@ -225,10 +225,6 @@ class Progress:
         self.fast_inboxes = fast_inboxes
         self.inbox_peer = inbox_peer
         self.txq: list[deque[Packet]] = [deque() for _ in range(size)]
-        # packets ever queued for each peer, and ever moved from its queue into its ring:
-        # the packet queued as the k-th has gone out once moved_out[peer] >= k (queued_at)
-        self.queued: list[int] = [0] * size
-        self.moved_out: list[int] = [0] * size
         self.txq_pending = 0
         self.txq_bytes = 0  # payload bytes waiting in the txqs
         self.loopback: deque[Packet] = deque()
@@ -407,18 +403,12 @@ class Progress:
         packet = (kind, tag, aux, payload)
         if queue or not self._put(dest, packet):
             queue.append(packet)
-            self.queued[dest] += 1
             self.txq_pending += 1
             self.txq_bytes += len(payload)
             self.fast_outboxes[dest] = None
             return
         if self.peer_sleeping(dest):
             self.ring(dest)
-
-    def queued_at(self, dest: int) -> int:
-        """The mark of the last packet queued for ``dest`` if it is still queued, else 0:
-        it has gone into the ring once ``moved_out[dest]`` reaches the mark."""
-        return self.queued[dest] if self.txq[dest] else 0
 
     def peer_sleeping(self, peer: int) -> int:
         """Whether ``peer`` has said it is about to sleep (then a packet for it rings its doorbell)."""
@@ -441,7 +431,6 @@ class Progress:
             while queue and self._put(dest, queue[0]):
                 self.txq_bytes -= len(queue.popleft()[3])
                 self.txq_pending -= 1
-                self.moved_out[dest] += 1
                 sent = True
             if not queue:
                 self.fast_outboxes[dest] = self.outboxes[dest]

@@ -682,7 +682,7 @@ class Collectives:
                         self._settle(op.dest, marks.pop(op.dest, None) if marks else None)
                     elif op.mechanism != "eager":  # (its FIN may be queued, the last packet
                         # then, or behind what the same pass of the engine queued after it)
-                        self._settle(op.source, _last_queued(progress, op.source))
+                        self._settle_fin(op.source)
         except BaseException:
             for op in ops:
                 if op is not None:
@@ -734,14 +734,20 @@ class Collectives:
             finally:
                 self._busy = 0
             if n >= 0:
-                progress = self._progress
-                if direct is not None and progress is not None and progress.txq_pending:
-                    self._settle(source, _last_queued(progress, source))  # (its FIN: last if queued)
+                if direct is not None:
+                    self._settle_fin(source)
                 return
             if n == RING_EMPTY and self._await_late(inbox, tag):
                 self._coll_take(data, source, tag)  # (its packet is at the head now)
                 return
         self._coll_wait(self._coll_recv(data, source, tag))
+
+    def _settle_fin(self, peer: int) -> None:
+        """``_settle`` for the FIN just sent to ``peer`` for a message received: if it was
+        queued, it is the last packet in ``peer``'s queue."""
+        progress = self._progress
+        if progress is not None and progress.txq_pending:
+            self._settle(peer, _last_queued(progress, peer))
 
     def _settle(self, peer: int, packet: Packet | None) -> None:
         """Wait until ``packet`` (``_last_queued``; None: none), queued by this rank for
@@ -800,9 +806,7 @@ class Collectives:
         its pages: its FIN goes at once, or, behind a full ring, once the ring has room."""
         if isinstance(incoming, View):
             incoming.release()
-            progress = self._progress
-            if progress is not None and progress.txq_pending:
-                self._settle(source, _last_queued(progress, source))
+            self._settle_fin(source)
 
     def _coll_recv_object(self, source: int) -> Any:
         op = self._coll_recv(None, source)

@@ -36,6 +36,7 @@ from cma.protocol import (
     SPLIT,
     SYNC,
     XMAP,
+    Arrival,
     Complete,
     Deliver,
     Engine,
@@ -322,11 +323,50 @@ def test_unexpected_eager_payload_is_copied_out_of_the_ring():
     assert engine.held_bytes == len(ring)
 
 
+def test_a_receive_from_one_source_looks_at_that_sources_arrivals_alone(monkeypatch):
+    """A Gather's root whose senders ran thousands of calls ahead: each of its receives
+    examined every arrival of every peer (O(queue) a receive); now only the first of
+    its own source's."""
+    matcher = Matcher()
+    for i in range(3000):
+        matcher.unexpected.append(Arrival(1 + i % 7, -5, False, 1, b"x", None))
+    matcher.unexpected.append(Arrival(9, -5, False, 1, b"y", None))
+    looked = [0]
+
+    def counting(original):
+        def count(*args):
+            looked[0] += 1
+            return original(*args)
+        return count
+
+    import cma.protocol
+    monkeypatch.setattr(cma.protocol, "source_matches", counting(source_matches))
+    monkeypatch.setattr(cma.protocol, "tag_matches", counting(tag_matches))
+    assert matcher.take_unexpected(9, -5).eager == b"y"
+    assert looked[0] <= 2, f"{looked[0]} arrivals examined"
+    assert len(matcher.unexpected) == 3000
+
+
+def test_any_source_takes_the_earliest_arrival_over_every_source():
+    matcher = Matcher()
+    order = [(2, 7), (1, 8), (3, 7), (1, 7), (2, 8)]
+    for n, (source, tag) in enumerate(order):
+        matcher.unexpected.append(Arrival(source, tag, False, 1, bytes([n]), None))
+    assert [a.eager[0] for a in matcher.unexpected] == [0, 1, 2, 3, 4]
+    assert matcher.find_unexpected(ANY_SOURCE, 8).eager == bytes([1])
+    assert matcher.take_unexpected(ANY_SOURCE, 7).eager == bytes([0])
+    assert matcher.take_unexpected(ANY_SOURCE, ANY_TAG).eager == bytes([1])
+    assert matcher.take_unexpected(1, 7).eager == bytes([3])
+    assert matcher.take_unexpected(ANY_SOURCE, 7).eager == bytes([2])
+    assert [a.eager[0] for a in matcher.unexpected] == [4] and len(matcher.unexpected) == 1
+    assert matcher.take_unexpected(3, ANY_TAG) is None
+
+
 def test_an_owned_unexpected_payload_is_kept_without_a_copy():
     engine = Net().engines[1]
     looped = b"to myself"
     engine.packet(1, EAGER, 1, 0, looped)
-    assert engine.matcher.unexpected[0].eager is looped
+    assert next(iter(engine.matcher.unexpected)).eager is looped
     assert engine.held_bytes == 0
     engine.packet(1, EAGER, 2, 0, memoryview(bytearray(3)))
     assert engine.held_bytes == 3

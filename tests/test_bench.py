@@ -1016,6 +1016,30 @@ def test_cli_mpi_collectives_interleaved_take_turns_size_by_size(tmp_path: Path,
         assert [who for _, who in turns] == want, (interleave, doc["series"])
 
 
+@needs_mpiexec
+def test_cli_mpi_collectives_say_which_sizes_mpi_ran(tmp_path: Path) -> None:
+    """cma-bench bcast under mpiexec, as users run cma.mpi (CMA_MPI_COLLECTIVES unset: by
+    cma.mpi.routing's table): the report names the mode, and the copies table marks the
+    sizes where cma copied nothing (MPI's collective ran) as such, by what was counted."""
+    from cma.mpi import routing
+
+    out = tmp_path / "out.json"
+    stdout = mpi_job(["-m", "cma.bench", "bcast", "--min-size", "1K", "--max-size", "64K",
+                      "--iterations", "3", "--warmup", "1", "--json", str(out)])
+    doc = json.loads(out.read_text())
+    assert doc["collectives"] == "auto"
+    assert "CMA_MPI_COLLECTIVES=auto" in stdout
+    start, until = next(w for ranks, w in routing.WINDOWS["Bcast"] if ranks >= 2)
+    ours = doc["series"][1]
+    for result in ours["results"]:
+        through_cma = start <= result["size"] < until
+        assert (result["user_copied"] + result["kernel_copied"] > 0) == through_cma, result
+        row = next(line for line in stdout.splitlines()[stdout.splitlines().index(
+            next(x for x in stdout.splitlines() if x.startswith("bytes copied"))):]
+            if line.split()[:2] == format_size(result["size"]).split())
+        assert ("via MPI" in row) != through_cma, row
+
+
 def test_help_lists_every_pattern(capsys: pytest.CaptureFixture[str]) -> None:
     """``cma-bench --help`` names the collectives too (they are parsed apart, in collective.py)."""
     from cma.bench.cli import KINDS, main

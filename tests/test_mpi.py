@@ -223,7 +223,8 @@ def test_rank_sigkilled_while_blocked(phase: str, transport: str, tmp_path: Path
     One phase per transport: each run costs an mpiexec start (test_faults has the matrix)."""
     report = tmp_path / "rank0.txt"
     code, out, _ = mpirun(2, "killed.py", phase, transport, str(report),
-                          flags=("-disable-auto-cleanup",))
+                          flags=("-disable-auto-cleanup",),
+                          env={"CMA_MPI_COLLECTIVES": "cma"})  # (Allreduce: cma's, at any size)
     assert report.exists(), out
     got = report.read_text()
     print(got)
@@ -276,8 +277,22 @@ def test_collectives_agree_with_mpi(n: int, env: dict[str, str]) -> None:
     between (the program checks that cma moved bytes);
     a user-defined op that commutes through cma, one that does not through MPI. With
     CMA_XMAP=1 every buffer is in the shared heap and hops are read out of mappings of
-    their senders' pages (the program checks that xmap moved some)."""
-    expect_ok(n, "collectives.py", env=env)
+    their senders' pages (the program checks that xmap moved some). Every collective
+    through cma (CMA_MPI_COLLECTIVES=cma): cma's are what is tested; routing.py has
+    which library runs what by default."""
+    expect_ok(n, "collectives.py", env={"CMA_MPI_COLLECTIVES": "cma", **env})
+
+
+@pytest.mark.parametrize(("n", "mode"), [(2, "auto"), (3, "auto"), (4, "auto"), (8, "auto"),
+                                         (2, "cma"), (3, "mpi"), (3, "mismatch")])
+def test_each_collective_runs_where_the_table_says_alike_on_every_rank(n: int, mode: str) -> None:
+    """By default (auto) an all-on-node collective runs through MPI outside the window
+    where cma was measured faster, through cma inside it, on every rank alike whether a
+    rank passes an array, a spec list or IN_PLACE, with MPI's own results (routed.py);
+    CMA_MPI_COLLECTIVES=cma and =mpi send every one through one library; ranks that set
+    it differently all raise ValueError."""
+    expect_ok(n, "routed.py", mode, env={} if mode in ("auto", "mismatch")
+              else {"CMA_MPI_COLLECTIVES": mode})
 
 
 @pytest.mark.parametrize("env", [{}, {"CMA_MPI_RANKS_PER_NODE": "2"}, {"CMA_MPI_DISABLE": "1"}])

@@ -13,6 +13,7 @@ missing or the sdist cannot be downloaded, and fails then under CI. ``-m "not mp
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import warnings
@@ -70,11 +71,16 @@ def not_applicable() -> dict[str, str]:
     return run_matrix.read_not_applicable(open_mpi=bool(launcher_flags(MPIEXEC)))
 
 
-@pytest.mark.parametrize("module", run_matrix.MODULES)
-def test_plugin_passes_what_plain_passes(module: str, config: run_matrix.Config,
+# Every module with every collective through cma (CMA_MPI_COLLECTIVES=cma: mpi4py's
+# specs are the test of cma's); test_msgspec also as users run it (auto: the small
+# collectives through MPI, by cma.mpi.routing, on every rank alike).
+@pytest.mark.parametrize(("module", "collectives"),
+                         [(module, "cma") for module in run_matrix.MODULES] + [("test_msgspec", "auto")])
+def test_plugin_passes_what_plain_passes(module: str, collectives: str, config: run_matrix.Config,
                                          not_applicable: dict[str, str]) -> None:
     # (the tests that cannot apply wait for ever with the plugin: run_matrix.py's full
     # matrix shows that; here they would cost STALL_TIMEOUT each)
+    config = dataclasses.replace(config, env={**config.env, "CMA_MPI_COLLECTIVES": collectives})
     plain = run_matrix.run_module(module, NP, "plain", config)
     plugin = run_matrix.run_module(module, NP, "plugin", config, leave_out=not_applicable)
     failing = [d for d in run_matrix.differences(plain, plugin, not_applicable) if not d.not_applicable]

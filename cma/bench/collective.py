@@ -298,7 +298,9 @@ def run_mpi(kind: str, plan: Sequence[tuple[int, int, int]], bind: bool,
 
 
 def format_report(kind: str, series: Sequence[CollectiveSeries], objects: bool = False,
-                  write: bool = False) -> str:
+                  write: bool = False, collectives: str | None = None) -> str:
+    """The time table, the copies table, the spread of ranks; ``collectives``: the
+    mode cma.mpi's collectives ran in (under mpiexec)."""
     ok = [s for s in series if s.results]
     if not ok:
         return "\n".join(f"{s.name}: {s.error}" for s in series)
@@ -317,15 +319,22 @@ def format_report(kind: str, series: Sequence[CollectiveSeries], objects: bool =
              "averaged over ranks (barrier between iterations not timed); a / b: a's time "
              "over b's",
              render_table(headers, rows)]
+    # (where a series that copied bytes copied none, MPI's collective ran: cma.mpi hands a
+    # collective to MPI where MPI was measured faster, cma.mpi.routing; the barriers
+    # between iterations move messages of no bytes)
+    counted = [s for s in ok if any(r.user_copied or r.kernel_copied for r in s.results)]
     copies = [[format_size(nbytes)] + [
         f"{s.results[i].user_copied / nbytes:.2f} / {s.results[i].kernel_copied / nbytes:.2f}"
-        for s in ok if s.results[i].user_copied or s.results[i].kernel_copied]
+        if s.results[i].user_copied or s.results[i].kernel_copied or s.ranks == 1
+        else "via MPI" for s in counted]
         for i, nbytes in enumerate(sizes)]
-    if any(len(row) > 1 for row in copies):
+    if counted:
         parts.append("bytes copied per collective / size, all ranks (user / kernel), "
-                     "from comm.stats()")
-        parts.append(render_table(["size"] + [s.name for s in ok if s.results[0].user_copied
-                                              or s.results[0].kernel_copied], copies))
+                     "from comm.stats(); via MPI: cma copied nothing, MPI's collective ran")
+        parts.append(render_table(["size"] + [s.name for s in counted], copies))
+    if collectives is not None:
+        parts.append(f"cma.mpi's collectives: CMA_MPI_COLLECTIVES={collectives} (auto: through MPI "
+                     "where cma.mpi.routing's table says MPI is faster; cma: all through cma)")
     spread = [f"{s.name} at {format_size(r.size)}: ranks {min(r.rank_means_us):.1f}-"
               f"{max(r.rank_means_us):.1f} us" for s in ok for r in s.results[-1:]]
     parts.append("slowest and fastest rank at the largest size: " + "; ".join(spread))
@@ -392,11 +401,16 @@ def main(kind: str, argv: Sequence[str]) -> int:
         series = [run_world(kind, t.strip(), args.ranks, plan, args.bind, objects, args.heap,
                             args.write)
                   for t in args.transport.split(",") if t.strip()]
-    print(format_report(kind, series, objects, args.write), flush=True)
+    collectives = None
+    if world is not None:
+        from cma.mpi import routing
+        collectives = routing.mode_of(routing.env_mode_text())
+    print(format_report(kind, series, objects, args.write, collectives), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"tool": "cma-bench", "kind": kind, "objects": objects, "heap": args.heap,
                        "write": args.write, "interleave": args.interleave,
+                       "collectives": collectives,
                        "cma_first": bool(world is not None and args.cma_first), "argv": list(argv),
                        "machine": machine_info(), "plan": plan,
                        "series": [asdict(s) for s in series]}, f, indent=1)

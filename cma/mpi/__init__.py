@@ -35,7 +35,8 @@ Node membership comes from ``Split_type(COMM_TYPE_SHARED)``, narrowed by
 node's lowest rank creates the world and serves its fds from its ``World``'s fd server
 (cma.world's, the one every attached rank runs: an abstract Unix socket, SO_PEERCRED
 checked both ways) to the node's announced pids, the world's id travelling in an MPI
-bcast. ``CMA_MPI_DISABLE=1`` sends everything through MPI. docs/mpi.md is the user's
+bcast. ``CMA_MPI_DISABLE=1`` sends everything through MPI; ``CMA_MPI_COLLECTIVES``
+(auto, cma, mpi) which library runs the collectives of a communicator on one node. docs/mpi.md is the user's
 guide.
 
 The modules: ``comm`` (the communicator: dispatch; its ``Message``), ``node`` (the
@@ -44,9 +45,9 @@ node's cma communicator), ``mixedio`` (a mixed rank's waits and wildcard receive
 use), ``persistent`` (``Prequest``), ``libmpi`` (the MPI library's progress hook,
 through ctypes), ``specs`` (buffer specs), ``datatypes`` (derived datatypes as blocks),
 ``bootstrap``, ``mixed`` (wildcards across both channels), ``hierarchy`` (collectives
-over several nodes), ``errors``, ``mpiapi`` (what is taken from mpi4py), ``shared``
-(``cma.shared_array`` per node) and ``pkl5`` (``mpi4py.util.pkl5`` over a wrapper goes
-through the wrapper).
+over several nodes), ``routing`` (which library runs an all-on-node collective),
+``errors``, ``mpiapi`` (what is taken from mpi4py), ``shared`` (``cma.shared_array`` per
+node) and ``pkl5`` (``mpi4py.util.pkl5`` over a wrapper goes through the wrapper).
 """
 
 from __future__ import annotations

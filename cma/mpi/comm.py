@@ -54,6 +54,7 @@ from .mpiapi import (
 )
 from .node import NodeComm
 from .requests import SERVED
+from .routing import ENV_COLLECTIVES, Route, env_mode_text, mode_of, routes
 from .specs import snapshot
 
 # methods an all-on-node Comm takes from its cma communicator (those its class does not
@@ -72,7 +73,8 @@ class Comm(MPI.Intracomm):
     # __dict__: when every rank is on this node, an instance's HANDED_OUT methods are its
     # cma communicator's own bound methods (see NodeComm), found before the class's.
     __slots__ = ("_cma", "_cma_send", "_cma_recv", "_fast", "_local", "_ranks", "_mixed",
-                 "_cstatus", "_barrier", "_transport", "_options", "_levels", "__dict__")
+                 "_cstatus", "_barrier", "_transport", "_options", "_levels", "_routes",
+                 "__dict__")
     _cma: NodeComm | None
     _cma_send: Callable[..., None]  # bound methods of _cma: one lookup less per message
     _cma_recv: Callable[..., None]
@@ -89,6 +91,8 @@ class Comm(MPI.Intracomm):
     _transport: str
     _options: dict[str, Any]
     _levels: Hierarchy | None  # ranks on several nodes: made by the first collective that needs it
+    # every rank on this node: the collectives MPI runs at some sizes (routing.routes)
+    _routes: dict[str, Route]
 
     def __new__(cls, comm: MPI.Intracomm | None = None, transport: str = AUTO,
                 **options: Any) -> Comm:
@@ -105,13 +109,20 @@ class Comm(MPI.Intracomm):
         self._transport = transport
         self._options = options
         self._levels = None
+        self._routes = {}
         return self
 
     def __init__(self, comm: MPI.Intracomm, transport: str = AUTO, **options: Any) -> None:
         if not isinstance(comm, MPI.Intracomm) or comm == MPI.COMM_NULL:
             raise TypeError(f"cma.mpi.Comm wraps an mpi4py Intracomm, got {comm!r}")
-        if MPI.Intracomm.allreduce(self, env_flag(ENV_DISABLE), op=MPI.LOR):
+        # (every rank reads the same settings, or every rank raises)
+        settings = MPI.Intracomm.allgather(self, (env_flag(ENV_DISABLE), env_mode_text()))
+        if any(disable for disable, _ in settings):
             return
+        modes = {mode_of(text) for _, text in settings}
+        if len(modes) > 1:
+            raise ValueError(f"the ranks set {ENV_COLLECTIVES} differently: "
+                             f"{sorted({text for _, text in settings})}")
         if not SERVED.available:
             raise CmaError(
                 f"cma.mpi needs a progress hook into the MPI library, known for MPICH and "
@@ -131,6 +142,7 @@ class Comm(MPI.Intracomm):
             SERVED.serve(cma)  # MPI's waits keep this node's rings moving from now on
         else:
             self._fast = {**self._local, ANY_SOURCE: CMA_ANY_SOURCE}
+            self._routes = routes(modes.pop(), len(members), ON_NODE_COLLECTIVES)
             kept = [name for name in HANDED_OUT if getattr(type(self), name) is not getattr(Comm, name)]
             for name in HANDED_OUT if SAME_WILDCARDS else ():
                 # (the wrapper's Sendrecv calls Isend and Recv, which a subclass may change)
@@ -762,8 +774,9 @@ def _collective(name: str) -> Callable[..., Any]:
 
     def collective(self: Comm, *args: Any, **kwargs: Any) -> Any:
         barrier = self._barrier
+        route = self._routes.get(name)  # (only an all-on-node communicator has routes)
         if barrier == BARRIER_MPI or barrier == BARRIER_NONBLOCKING and not across_nodes \
-                or _derived_datatype(args, kwargs):
+                or route is not None and route(args, kwargs) or _derived_datatype(args, kwargs):
             return through_mpi(self, *args, **kwargs)
         node_op = None
         if op_at is not None:

@@ -1,0 +1,169 @@
+"""Which library runs a collective of an all-on-node communicator: cma's or the wrapped
+MPI communicator's, by collective, rank count and message size, each where it was
+measured faster (docs/mpi.md, "Which library runs a collective").
+
+Every rank must choose alike, or one waits in cma for peers that wait in MPI. So the
+choice rests only on what every rank knows the same: the rank count, the mode (checked
+equal when the communicator is made) and the size a collective's type signatures agree
+on (``AGREED_BYTES``). Collectives without such a size (the v-forms but Allgatherv, the
+object forms) choose by rank count alone.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from ..collectives import _is_in_place, _message, _vmessage
+
+ENV_COLLECTIVES = "CMA_MPI_COLLECTIVES"
+AUTO = "auto"  # by the measured table below
+CMA = "cma"  # every collective cma has through cma (tests, and measuring cma's own)
+MPI_ONLY = "mpi"  # every collective through MPI; point-to-point still through cma
+MODES = (AUTO, CMA, MPI_ONLY)
+
+EVERY_SIZE = (0, 1 << 62)  # [from, until) in bytes: cma runs sizes in the window
+NO_SIZE = (0, 0)
+
+KIB, MIB = 1 << 10, 1 << 20
+
+# Where cma's collective beat MPICH's on this machine kind (2 CPUs; from 3 ranks both
+# libraries oversubscribed), per collective: rows of (up to this many ranks, window); the
+# first row that holds the rank count decides; past the last row, and for a collective
+# not listed, MPI runs every size: MPI's unless measured slower. The size is the one
+# cma-bench and OSU's benchmarks print: a Bcast's or a reduction's message, a Gather's,
+# Allgather's or Alltoall's block per rank. Measured with cma-bench (each size median of
+# 3 runs, both orders) and mpi4py's OSU demos (docs/mpi.md, "Which library runs a
+# collective"; the runs: docs/figures/routing-2026-12-04.txt).
+WINDOWS: dict[str, tuple[tuple[int, tuple[int, int]], ...]] = {
+    "Bcast": ((2, (8 * KIB, EVERY_SIZE[1])), (4, NO_SIZE), (8, (32 * KIB, 256 * KIB)),
+              (16, (64 * KIB, 256 * KIB))),
+    "Reduce": ((2, (16 * KIB, EVERY_SIZE[1])), (4, (16 * KIB, MIB)), (8, (16 * KIB, 256 * KIB)),
+               (16, (32 * KIB, 256 * KIB))),
+    "Allreduce": ((2, (16 * KIB, EVERY_SIZE[1])),),
+    "Allgather": ((2, (64 * KIB, EVERY_SIZE[1])),),
+    "Allgatherv": ((2, (64 * KIB, EVERY_SIZE[1])),),  # (Allgather's algorithm, Allgather's window)
+    # the object forms have no size every rank knows before the call (a bcast's pickle is
+    # the root's): cma's at every size, 2.5-30x faster from 4 MiB, 1.2-2.4x slower
+    # below 2 MiB (2 ranks)
+    **dict.fromkeys(("bcast", "reduce", "allreduce", "gather", "scatter", "allgather",
+                     "alltoall"), ((1 << 30, EVERY_SIZE),)),
+}
+
+
+def mode_of(text: str) -> str:
+    """The mode ``CMA_MPI_COLLECTIVES`` names (empty: AUTO)."""
+    mode = text.strip().lower() or AUTO
+    if mode not in MODES:
+        raise ValueError(f"{ENV_COLLECTIVES}={text!r} must be one of {', '.join(MODES)}")
+    return mode
+
+
+def env_mode_text() -> str:
+    return os.environ.get(ENV_COLLECTIVES, "")
+
+
+Route = Callable[[tuple[Any, ...], dict[str, Any]], bool]
+
+
+def routes(mode: str, size: int, names: Sequence[str]) -> dict[str, Route]:
+    """For each of ``names`` that MPI runs at some size on ``size`` ranks in ``mode``:
+    given a call's arguments, whether MPI runs it. The others cma runs at every size."""
+    chosen: dict[str, Route] = {}
+    for name in names:
+        if mode == CMA:
+            continue
+        rows = () if mode == MPI_ONLY else WINDOWS.get(name, ())
+        window = next((window for ranks, window in rows if size <= ranks), NO_SIZE)
+        if window == EVERY_SIZE:
+            continue
+        if window == NO_SIZE:
+            chosen[name] = _always
+            continue
+        agreed = AGREED_BYTES[name]  # (a window needs a size every rank agrees on)
+        chosen[name] = _outside(agreed, size, *window)
+    return chosen
+
+
+def _always(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    return True
+
+
+def _outside(agreed: Callable[[tuple[Any, ...], dict[str, Any], int], int], size: int,
+             start: int, until: int) -> Route:
+    def outside(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        nbytes = agreed(args, kwargs, size)
+        # (a spec cma refuses: cma's collective raises its error, as it did before routes)
+        return nbytes >= 0 and not start <= nbytes < until
+    return outside
+
+
+# -- the size every rank agrees on
+
+def _arg(args: tuple[Any, ...], kwargs: dict[str, Any], at: int, name: str) -> Any:
+    return args[at] if len(args) > at else kwargs.get(name)
+
+
+def spec_bytes(spec: Any, blocks: int = 1) -> int:
+    """Bytes of one of ``blocks`` equal blocks of a buffer spec, as cma's collectives
+    read it; -1 for a spec they refuse (cma's collective then raises its error). An
+    array and ``[buf, count, datatype]`` are read here: the general reader took 2-4 us."""
+    if spec.__class__ is np.ndarray:
+        return spec.size // blocks * spec.itemsize
+    if spec.__class__ is list and len(spec) == 3 and spec[1].__class__ is int \
+            and isinstance(spec[2], MPI.Datatype) and spec[1] >= 0:
+        return spec[1] * spec[2].Get_size()
+    try:
+        return _message(spec, writable=False, blocks=blocks).nbytes // blocks
+    except Exception:  # (whatever cma's reader refuses, cma's collective reports)
+        return -1
+
+
+def _input(args: tuple[Any, ...], kwargs: dict[str, Any], size: int) -> int:
+    """A reduction's message: sendbuf, or recvbuf where sendbuf is IN_PLACE."""
+    sendbuf = _arg(args, kwargs, 0, "sendbuf")
+    return spec_bytes(_arg(args, kwargs, 1, "recvbuf") if _is_in_place(sendbuf) else sendbuf)
+
+
+def _block_sent(args: tuple[Any, ...], kwargs: dict[str, Any], size: int) -> int:
+    """Gather's and Allgather's block: sendbuf, or one of recvbuf's where it is IN_PLACE."""
+    sendbuf = _arg(args, kwargs, 0, "sendbuf")
+    if _is_in_place(sendbuf):
+        return spec_bytes(_arg(args, kwargs, 1, "recvbuf"), size)
+    return spec_bytes(sendbuf)
+
+
+def _block_received(args: tuple[Any, ...], kwargs: dict[str, Any], size: int) -> int:
+    """Scatter's block: recvbuf, or one of sendbuf's where it is IN_PLACE (the root's)."""
+    recvbuf = _arg(args, kwargs, 1, "recvbuf")
+    if _is_in_place(recvbuf):
+        return spec_bytes(_arg(args, kwargs, 0, "sendbuf"), size)
+    return spec_bytes(recvbuf)
+
+
+def _block_exchanged(args: tuple[Any, ...], kwargs: dict[str, Any], size: int) -> int:
+    """Alltoall's block: one of sendbuf's, or of recvbuf's where sendbuf is IN_PLACE."""
+    sendbuf = _arg(args, kwargs, 0, "sendbuf")
+    return spec_bytes(_arg(args, kwargs, 1, "recvbuf") if _is_in_place(sendbuf) else sendbuf, size)
+
+
+def _mean_block_gathered(args: tuple[Any, ...], kwargs: dict[str, Any], size: int) -> int:
+    """Allgatherv's mean block: the counts of recvbuf's v-form are every rank's."""
+    try:
+        data, counts, _ = _vmessage(_arg(args, kwargs, 1, "recvbuf"), writable=False, size=size)
+    except Exception:
+        return -1
+    return sum(counts) * data.itemsize // size
+
+
+AGREED_BYTES: dict[str, Callable[[tuple[Any, ...], dict[str, Any], int], int]] = {
+    "Bcast": lambda args, kwargs, size: spec_bytes(_arg(args, kwargs, 0, "buf")),
+    "Reduce": _input, "Allreduce": _input, "Scan": _input, "Exscan": _input,
+    "Reduce_scatter_block": _input, "Reduce_scatter": _input,
+    "Gather": _block_sent, "Allgather": _block_sent, "Scatter": _block_received,
+    "Alltoall": _block_exchanged, "Allgatherv": _mean_block_gathered,
+}

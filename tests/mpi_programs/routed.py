@@ -1,0 +1,162 @@
+"""cma.mpi.Comm's choice of library per collective (cma.mpi.routing): every rank makes the
+same one, whatever form its buffer spec takes, and the choice is the table's.
+
+Argument: the mode the job's environment sets (CMA_MPI_COLLECTIVES: auto, cma, mpi), or
+"mismatch". For each collective the table routes by size at this rank count: a call just
+below its window, at its start, and at its end if it has one, with rank 0 passing
+IN_PLACE or a spec list where the others pass arrays. Inside the window the node's
+ranks count cma messages, outside none; the results are MPI's own. A collective routed
+at every size or none: one call, through the library the mode and table name.
+"mismatch": ranks that set CMA_MPI_COLLECTIVES differently all raise ValueError. Prints
+"OK <rank>".
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+import cma.mpi
+from cma.mpi import routing
+
+LARGEST = 16 << 20  # (a window's end past this is not tried)
+NAMES = ("Bcast", "Reduce", "Allreduce", "Scan", "Exscan", "Reduce_scatter_block",
+         "Reduce_scatter", "Gather", "Allgather", "Allgatherv", "Scatter", "Alltoall",
+         "bcast", "allreduce", "allgather", "gather")
+
+
+def moved(comm: cma.mpi.Comm) -> int:
+    assert comm.cma is not None
+    return int(sum(counts["messages"] for counts in comm.cma.stats().values()))
+
+
+def build(name: str, nbytes: int, rank: int, size: int) -> tuple[Callable[[Any], list[np.ndarray]], int]:
+    """``run(method)`` calls collective ``name`` with ``method`` on a message of about
+    ``nbytes`` (the size every rank agrees on) and returns what to compare; the bytes the
+    size really is."""
+    count = nbytes // 8
+    mine = np.arange(count, dtype=np.int64) * (rank + 1)
+    if name == "Bcast":
+        def run(method: Any) -> list[np.ndarray]:
+            buf = mine.copy() if rank == 0 else np.zeros(count, np.int64)
+            method([buf, count, MPI.INT64_T] if rank == 0 else buf, root=0)
+            return [buf]
+        return run, count * 8
+    if name in ("Allreduce", "Scan", "Exscan", "Reduce"):
+        def run(method: Any) -> list[np.ndarray]:
+            out = mine.copy() if rank == 0 and name != "Exscan" else np.zeros(count, np.int64)
+            send = MPI.IN_PLACE if rank == 0 and name != "Exscan" else mine
+            method(send, out, op=MPI.SUM, **({"root": 0} if name == "Reduce" else {}))
+            keep = rank == 0 if name == "Reduce" else not (name == "Exscan" and rank == 0)
+            return [out] if keep else []
+        return run, count * 8
+    if name in ("Reduce_scatter_block", "Reduce_scatter"):
+        block = count // size
+        whole = np.arange(block * size, dtype=np.int64) * (rank + 1)
+
+        def run(method: Any) -> list[np.ndarray]:
+            out = np.zeros(block, np.int64)
+            if name == "Reduce_scatter":
+                method(whole, out, [block] * size, op=MPI.SUM)
+            else:
+                method(whole, out, op=MPI.SUM)
+            return [out]
+        return run, block * size * 8
+    if name in ("Gather", "Allgather", "Allgatherv"):
+        def run(method: Any) -> list[np.ndarray]:
+            out = np.zeros(count * size, np.int64)
+            out[rank * count : (rank + 1) * count] = mine
+            recv = [out, [count] * size, MPI.INT64_T] if name == "Allgatherv" else out
+            send = MPI.IN_PLACE if rank == 0 else mine
+            if name == "Gather":
+                method(send, out if rank == 0 else None, root=0)
+                return [out] if rank == 0 else []
+            method(send, recv)
+            return [out]
+        return run, count * 8
+    if name == "Scatter":
+        whole = np.arange(count * size, dtype=np.int64)
+
+        def run(method: Any) -> list[np.ndarray]:
+            out = whole[:count].copy() if rank == 0 else np.zeros(count, np.int64)
+            method(whole if rank == 0 else None, MPI.IN_PLACE if rank == 0 else out, root=0)
+            return [out]
+        return run, count * 8
+    if name == "Alltoall":
+        whole = np.arange(count * size, dtype=np.int64) + 1000 * rank
+
+        def run(method: Any) -> list[np.ndarray]:
+            out = np.zeros(count * size, np.int64)
+            method([whole, count, MPI.INT64_T] if rank == 0 else whole, out)
+            return [out]
+        return run, count * 8
+    if name in ("bcast", "allreduce", "allgather", "gather"):
+        def run(method: Any) -> list[np.ndarray]:
+            arg = {"bcast": mine if rank == 0 else None}.get(name, mine)
+            got = method(arg, **({"root": 0} if name in ("bcast", "gather") else {}))
+            return [np.asarray(got if got is not None else [])]
+        return run, -1
+    raise AssertionError(f"no call built for {name}")
+
+
+def check(comm: cma.mpi.Comm, name: str, nbytes: int, expect_cma: bool) -> None:
+    rank, size = comm.Get_rank(), comm.Get_size()
+    run, really = build(name, nbytes, rank, size)
+    before = moved(comm)
+    ours = run(getattr(comm, name))
+    count = MPI.Intracomm.allreduce(comm, moved(comm) - before)
+    theirs = run(lambda *a, **k: getattr(MPI.Intracomm, name)(comm, *a, **k))
+    for a, b in zip(ours, theirs, strict=True):
+        assert np.array_equal(a, b), f"rank {rank} {name} of {really} B: {a} != {b}"
+    assert (count > 0) == expect_cma, (
+        f"{name} of {really} B moved {count} cma messages: expected "
+        f"{'cma' if expect_cma else 'MPI'}")
+
+
+def main() -> None:
+    mode = sys.argv[1]
+    if mode == "mismatch":
+        os.environ[routing.ENV_COLLECTIVES] = "cma" if MPI.COMM_WORLD.Get_rank() == 0 else "mpi"
+        try:
+            cma.mpi.Comm(MPI.COMM_WORLD)
+        except ValueError as exc:
+            assert routing.ENV_COLLECTIVES in str(exc), exc
+        else:
+            raise AssertionError("ranks with different CMA_MPI_COLLECTIVES made a communicator")
+        print(f"OK {MPI.COMM_WORLD.Get_rank()}", flush=True)
+        return
+    assert os.environ.get(routing.ENV_COLLECTIVES, "auto") == mode, mode
+    comm = cma.mpi.Comm(MPI.COMM_WORLD)
+    size = comm.Get_size()
+    assert comm.cma is not None
+    rank, tried = comm.Get_rank(), 0
+    for name in NAMES:
+        rows = routing.WINDOWS.get(name, ())
+        window = next((w for ranks, w in rows if size <= ranks), routing.NO_SIZE)
+        if mode == routing.CMA:
+            window = routing.EVERY_SIZE
+        elif mode == routing.MPI_ONLY:
+            window = routing.NO_SIZE
+        start, until = window
+        if window in (routing.EVERY_SIZE, routing.NO_SIZE):
+            check(comm, name, 4096, window == routing.EVERY_SIZE)
+            tried += 1
+            continue
+        unit = 8 * size if name.startswith("Reduce_scatter") else 8
+        at = max(-(-start // unit) * unit, unit)
+        sizes = [(at, True)] + ([(at - unit, False)] if start >= unit else [])
+        if until <= LARGEST:
+            sizes.append((-(-until // unit) * unit, False))
+        for nbytes, inside in sizes:
+            check(comm, name, nbytes, inside)
+            tried += 1
+    assert tried, "the table routes nothing"
+    print(f"OK {rank} ({tried} calls)", flush=True)
+
+
+main()

@@ -1,0 +1,136 @@
+"""Which library runs an all-on-node communicator's collective (cma.mpi.routing), without
+processes: every rank must reach the same choice from what it was given, whatever form
+its buffer spec takes; the table and the modes route as they say."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+pytest.importorskip("mpi4py", reason="mpi4py is not installed (pip install 'cma-ipc[mpi]')")
+from mpi4py import MPI  # noqa: E402
+
+from cma.mpi import routing  # noqa: E402
+from cma.mpi.comm import ON_NODE_COLLECTIVES  # noqa: E402
+
+TYPES = [(np.uint8, MPI.BYTE), (np.int32, MPI.INT), (np.float64, MPI.DOUBLE),
+         (np.complex128, MPI.C_DOUBLE_COMPLEX)]
+
+
+def forms(array: np.ndarray, mpitype: MPI.Datatype, count: int) -> list[Any]:
+    """Specs of one type signature (``count`` elements of ``array``'s type; ``array`` may
+    be longer) as programs write them."""
+    exact = array[:count]
+    return [exact, [exact, mpitype], [array, count, mpitype], (array, count, mpitype),
+            [exact.view(np.uint8), count * exact.itemsize, MPI.BYTE], [array, count],
+            bytearray(exact.tobytes()) if exact.dtype == np.uint8 else exact]
+
+
+@given(st.sampled_from(TYPES), st.integers(0, 3000), st.integers(0, 40))
+def test_every_spec_form_of_one_signature_names_the_same_bytes(kind: Any, count: int,
+                                                               spare: int) -> None:
+    dtype, mpitype = kind
+    array = np.zeros(count + spare, dtype)
+    sizes = {routing.spec_bytes(spec) for spec in forms(array, mpitype, count)}
+    assert sizes == {count * array.itemsize}
+
+
+@given(st.sampled_from(TYPES), st.integers(0, 500), st.integers(1, 9), st.data())
+def test_a_root_in_place_and_its_peers_agree_on_the_size(kind: Any, count: int, size: int,
+                                                         data: st.DataObject) -> None:
+    """The root's IN_PLACE call and a peer's call of one collective give one size: the
+    block a peer sends or gets, the message a reduction combines."""
+    dtype, mpitype = kind
+    block, whole = np.zeros(count, dtype), np.zeros(count * size, dtype)
+    peer_form = data.draw(st.sampled_from(forms(block, mpitype, count)))
+    # (a count in a spec of blocks counts one block, as in mpi4py)
+    whole_form = data.draw(st.sampled_from([whole, [whole, mpitype], [whole, count, mpitype]]))
+    agreed = routing.AGREED_BYTES
+    place = data.draw(st.sampled_from([MPI.IN_PLACE, None]))
+    pairs = {
+        "Gather": ((place, whole_form), (peer_form, None)),
+        "Allgather": ((place, whole_form), (peer_form, whole)),
+        "Scatter": ((whole_form, place), (None, peer_form)),
+        "Alltoall": ((place, whole_form), (whole_form, whole)),
+        "Allreduce": ((MPI.IN_PLACE, peer_form), (peer_form, block)),
+        "Reduce": ((MPI.IN_PLACE, peer_form), (peer_form, None)),
+        "Bcast": ((peer_form,), (block,)),
+    }
+    for name, (root_args, peer_args) in pairs.items():
+        if name in ("Allreduce", "Reduce") and place is None:
+            continue  # (None is IN_PLACE only where a collective ignores the buffer)
+        root = agreed[name](root_args, {}, size)
+        peer = agreed[name]((), dict(zip(("sendbuf", "recvbuf"), peer_args, strict=False))
+                            if name != "Bcast" else {"buf": block}, size)
+        assert root == peer, (name, root, peer)
+        assert root == block.nbytes, (name, root)
+
+
+def test_allgatherv_agrees_on_the_mean_block_from_the_counts() -> None:
+    size, counts = 3, [5, 0, 7]
+    recv = np.zeros(40, np.int64)
+    spec_a = [recv, (counts, [0, 5, 5]), MPI.INT64_T]
+    spec_b = [recv, counts, [20, 0, 30], MPI.INT64_T]  # (another rank's own displacements)
+    agreed = routing.AGREED_BYTES["Allgatherv"]
+    assert agreed((np.zeros(5, np.int64), spec_a), {}, size) == 12 * 8 // 3
+    assert agreed((MPI.IN_PLACE, spec_b), {}, size) == 12 * 8 // 3
+
+
+def test_a_spec_cma_refuses_stays_with_cma_which_raises_its_error() -> None:
+    assert routing.spec_bytes([np.zeros(3), 1, 2, 3, 4]) == -1
+    assert routing.spec_bytes([np.zeros(3, np.uint8), 5, MPI.BYTE]) == 5  # (cma raises it)
+    route = routing._outside(routing.AGREED_BYTES["Bcast"], 2, 100, 200)
+    assert route(([np.zeros(3), 1, 2, 3, 4],), {}) is False
+    assert route((np.zeros(10, np.uint8),), {}) is True
+    assert route((np.zeros(150, np.uint8),), {}) is False
+    assert route((np.zeros(200, np.uint8),), {}) is True
+
+
+def test_modes_route_every_collective_alike() -> None:
+    names = ON_NODE_COLLECTIVES
+    assert routing.routes(routing.CMA, 4, names) == {}
+    through_mpi = routing.routes(routing.MPI_ONLY, 4, names)
+    assert set(through_mpi) == set(names)
+    assert all(route((), {}) for route in through_mpi.values())
+    with pytest.raises(ValueError, match="CMA_MPI_COLLECTIVES"):
+        routing.mode_of("fast")
+    assert routing.mode_of("") == routing.AUTO
+    assert routing.mode_of(" MPI ") == routing.MPI_ONLY
+
+
+def test_the_table_sizes_only_collectives_every_rank_can_size() -> None:
+    """A window that is neither every size nor none needs a size every rank agrees on;
+    rows go up in ranks; every name is a collective the wrapper runs."""
+    for name, rows in routing.WINDOWS.items():
+        assert name in ON_NODE_COLLECTIVES, name
+        bounds = [ranks for ranks, _ in rows]
+        assert bounds == sorted(bounds) and len(set(bounds)) == len(bounds), name
+        for _, (start, until) in rows:
+            assert 0 <= start <= until, name
+            if (start, until) not in (routing.EVERY_SIZE, routing.NO_SIZE):
+                assert name in routing.AGREED_BYTES, name
+
+
+@pytest.mark.parametrize("size", [2, 3, 4, 8, 16, 64, 256])
+def test_auto_routes_by_the_table_row_that_holds_the_rank_count(size: int) -> None:
+    chosen = routing.routes(routing.AUTO, size, ON_NODE_COLLECTIVES)
+    for name in ON_NODE_COLLECTIVES:
+        rows = routing.WINDOWS.get(name, ())
+        window = next((w for ranks, w in rows if size <= ranks), routing.NO_SIZE)
+        if window == routing.EVERY_SIZE:
+            assert name not in chosen, name
+        elif window == routing.NO_SIZE:
+            assert chosen[name]((), {}), name
+        else:
+            start, until = window
+            args = (np.zeros(start, np.uint8),) if name == "Bcast" else None
+            if args is not None:
+                assert not chosen[name](args, {}), name
+                if start:
+                    assert chosen[name]((np.zeros(start - 1, np.uint8),), {}), name
+                if until <= 64 << 20:
+                    assert chosen[name]((np.zeros(until, np.uint8),), {}), name

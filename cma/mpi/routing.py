@@ -47,6 +47,9 @@ WINDOWS: dict[str, tuple[tuple[int, tuple[int, int]], ...]] = {
     "Allreduce": ((2, (16 * KIB, EVERY_SIZE[1])),),
     "Allgather": ((2, (64 * KIB, EVERY_SIZE[1])),),
     "Allgatherv": ((2, (64 * KIB, EVERY_SIZE[1])),),  # (Allgather's algorithm, Allgather's window)
+    # (mpi4py's osu_scatter demo at 8 ranks: 1.3-2.5x faster from 512 KiB; at 2 ranks
+    # 2-5x slower at every size)
+    "Scatter": ((4, NO_SIZE), (8, (512 * KIB, EVERY_SIZE[1]))),
     # the object forms have no size every rank knows before the call (a bcast's pickle is
     # the root's): cma's at every size, 2.5-30x faster from 4 MiB, 1.2-2.4x slower
     # below 2 MiB (2 ranks)

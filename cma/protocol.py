@@ -481,9 +481,8 @@ class Arrivals:
     """The unexpected queue: arrivals in the order they came, kept per source, so that a
     receive from one source looks at that source's arrivals alone. With one queue for
     all, a Gather's root at 8 ranks, its senders thousands of calls ahead, scanned them
-    all at every receive: 3.3 ms a call of 1 B against MPICH's 30-140 us (docs/guide.md
-    section 7, "Which library runs a collective"). ANY_SOURCE takes the earliest match
-    over the sources' queues."""
+    all at every receive (docs/guide.md section 7, "An unexpected queue per source").
+    ANY_SOURCE takes the earliest match over the sources' queues."""
 
     __slots__ = ("_by_source", "_arrived", "_count")
 

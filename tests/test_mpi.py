@@ -165,8 +165,9 @@ def test_library_code(n: int, env: dict[str, str]) -> None:
     (2, {"CMA_MPI_DISABLE": "1"}),
 ])
 def test_pkl5_over_the_plugin(n: int, env: dict[str, str]) -> None:
-    """mpi4py.util.pkl5 over the wrapper: every call, its arrays through cma (pickled.py)."""
-    expect_ok(n, "pickled.py", env=env)
+    """mpi4py.util.pkl5 over the wrapper: every call, its arrays through cma (pickled.py;
+    pkl5's bcast sends its pickle with Bcast, which cma runs at every size here)."""
+    expect_ok(n, "pickled.py", env={"CMA_MPI_COLLECTIVES": "cma", **env})
 
 
 @pytest.mark.parametrize(("n", "env", "transport"), [

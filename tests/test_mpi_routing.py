@@ -83,11 +83,30 @@ def test_allgatherv_agrees_on_the_mean_block_from_the_counts() -> None:
 def test_a_spec_cma_refuses_stays_with_cma_which_raises_its_error() -> None:
     assert routing.spec_bytes([np.zeros(3), 1, 2, 3, 4]) == -1
     assert routing.spec_bytes([np.zeros(3, np.uint8), 5, MPI.BYTE]) == 5  # (cma raises it)
-    route = routing._outside(routing.AGREED_BYTES["Bcast"], 2, 100, 200)
+    route = routing.Window(routing.AGREED_BYTES["Bcast"], 2, 100, 200)
     assert route(([np.zeros(3), 1, 2, 3, 4],), {}) is False
     assert route((np.zeros(10, np.uint8),), {}) is True
     assert route((np.zeros(150, np.uint8),), {}) is False
     assert route((np.zeros(200, np.uint8),), {}) is True
+
+
+def test_a_routed_method_calls_the_library_its_route_names() -> None:
+    """The instance methods Comm.__init__ makes: MPI's own where MPI runs every size; else
+    a call that sizes the message (any spec form, keywords too) and calls one library."""
+    def through_mpi(*args: Any, **kwargs: Any) -> str:
+        return "mpi"
+
+    def through_cma(*args: Any, **kwargs: Any) -> str:
+        return "cma"
+
+    assert routing.method(routing.always_mpi, through_mpi, through_cma) is through_mpi
+    bcast = routing.method(routing.Window(routing.AGREED_BYTES["Bcast"], 2, 100, 200),
+                           through_mpi, through_cma)
+    assert bcast(np.zeros(99, np.uint8), 0) == "mpi"
+    assert bcast(np.zeros(100, np.uint8), root=1) == "cma"
+    assert bcast(buf=[np.zeros(300, np.uint8), 150, MPI.BYTE]) == "cma"
+    assert bcast([np.zeros(300, np.uint8), 200, MPI.BYTE]) == "mpi"
+    assert bcast([np.zeros(3), 1, 2, 3, 4]) == "cma"  # (refused: cma raises its error)
 
 
 def test_modes_route_every_collective_alike() -> None:

@@ -54,7 +54,7 @@ from .mpiapi import (
 )
 from .node import NodeComm
 from .requests import SERVED
-from .routing import ENV_COLLECTIVES, Route, env_mode_text, mode_of, routes
+from .routing import ENV_COLLECTIVES, Route, env_mode_text, method, mode_of, routes
 from .specs import snapshot
 
 # methods an all-on-node Comm takes from its cma communicator (those its class does not
@@ -143,6 +143,13 @@ class Comm(MPI.Intracomm):
         else:
             self._fast = {**self._local, ANY_SOURCE: CMA_ANY_SOURCE}
             self._routes = routes(modes.pop(), len(members), ON_NODE_COLLECTIVES)
+            # routed collectives as methods of this instance (a subclass's own stay): MPI's
+            # own, of a copy of the handle, where MPI runs every size; else one frame
+            plain = MPI.Intracomm(self)
+            for name, route in self._routes.items():
+                if getattr(type(self), name) is getattr(Comm, name):
+                    self.__dict__[name] = method(route, getattr(plain, name),
+                                                 _ON_NODE[name].__get__(self))
             kept = [name for name in HANDED_OUT if getattr(type(self), name) is not getattr(Comm, name)]
             for name in HANDED_OUT if SAME_WILDCARDS else ():
                 # (the wrapper's Sendrecv calls Isend and Recv, which a subclass may change)
@@ -575,8 +582,9 @@ class Comm(MPI.Intracomm):
         self._fast = {}
         self._local = {}
         self._mixed = None
-        for name in HANDED_OUT:
+        for name in (*HANDED_OUT, *self._routes):
             self.__dict__.pop(name, None)
+        self._routes = {}
         self._barrier = BARRIER_MPI
         mpi_free(self)
 
@@ -764,6 +772,10 @@ _PREDEFINED_IDS = frozenset(map(id, _PREDEFINED))  # (mpi4py's own objects, whic
 _LOCK_TABLE: Callable[[MPI.Comm], dict[str, Any]] | None = getattr(MPI, "_comm_lock_table", None)
 
 
+# each collective past its route, for routed instance methods (Comm.__init__)
+_ON_NODE: dict[str, Callable[..., Any]] = {}
+
+
 def _collective(name: str) -> Callable[..., Any]:
     through_mpi = getattr(MPI.Intracomm, name)
     through_cma = getattr(CmaComm, name)
@@ -773,10 +785,16 @@ def _collective(name: str) -> Callable[..., Any]:
     signature = inspect.signature(through_cma)
 
     def collective(self: Comm, *args: Any, **kwargs: Any) -> Any:
-        barrier = self._barrier
         route = self._routes.get(name)  # (only an all-on-node communicator has routes)
+        if route is not None and route(args, kwargs):
+            return through_mpi(self, *args, **kwargs)
+        return on_node(self, *args, **kwargs)
+
+    def on_node(self: Comm, *args: Any, **kwargs: Any) -> Any:
+        """The collective past its route (which a routed instance method has taken)."""
+        barrier = self._barrier
         if barrier == BARRIER_MPI or barrier == BARRIER_NONBLOCKING and not across_nodes \
-                or route is not None and route(args, kwargs) or _derived_datatype(args, kwargs):
+                or _derived_datatype(args, kwargs):
             return through_mpi(self, *args, **kwargs)
         node_op = None
         if op_at is not None:
@@ -816,6 +834,7 @@ def _collective(name: str) -> Callable[..., Any]:
         except CmaError as exc:
             self._fail(exc)
 
+    _ON_NODE[name] = on_node
     collective.__name__ = collective.__qualname__ = name
     collective.__doc__ = (f"``MPI.Intracomm.{name}``: through cma when every rank is on this "
                           "node" + (", through cma on each node and MPI between nodes otherwise"

@@ -492,6 +492,7 @@ class Arrivals:
         self._count = 0
 
     def append(self, arrival: Arrival) -> None:
+        """``arrival`` is the latest: last of its source's, and numbered after all before it."""
         queue = self._by_source.get(arrival.source)
         if queue is None:
             queue = self._by_source[arrival.source] = deque()

@@ -509,6 +509,8 @@ class Arrivals:
                                                         key=operator.itemgetter(0)))
 
     def _find(self, source: int, tag: int) -> tuple[deque[tuple[int, Arrival]], int] | None:
+        if not self._count:  # (a wildcard probe of an empty queue: no walk over the sources)
+            return None
         if source != ANY_SOURCE:
             queue = self._by_source.get(source)
             if queue:
@@ -540,6 +542,8 @@ class Arrivals:
         arrival = queue[i][1]
         del queue[i]
         self._count -= 1
+        if not queue:  # (so that a wildcard walks only the sources with arrivals waiting)
+            del self._by_source[arrival.source]
         return arrival
 
 

@@ -362,6 +362,33 @@ def test_any_source_takes_the_earliest_arrival_over_every_source():
     assert matcher.take_unexpected(3, ANY_TAG) is None
 
 
+def test_a_wildcard_walks_only_the_sources_with_arrivals_waiting(monkeypatch):
+    """Each drained source's queue goes: a wildcard probe after messages from 256 sources
+    were all received looks at nothing (it had walked 256 empty queues: 21.8 us a probe);
+    ANY_TAG skips cma's own negative tags."""
+    matcher = Matcher()
+    for source in range(256):
+        matcher.unexpected.append(Arrival(source, 1, False, 1, b"x", None))
+    for source in range(256):
+        assert matcher.take_unexpected(source, 1) is not None
+    matcher.unexpected.append(Arrival(7, -3, False, 1, b"own", None))  # (a collective's tag)
+    assert list(matcher.unexpected._by_source) == [7]  # (the queues a wildcard walks)
+    looked = [0]
+    import cma.protocol
+
+    def counting(*args):
+        looked[0] += 1
+        return tag_matches(*args)
+
+    monkeypatch.setattr(cma.protocol, "tag_matches", counting)
+    assert matcher.find_unexpected(ANY_SOURCE, ANY_TAG) is None
+    assert looked[0] == 1, f"{looked[0]} arrivals examined"
+    assert matcher.take_unexpected(ANY_SOURCE, -3).eager == b"own"
+    looked[0] = 0
+    assert matcher.find_unexpected(ANY_SOURCE, ANY_TAG) is None and looked[0] == 0
+    assert not matcher.unexpected._by_source
+
+
 def test_an_owned_unexpected_payload_is_kept_without_a_copy():
     engine = Net().engines[1]
     looped = b"to myself"

@@ -71,6 +71,7 @@ class CollectiveResult:
     user_copied: float = 0.0  # bytes copied in user space per collective, all ranks
     kernel_copied: float = 0.0
     messages: float = 0.0  # point-to-point messages per collective, all ranks, both ends
+    moved: float = 0.0  # bytes cma moved per collective, all ranks, both ends (0: MPI ran it)
     started: float = 0.0  # (time.time() on rank 0 when this size began: series' turns)
 
     @property
@@ -157,12 +158,14 @@ def measure(comm: Any, run: Callable[[], None], iterations: int, warmup: int) ->
     return samples
 
 
-def _copied(stats: dict[str, dict[str, float]] | None) -> tuple[float, float, float]:
+def _copied(stats: dict[str, dict[str, float]] | None) -> tuple[float, float, float, float]:
+    """Bytes copied in user space and in the kernel, messages, bytes moved."""
     if not stats:
-        return 0.0, 0.0, 0.0
+        return 0.0, 0.0, 0.0, 0.0
     user = sum(s["user_copies"] * s["bytes"] for s in stats.values())
     kernel = sum(s["kernel_copies"] * s["bytes"] for s in stats.values())
-    return user, kernel, sum(s["messages"] for s in stats.values())
+    return (user, kernel, sum(s["messages"] for s in stats.values()),
+            sum(s["bytes"] for s in stats.values()))
 
 
 def run_sizes(comm: Any, kind: str, plan: Sequence[tuple[int, int, int]],
@@ -192,7 +195,8 @@ def run_sizes(comm: Any, kind: str, plan: Sequence[tuple[int, int, int]],
                 nbytes, iterations, [m for m, _ in gathered],
                 user_copied=sum(c[0] for c in per) / iterations,
                 kernel_copied=sum(c[1] for c in per) / iterations,
-                messages=sum(c[2] for c in per) / iterations, started=started))
+                messages=sum(c[2] for c in per) / iterations,
+                moved=sum(c[3] for c in per) / iterations, started=started))
     return out
 
 
@@ -319,18 +323,17 @@ def format_report(kind: str, series: Sequence[CollectiveSeries], objects: bool =
              "averaged over ranks (barrier between iterations not timed); a / b: a's time "
              "over b's",
              render_table(headers, rows)]
-    # (where a series that copied bytes copied none, MPI's collective ran: cma.mpi hands a
+    # (where a series that moved bytes moved none, MPI's collective ran: cma.mpi hands a
     # collective to MPI where MPI was measured faster, cma.mpi.routing; the barriers
-    # between iterations move messages of no bytes)
-    counted = [s for s in ok if any(r.user_copied or r.kernel_copied for r in s.results)]
+    # between iterations move messages of no bytes; xmap's reads in place copy none)
+    counted = [s for s in ok if any(r.moved for r in s.results)]
     copies = [[format_size(nbytes)] + [
         f"{s.results[i].user_copied / nbytes:.2f} / {s.results[i].kernel_copied / nbytes:.2f}"
-        if s.results[i].user_copied or s.results[i].kernel_copied or s.ranks == 1
-        else "via MPI" for s in counted]
+        if s.results[i].moved or s.ranks == 1 else "via MPI" for s in counted]
         for i, nbytes in enumerate(sizes)]
     if counted:
         parts.append("bytes copied per collective / size, all ranks (user / kernel), "
-                     "from comm.stats(); via MPI: cma copied nothing, MPI's collective ran")
+                     "from comm.stats(); via MPI: cma moved nothing, MPI's collective ran")
         parts.append(render_table(["size"] + [s.name for s in counted], copies))
     if collectives is not None:
         parts.append(f"cma.mpi's collectives: CMA_MPI_COLLECTIVES={collectives} (auto: through MPI "

@@ -315,7 +315,8 @@ every_rank_here = comm.cma is not None and len(comm.node_ranks) == size
 mpich_numbering = (MPI.ANY_SOURCE, MPI.PROC_NULL) == (-2, -1)
 hand_out = every_rank_here and mpich_numbering and not subclassed
 for wrapper in (comm, dup):
-    routed = set(wrapper._routes) if every_rank_here else set()  # (Passthrough keeps ours)
+    # (Passthrough overrides point-to-point only: the routed collectives are ours there too)
+    routed = set(wrapper._routes) if every_rank_here else set()
     handed_out = {name: method.__self__ is wrapper.cma for name, method in vars(wrapper).items()
                   if name not in routed}
     assert handed_out == (dict.fromkeys(("Send", "Recv", "Isend", "Irecv", "Sendrecv"), True) if hand_out

@@ -24,6 +24,8 @@ from mpi4py import MPI
 import cma.mpi
 from cma.mpi import routing
 
+# (the predefined datatype mpi4py gives an int64 array here, which MPI's type check wants)
+INT64 = MPI._typedict[np.dtype(np.int64).char]
 LARGEST = 16 << 20  # (a window's end past this is not tried)
 NAMES = ("Bcast", "Reduce", "Allreduce", "Scan", "Exscan", "Reduce_scatter_block",
          "Reduce_scatter", "Gather", "Allgather", "Allgatherv", "Scatter", "Alltoall",
@@ -44,14 +46,18 @@ def build(name: str, nbytes: int, rank: int, size: int) -> tuple[Callable[[Any],
     if name == "Bcast":
         def run(method: Any) -> list[np.ndarray]:
             buf = mine.copy() if rank == 0 else np.zeros(count, np.int64)
-            method([buf, count, MPI.INT64_T] if rank == 0 else buf, root=0)
+            method([buf, count, INT64] if rank == 0 else buf, root=0)
             return [buf]
         return run, count * 8
     if name in ("Allreduce", "Scan", "Exscan", "Reduce"):
+        # (IN_PLACE where MPI allows it: at Reduce's root, at every rank of Allreduce and
+        # Scan; rank 0's result buffer a spec list, the others' arrays)
         def run(method: Any) -> list[np.ndarray]:
-            out = mine.copy() if rank == 0 and name != "Exscan" else np.zeros(count, np.int64)
-            send = MPI.IN_PLACE if rank == 0 and name != "Exscan" else mine
-            method(send, out, op=MPI.SUM, **({"root": 0} if name == "Reduce" else {}))
+            in_place = name in ("Allreduce", "Scan") or name == "Reduce" and rank == 0
+            out = mine.copy() if in_place else np.zeros(count, np.int64)
+            recv = [out, count, INT64] if rank == 0 else out
+            method(MPI.IN_PLACE if in_place else mine, recv, op=MPI.SUM,
+                   **({"root": 0} if name == "Reduce" else {}))
             keep = rank == 0 if name == "Reduce" else not (name == "Exscan" and rank == 0)
             return [out] if keep else []
         return run, count * 8
@@ -68,15 +74,18 @@ def build(name: str, nbytes: int, rank: int, size: int) -> tuple[Callable[[Any],
             return [out]
         return run, block * size * 8
     if name in ("Gather", "Allgather", "Allgatherv"):
+        # (IN_PLACE at Gather's root, at every rank of Allgather(v), as MPI allows it)
         def run(method: Any) -> list[np.ndarray]:
             out = np.zeros(count * size, np.int64)
             out[rank * count : (rank + 1) * count] = mine
-            recv = [out, [count] * size, MPI.INT64_T] if name == "Allgatherv" else out
-            send = MPI.IN_PLACE if rank == 0 else mine
             if name == "Gather":
-                method(send, out if rank == 0 else None, root=0)
+                method(MPI.IN_PLACE if rank == 0 else mine, out if rank == 0 else None, root=0)
                 return [out] if rank == 0 else []
-            method(send, recv)
+            if name == "Allgatherv":
+                recv: Any = [out, [count] * size, INT64]
+            else:
+                recv = [out, count, INT64] if rank == 0 else out
+            method(MPI.IN_PLACE, recv)
             return [out]
         return run, count * 8
     if name == "Scatter":
@@ -92,7 +101,7 @@ def build(name: str, nbytes: int, rank: int, size: int) -> tuple[Callable[[Any],
 
         def run(method: Any) -> list[np.ndarray]:
             out = np.zeros(count * size, np.int64)
-            method([whole, count, MPI.INT64_T] if rank == 0 else whole, out)
+            method([whole, count, INT64] if rank == 0 else whole, out)
             return [out]
         return run, count * 8
     if name in ("bcast", "allreduce", "allgather", "gather"):

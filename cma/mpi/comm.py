@@ -144,11 +144,12 @@ class Comm(MPI.Intracomm):
             self._fast = {**self._local, ANY_SOURCE: CMA_ANY_SOURCE}
             self._routes = routes(modes.pop(), len(members), ON_NODE_COLLECTIVES)
             # routed collectives as methods of this instance (a subclass's own stay): MPI's
-            # own, of a copy of the handle, where MPI runs every size; else one frame
-            plain = MPI.Intracomm(self)
+            # own where MPI runs every size, else one frame; bound to this wrapper, so that
+            # one kept past Free raises as MPI's on a freed communicator does (the instance
+            # and its cma communicator hold each other already: no new cycle)
             for name, route in self._routes.items():
                 if getattr(type(self), name) is getattr(Comm, name):
-                    self.__dict__[name] = method(route, getattr(plain, name),
+                    self.__dict__[name] = method(route, getattr(MPI.Intracomm, name).__get__(self),
                                                  _ON_NODE[name].__get__(self))
             kept = [name for name in HANDED_OUT if getattr(type(self), name) is not getattr(Comm, name)]
             for name in HANDED_OUT if SAME_WILDCARDS else ():

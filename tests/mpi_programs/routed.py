@@ -127,6 +127,28 @@ def check(comm: cma.mpi.Comm, name: str, nbytes: int, expect_cma: bool) -> None:
         f"{'cma' if expect_cma else 'MPI'}")
 
 
+def kept_past_free(comm: cma.mpi.Comm) -> None:
+    """A routed method kept past Free raises as MPI's does on a freed communicator, even
+    where a new communicator took the freed handle's value (bound to a copy of the handle,
+    it ran on that new communicator)."""
+    dup = comm.Dup()
+    kept = dup.Alltoall  # (MPI's at every size in every row of the table)
+    assert kept.__self__ is dup, kept
+    block = np.zeros(comm.Get_size(), np.uint8)
+    kept(block, block.copy())
+    handle = dup.py2f()
+    dup.Free()
+    other = MPI.COMM_WORLD.Dup()
+    try:
+        kept(block, block.copy())
+    except MPI.Exception as exc:
+        assert exc.Get_error_class() == MPI.ERR_COMM, exc
+    else:
+        raise AssertionError("a kept Alltoall ran after Free" + (
+            ", on the communicator that took its handle" if other.py2f() == handle else ""))
+    other.Free()
+
+
 def main() -> None:
     mode = sys.argv[1]
     if mode == "mismatch":
@@ -165,6 +187,8 @@ def main() -> None:
             check(comm, name, nbytes, inside)
             tried += 1
     assert tried, "the table routes nothing"
+    if mode != routing.CMA:
+        kept_past_free(comm)
     print(f"OK {rank} ({tried} calls)", flush=True)
 
 

@@ -116,9 +116,9 @@ class Window:
 def method(route: Route, through_mpi: Callable[..., Any], through_cma: Callable[..., Any]
            ) -> Callable[..., Any]:
     """One communicator's collective, routed: ``through_mpi`` itself where MPI runs
-    every size, else a call that sizes the message and picks, in one frame (a routed
-    small Bcast cost 0.6-0.9 us more than MPI's own at 2 ranks through the wrapper's
-    frames, docs/mpi.md)."""
+    every size, else a call that sizes the message and picks, in one frame (the
+    wrapper's frames had cost a routed small Bcast 0.8-1 us more than MPI's own at 2
+    ranks: docs/guide.md section 7, "Which library runs a collective under cma.mpi")."""
     if not isinstance(route, Window):
         return through_mpi
     agreed, size, start, until = route.agreed, route.size, route.start, route.until

@@ -91,6 +91,12 @@ def test_a_spec_cma_refuses_stays_with_cma_which_raises_its_error() -> None:
     fortran = np.asfortranarray(np.zeros((16, 16)))
     assert routing.spec_bytes(fortran) == routing.spec_bytes([fortran, MPI.DOUBLE]) == -1
     assert routing.spec_bytes([fortran, 256, MPI.DOUBLE]) == -1
+    # ... and so must each collective's size, a bare array as much as a spec list
+    agreed = routing.AGREED_BYTES
+    for name, args in (("Bcast", (fortran,)), ("Allreduce", (fortran, np.zeros(256))),
+                       ("Gather", (fortran, None)), ("Allgather", (fortran, np.zeros(512))),
+                       ("Scatter", (None, fortran)), ("Alltoall", (fortran, np.zeros(256)))):
+        assert agreed[name](args, {}, 2) == -1, name
     route = routing.Window(routing.AGREED_BYTES["Bcast"], 2, 100, 200)
     assert route(([np.zeros(3), 1, 2, 3, 4],), {}) is False
     assert route((np.zeros(10, np.uint8),), {}) is True

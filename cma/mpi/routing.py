@@ -186,16 +186,12 @@ def _counted_bytes(buf: Any, count: int, datatype: Any) -> int:
 def _input(args: tuple[Any, ...], kwargs: dict[str, Any], size: int) -> int:
     """A reduction's message: sendbuf, or recvbuf where sendbuf is IN_PLACE."""
     sendbuf = args[0] if args else kwargs.get("sendbuf")
-    if sendbuf.__class__ is np.ndarray:
-        return sendbuf.nbytes
     return spec_bytes(_arg(args, kwargs, 1, "recvbuf") if _in_place(sendbuf) else sendbuf)
 
 
 def _block_sent(args: tuple[Any, ...], kwargs: dict[str, Any], size: int) -> int:
     """Gather's and Allgather's block: sendbuf, or one of recvbuf's where it is IN_PLACE."""
     sendbuf = args[0] if args else kwargs.get("sendbuf")
-    if sendbuf.__class__ is np.ndarray:
-        return sendbuf.nbytes
     if _in_place(sendbuf):
         return spec_bytes(_arg(args, kwargs, 1, "recvbuf"), size)
     return spec_bytes(sendbuf)
@@ -226,8 +222,7 @@ def _mean_block_gathered(args: tuple[Any, ...], kwargs: dict[str, Any], size: in
 
 def _message_bytes(args: tuple[Any, ...], kwargs: dict[str, Any], size: int) -> int:
     """A Bcast's message (its buffer spec, every rank's: the first argument)."""
-    spec = args[0] if args else kwargs.get("buf")
-    return spec.nbytes if spec.__class__ is np.ndarray else spec_bytes(spec)
+    return spec_bytes(args[0] if args else kwargs.get("buf"))
 
 
 AGREED_BYTES: dict[str, Callable[[tuple[Any, ...], dict[str, Any], int], int]] = {

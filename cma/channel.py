@@ -41,7 +41,7 @@ import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ._linux import PAGE_SIZE, buffer_address, release_pages
+from ._linux import PAGE_SIZE, buffer_address, populate, release_pages
 from .errors import InvalidConfig, ProtocolError
 from .wire import ANY_TAG, EAGER, KIND_MASK
 
@@ -205,15 +205,37 @@ def _channel_parts(pair: memoryview, config: ChannelConfig
             pair[staging_at : staging_at + config.stage_slots * config.frag_size])
 
 
+def _ring_mapping(pair: memoryview, data: memoryview) -> tuple[mmap.mmap | None, int]:
+    """The shared mapping a channel's ring lies in (None: the channel is no shared mapping,
+    as in some tests), and where the ring starts in it."""
+    pages = pair.obj if isinstance(pair.obj, mmap.mmap) else None
+    if pages is None:
+        return None, 0
+    with memoryview(pages) as whole:
+        return pages, buffer_address(data) - buffer_address(whole)
+
+
+def _make_window_resident(pair: memoryview, data: memoryview, window: int, write: bool) -> None:
+    """Fault in the ring's window at connect, in one call: a writer's first pass through
+    fresh pages cost ~27 us per 32 KiB here against ~3 us once they are resident
+    (docs/architecture.md, "Resident windows"). The reader maps them too (``write``
+    False) and so takes no fault of its own on its first pass."""
+    pages, ring_at = _ring_mapping(pair, data)
+    if pages is not None:
+        populate(pages, ring_at, window, write)
+
+
 class Outbox:
     """Producer end of the ring from this rank to one peer."""
 
     __slots__ = ("ctl", "data", "words", "size", "window", "mask", "head", "head_word",
                  "tail_seen", "staging", "filled", "peer_sleeping", "eager_bytes", "eager_count",
-                 "pages", "ring_at", "released", "quiet")
+                 "pages", "ring_at", "kept", "released", "quiet")
 
     def __init__(self, pair: memoryview, config: ChannelConfig, peer_sleeping: memoryview,
-                 head_word: memoryview | None = None) -> None:
+                 head_word: memoryview | None = None, resident: bool = False) -> None:
+        """``resident``: fault the window in now and never hand it back (a world of two
+        ranks: ``pair_boxes``)."""
         self.peer_sleeping = peer_sleeping  # the receiver's "about to sleep" word
         self.eager_bytes = 0
         self.eager_count = 0
@@ -228,14 +250,14 @@ class Outbox:
         self.tail_seen = self.ctl[TAIL]
         self.filled = self.ctl[FILLED]
         # the mapping whose pages release_free_pages hands back, and where the ring starts
-        # in it (None: the channel is no shared mapping, as in some tests); the ring's
+        # in it; the bytes at the ring's start it keeps (the resident window); the ring's
         # (head, published tail) at the last release, and at the last look of
         # Progress.release_quiet_rings
-        self.pages = pair.obj if isinstance(pair.obj, mmap.mmap) else None
-        self.ring_at = 0
-        if self.pages is not None:
-            with memoryview(self.pages) as whole:
-                self.ring_at = buffer_address(self.data) - buffer_address(whole)
+        self.pages, self.ring_at = _ring_mapping(pair, self.data)
+        self.kept = 0
+        if resident:
+            _make_window_resident(pair, self.data, self.window, True)
+            self.kept = self.window
         self.released = self.quiet = self.ends()
 
     def _fits(self, end: int) -> bool:
@@ -329,11 +351,11 @@ class Outbox:
         return self.head, self.ctl[TAIL]
 
     def release_free_pages(self) -> int:
-        """Hand the kernel back the ring's whole pages that hold no packet; the system
-        calls that took (0-2). The free part, from the head to the reader's published
-        tail a lap on, is this writer's alone (the reader reads only below the head), so
-        no one reads or writes those pages meanwhile; a later packet there faults in a
-        zeroed page."""
+        """Hand the kernel back the ring's whole pages that hold no packet, but for a
+        resident window (``kept``); the system calls that took (0-2). The free part, from
+        the head to the reader's published tail a lap on, is this writer's alone (the
+        reader reads only below the head), so no one reads or writes those pages
+        meanwhile; a later packet there faults in a zeroed page."""
         self.released = head, tail = self.ends()
         if self.pages is None or not head - self.size <= tail <= head:
             return 0  # (a tail outside that is a broken peer's: nothing is surely free)
@@ -342,6 +364,7 @@ class Outbox:
         end = start + tail + self.size - head  # may run past the ring's end: then two pieces
         calls = 0
         for first, last in ((start, min(end, self.size)), (0, end - self.size)):
+            first = max(first, self.kept)
             first = -(-(self.ring_at + first) // PAGE_SIZE) * PAGE_SIZE  # whole pages only
             last = (self.ring_at + last) // PAGE_SIZE * PAGE_SIZE
             if last > first:
@@ -367,7 +390,8 @@ class Inbox:
                  "pending", "peer", "max_payload", "room_told", "head_word")
 
     def __init__(self, pair: memoryview, config: ChannelConfig, peer: int = -1,
-                 head_word: memoryview | None = None) -> None:
+                 head_word: memoryview | None = None, resident: bool = False) -> None:
+        """``resident``: map the writer's resident window now (``Outbox``'s)."""
         self.peer = peer  # the rank that writes this ring (named by ProtocolError)
         self.max_payload = config.max_packet
         self.last_tag = 0
@@ -375,6 +399,8 @@ class Inbox:
         self.eager_count = 0
         self.pending = 0  # size of the packet returned by take(), consumed by release()
         self.ctl, self.data, self.words, self.staging = _channel_parts(pair, config)
+        if resident:
+            _make_window_resident(pair, self.data, config.ring_bytes // 2, False)
         self.head_word = self.ctl[HEAD : HEAD + 1] if head_word is None else head_word  # (Outbox's)
         self.size = config.ring_bytes
         self.publish_every = config.ring_bytes // 16
@@ -582,12 +608,15 @@ def heads_word(size: int, src: int, dst: int) -> int:
 
 
 def pair_boxes(pair: Callable[[int, int], memoryview], head: Callable[[int, int], memoryview],
-               rank: int, peer: int, config: ChannelConfig, peer_sleeping: memoryview
-               ) -> tuple[Outbox, Inbox]:
+               rank: int, peer: int, config: ChannelConfig, peer_sleeping: memoryview,
+               resident: bool = False) -> tuple[Outbox, Inbox]:
     """The outbox (this rank -> peer) and inbox (peer -> this rank) of one connected pair.
 
     ``pair(src, dst)`` gives the bytes of the channel ``src -> dst`` (``pair_bytes`` long),
-    ``head(src, dst)`` the word where its head is published.
+    ``head(src, dst)`` the word where its head is published. ``resident``: both rings'
+    windows are faulted in now and kept (a world of two ranks, whose 4 MiB windows cost
+    ~4 ms of page faults on first use; from three ranks a window is at most 512 KiB and
+    N(N-1) of them would stay resident: docs/architecture.md, "Resident windows").
     """
-    return (Outbox(pair(rank, peer), config, peer_sleeping, head(rank, peer)),
-            Inbox(pair(peer, rank), config, peer, head(peer, rank)))
+    return (Outbox(pair(rank, peer), config, peer_sleeping, head(rank, peer), resident),
+            Inbox(pair(peer, rank), config, peer, head(peer, rank), resident))

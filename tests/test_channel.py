@@ -6,6 +6,7 @@ reader keeps up) and that packets come out in order, whole, whatever the interle
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 from collections import deque
@@ -263,6 +264,64 @@ def test_the_writer_hands_back_the_free_pages_and_keeps_what_is_in_flight(shared
     for tag in range(4, 40):  # new packets through the released pages
         assert put(out, tag, BIG)
         assert take(inbox)[1:] == (tag, BIG)
+
+
+def test_a_resident_window_is_faulted_in_at_once_and_never_handed_back():
+    """An Outbox made ``resident`` holds its window's pages from the start (before any
+    packet), and a release hands back only the pages past it: those that packets spilled
+    into while the reader lagged."""
+    fd = _linux.memfd_segment("test-ring", CONFIG.pair_bytes)
+    try:
+        pair = memoryview(_linux.map_shared(fd, CONFIG.pair_bytes))
+        sleeping = memoryview(bytearray(8)).cast("q")
+        out, inbox = Outbox(pair, CONFIG, sleeping, resident=True), Inbox(pair, CONFIG)
+        page, window = _linux.PAGE_SIZE, CONFIG.ring_bytes // 2
+        assert allocated(fd) >= window
+        sent = 0
+        while out.head & out.mask < window + BIG:  # a lagging reader: packets spill past it
+            assert put(out, sent, BIG)
+            sent += 1
+        spilled = allocated(fd)
+        assert spilled >= window + BIG
+        for tag in range(sent):
+            assert take(inbox)[1:] == (tag, BIG)
+        inbox.publish_tail()
+        assert out.release_free_pages() >= 1
+        assert window <= allocated(fd) <= window + 2 * page < spilled
+        for tag in range(sent, sent + 20):  # on through the kept window
+            assert put(out, tag, BIG)
+            assert take(inbox)[1:] == (tag, BIG)
+    finally:
+        os.close(fd)
+
+
+class _Refusing:
+    """A mapping whose madvise fails with ``errno``."""
+
+    def __init__(self, errno: int) -> None:
+        self.errno = errno
+
+    def madvise(self, *args: int) -> None:
+        raise OSError(self.errno, os.strerror(self.errno))
+
+
+def test_populate_faults_pages_in_and_says_false_where_the_kernel_would_not():
+    """populate makes the pages resident in one call; a kernel without the advice (EINVAL,
+    before 5.14), or short of memory, leaves them to first touch (False); another error,
+    a misuse, raises."""
+    fd = _linux.memfd_segment("test-populate", 16 * _linux.PAGE_SIZE)
+    try:
+        mm = _linux.map_shared(fd, 16 * _linux.PAGE_SIZE)
+        assert allocated(fd) == 0
+        assert _linux.populate(mm, 4 * _linux.PAGE_SIZE, 8 * _linux.PAGE_SIZE, write=True)
+        assert allocated(fd) == 8 * _linux.PAGE_SIZE
+        mm.close()
+    finally:
+        os.close(fd)
+    assert not _linux.populate(_Refusing(errno.EINVAL), 0, 4096, write=False)  # type: ignore[arg-type]
+    assert not _linux.populate(_Refusing(errno.ENOMEM), 0, 4096, write=True)  # type: ignore[arg-type]
+    with pytest.raises(OSError):
+        _linux.populate(_Refusing(errno.EBADF), 0, 4096, write=True)  # type: ignore[arg-type]
 
 
 def test_a_ring_that_is_no_shared_mapping_hands_nothing_back(ring):

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import TWO_WAY_PTRACE, run_pair
+from conftest import TWO_WAY_PTRACE, run_ranks
 from test_run import cma_run
 
 import cma
@@ -156,12 +156,16 @@ def test_a_rank_that_talks_to_one_peer_maps_one_peer_and_holds_its_fds_only(tmp_
         assert figures["fds"] - alone <= FDS_PER_PEER * peers, (figures, alone)
 
 
-def _quiet_ring_pair(wait: str, reader: str, count: int = 64, block: int = 64 << 10):
+def _quiet_ring_pair(wait: str, reader: str, count: int = 64, block: int = 64 << 10,
+                     ranks: int = 3):
     """Rank 0 sends ``count`` eager messages of ``block`` bytes, then waits for rank 1 in
     ``wait`` ("Recv": the fast path's await_head; "Irecv-Wait": the engine's doze) while
     rank 1 reads them, at once or ("late") after a pause in which rank 0 goes quiet
     first, and then for a second more. Rank 0 returns the bytes the world's memfd held
-    right after its sends and after that second, and the warnings it gave."""
+    right after its sends and after that second, and the warnings it gave.
+
+    The world has the two ranks' 8 MiB rings; with ``ranks`` 3 (a third rank that does
+    nothing) its windows are not resident, as in every world of more than two ranks."""
 
     def rank0(comm):
         with warnings.catch_warnings(record=True) as given:
@@ -201,7 +205,11 @@ def _quiet_ring_pair(wait: str, reader: str, count: int = 64, block: int = 64 <<
             assert (got == 100 + i).all()
         return True
 
-    (sent, quiet, given), _ = run_pair("shm", None, rank0, rank1, timeout=RUN_TIMEOUT)
+    def idle(comm):
+        return True
+
+    funcs = [rank0, rank1, idle][:ranks]
+    (sent, quiet, given), *_ = run_ranks("shm", ChannelConfig(), funcs, timeout=RUN_TIMEOUT)
     return sent, quiet, given
 
 
@@ -212,13 +220,69 @@ def test_a_rank_hands_back_the_pages_of_a_ring_gone_quiet_while_it_sleeps(wait, 
     sleeps, its pages go back to the kernel: the world's memfd holds less, and later
     messages through the ring arrive whole. A reader that was late, so that rank 0 went
     quiet with its ring full, frees the pages when it catches up (they stayed held).
-    (Quiet here after 0.1 s, not 1 s: the forked ranks inherit the setting.)"""
+    (Quiet here after 0.1 s, not 1 s: the forked ranks inherit the setting. A world of
+    three ranks: a two-rank world keeps its windows, the next test.)"""
     monkeypatch.setattr(cma.progress, "QUIET_SECONDS", 0.1)
     sent, quiet, given = _quiet_ring_pair(wait, reader)
     # 4 MiB through the 8 MiB ring, whose writer keeps to a 4 MiB window while it can
     assert sent >= 3 << 20, f"the messages touched only {sent} bytes"
     assert sent - quiet >= 3 << 20, f"{sent} bytes after the messages, {quiet} after the quiet"
     assert given == []
+
+
+@pytest.mark.parametrize("reader", ["prompt", "late"])
+def test_a_two_rank_world_keeps_its_windows_and_hands_back_only_what_spilled(reader, monkeypatch):
+    """In a world of two ranks both rings' windows are faulted in at connect and stay
+    (docs/architecture.md, "Resident windows"): the quiet ring keeps them, and only the
+    packets a late reader let spill past the window give their pages back."""
+    monkeypatch.setattr(cma.progress, "QUIET_SECONDS", 0.1)
+    window = ChannelConfig().ring_bytes // 2
+    count = 96  # 6 MiB: a late reader lets the last 2 MiB spill past the 4 MiB window
+    sent, quiet, given = _quiet_ring_pair("Recv", reader, count=count, ranks=2)
+    assert quiet >= 2 * window, f"{quiet} bytes held after the quiet: the windows went back"
+    if reader == "late":
+        assert sent - quiet >= (3 << 20) // 2, f"{sent} bytes after the messages, {quiet} after"
+    else:
+        assert sent - quiet < 1 << 20, f"{sent} bytes after the messages, {quiet} after"
+    assert given == []
+
+
+FIRST_PASS = """
+import json, resource, sys
+import numpy as np
+import cma
+comm = cma.COMM_WORLD
+block = np.zeros(32 << 10, np.uint8)
+comm.Barrier()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for i in range(int(sys.argv[2])):
+    if comm.Get_rank() == 0:
+        comm.Send(block, dest=1, tag=1)
+    else:
+        comm.Recv(block, source=0, tag=1)
+faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+comm.Barrier()
+with open(f"{sys.argv[1]}/rank{comm.Get_rank()}.json", "w") as out:
+    json.dump(faults, out)
+"""
+
+
+def test_the_first_pass_through_a_two_rank_ring_takes_no_page_fault_per_page(tmp_path):
+    """The first 4 MiB of eager messages through a fresh ring of a two-rank world fault
+    no page in, on either side: the windows were made resident at connect. Before, each
+    4 KiB page of the window cost the writer a fault (~3 us here) and the reader one more:
+    32 KiB messages took ~27 us instead of ~3 (docs/architecture.md, "Resident windows")."""
+    prog = tmp_path / "first_pass.py"
+    prog.write_text(FIRST_PASS)
+    messages = 120  # 3.75 MiB: every page of the writer's window but a few
+    done = subprocess.run([sys.executable, "-m", "cma.run", "-n", "2", "--timeout",
+                           str(RUN_TIMEOUT), sys.executable, str(prog), str(tmp_path),
+                           str(messages)], capture_output=True, text=True,
+                          timeout=RUN_TIMEOUT + 30)
+    assert done.returncode == 0, done.stderr
+    faults = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    pages = messages * (32 << 10) // _linux.PAGE_SIZE
+    assert max(faults) < pages // 8, f"page faults (writer, reader) {faults} over {pages} pages"
 
 
 def test_a_rank_whose_kernel_refuses_to_take_pages_back_keeps_them_and_says_so(monkeypatch):

@@ -1531,16 +1531,18 @@ class Collectives:
         (pairwise exchange; ``MPI_Alltoall``). ``IN_PLACE`` as ``sendbuf`` sends from
         ``recvbuf`` (from a copy of it)."""
         self._coll_start()
-        recv = _message(recvbuf, writable=True, blocks=self.size)
-        count = recv.size // self.size
-        layout = ([count] * self.size, [i * count for i in range(self.size)])
+        # (counted in bytes: the two specs may name the blocks in different element
+        # types, as MPI allows where their type signatures match)
+        recv = _message(recvbuf, writable=True, blocks=self.size).view(np.uint8)
+        block = recv.size // self.size
+        layout = ([block] * self.size, [i * block for i in range(self.size)])
         if _is_in_place(sendbuf):
             send = recv.copy()
         else:
-            send = _message(sendbuf, writable=False, blocks=self.size)
-            if send.size // self.size != count:
-                send = send[: count * self.size]
-        if count:  # (every rank's: with none, nothing to move)
+            send = _message(sendbuf, writable=False, blocks=self.size).view(np.uint8)
+            if send.size // self.size != block:
+                send = send[: block * self.size]
+        if block:  # (every rank's: with none, nothing to move)
             self._alltoallv(send, layout, recv, layout)
 
     def Alltoallv(self, sendbuf: Any, recvbuf: Any) -> None:

@@ -81,6 +81,62 @@ def test_allgatherv_agrees_on_the_mean_block_from_the_counts() -> None:
     assert agreed((MPI.IN_PLACE, spec_b), {}, size) == 12 * 8 // 3
 
 
+def _derived() -> list[tuple[MPI.Datatype, int]]:
+    """Derived datatypes without gaps, each with the int64s one element of it holds."""
+    from mpi4py.util import dtlib
+
+    int64 = MPI._typedict[np.dtype(np.int64).char]
+    return [(dtlib.from_numpy_dtype(np.int64), 1), (int64.Create_contiguous(4).Commit(), 4),
+            (int64.Create_vector(2, 2, 2).Commit(), 4),
+            (MPI.Datatype.Create_struct([1, 1], [0, 8], [int64, MPI.DOUBLE]).Commit(), 2)]
+
+
+@given(st.integers(0, 200), st.integers(1, 5), st.data())
+def test_a_derived_datatype_without_gaps_names_the_bytes_its_peers_arrays_do(
+        count: int, size: int, data: st.DataObject) -> None:
+    """A rank passing a derived datatype without gaps sizes the collective as a peer
+    passing an int64 array of the same type signature does (cma.mpi hands such a spec to
+    cma as bytes, specs.as_bytes: the choice of library must be one)."""
+    datatype, per = data.draw(st.sampled_from(_derived()))
+    block = np.zeros(count * per, np.int64)
+    whole = np.zeros(count * per * size, np.int64)
+    agreed = routing.AGREED_BYTES
+    cases = {
+        "Bcast": (([block, count, datatype],), (block,)),
+        "Gather": (((block, count, datatype), None), (block, None)),
+        "Allgather": ((MPI.IN_PLACE, [whole, count, datatype]), (block, whole)),
+        "Scatter": (([whole, count, datatype], MPI.IN_PLACE), (None, block)),
+        "Alltoall": (([whole, count, datatype], whole), (whole, whole)),
+        "Allgatherv": ((MPI.IN_PLACE, [whole, [count] * size, datatype]),
+                       (block, [whole, [count * per] * size, MPI.INT64_T])),
+    }
+    for name, (derived_args, array_args) in cases.items():
+        ours, theirs = agreed[name](derived_args, {}, size), agreed[name](array_args, {}, size)
+        assert ours == theirs == block.nbytes, (name, ours, theirs)
+    assert routing.spec_bytes([block, datatype]) == block.nbytes
+
+
+def test_specs_read_a_derived_datatype_without_gaps_as_bytes() -> None:
+    from cma.mpi.specs import as_bytes
+
+    buf = np.zeros(64, np.int64)
+    for datatype, per in _derived():
+        size = 8 * per
+        assert as_bytes([buf, 3, datatype])[1:] == [3 * size, "B"]
+        assert as_bytes((buf, (2, 1), datatype))[1:] == [(2 * size, size), "B"]
+        assert as_bytes([buf, [1, 2], [0, 3], datatype])[1:] == [[size, 2 * size],
+                                                                 [0, 3 * size], "B"]
+        assert as_bytes([buf, ([1, 2], None), datatype])[1:] == [([size, 2 * size], None), "B"]
+        assert as_bytes([buf, datatype])[1:] == ["B"]
+        assert as_bytes([buf.view(np.uint8)[: size + 1], datatype]) is None  # (MPI's to refuse)
+    spec = [buf, 3, MPI.DOUBLE]
+    assert as_bytes(spec) is spec and as_bytes(buf) is buf and as_bytes(None) is None
+    gaps = MPI._typedict["l"].Create_vector(2, 1, 2).Commit()
+    assert as_bytes([buf, 3, gaps]) is None
+    assert routing.spec_bytes([buf, 3, gaps]) == -1  # (MPI's to lay out: cma's path, which hands it on)
+    assert as_bytes([buf, ([1, 1], [0, 1]), [MPI.DOUBLE, MPI.DOUBLE]]) is None  # (Alltoallw's)
+
+
 def test_a_spec_cma_refuses_stays_with_cma_which_raises_its_error() -> None:
     assert routing.spec_bytes([np.zeros(3), 1, 2, 3, 4]) == -1
     # (a count past the buffer, a buffer of no whole number of elements, Fortran order:

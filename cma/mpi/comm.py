@@ -55,7 +55,7 @@ from .mpiapi import (
 from .node import NodeComm
 from .requests import SERVED
 from .routing import ENV_COLLECTIVES, Route, env_mode_text, method, mode_of, routes
-from .specs import snapshot
+from .specs import as_bytes, snapshot
 
 # methods an all-on-node Comm takes from its cma communicator (those its class does not
 # override; Sendrecv only if it overrides none)
@@ -794,9 +794,15 @@ def _collective(name: str) -> Callable[..., Any]:
     def on_node(self: Comm, *args: Any, **kwargs: Any) -> Any:
         """The collective past its route (which a routed instance method has taken)."""
         barrier = self._barrier
-        if barrier == BARRIER_MPI or barrier == BARRIER_NONBLOCKING and not across_nodes \
-                or _derived_datatype(args, kwargs):
+        if barrier == BARRIER_MPI or barrier == BARRIER_NONBLOCKING and not across_nodes:
             return through_mpi(self, *args, **kwargs)
+        if _derived_datatype(args, kwargs):
+            # (a reduction's op needs MPI's datatype: MPICH refuses predefined ops on
+            # derived ones, so such a call is MPI's to run or refuse)
+            as_bytes_call = None if op_at is not None else _with_byte_datatypes(args, kwargs)
+            if as_bytes_call is None:
+                return through_mpi(self, *args, **kwargs)
+            args, kwargs = as_bytes_call
         node_op = None
         if op_at is not None:
             op = args[op_at] if len(args) > op_at else kwargs.get("op", MPI.SUM)
@@ -869,6 +875,19 @@ def _derived_datatype(args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
                             and any(map(_is_derived, item)):
                         return True
     return False
+
+
+def _with_byte_datatypes(args: tuple[Any, ...], kwargs: dict[str, Any]
+                         ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """The call with every derived datatype without gaps read as bytes (``specs.as_bytes``),
+    so that a rank passing one takes cma's path as its peers passing arrays do (MPI's
+    would leave them waiting: docs/mpi.md); None where one stays MPI's to lay out."""
+    new_args = tuple(map(as_bytes, args))
+    new_kwargs = {name: as_bytes(arg) for name, arg in kwargs.items()}
+    if any(arg is None and old is not None for arg, old in zip(new_args, args, strict=True)) \
+            or any(arg is None and kwargs[name] is not None for name, arg in new_kwargs.items()):
+        return None
+    return new_args, new_kwargs
 
 
 def _is_derived(item: Any) -> bool:

@@ -20,6 +20,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..collectives import IN_PLACE, _dtype, _message, _vmessage
+from .specs import as_bytes
 
 ENV_COLLECTIVES = "CMA_MPI_COLLECTIVES"
 AUTO = "auto"  # by the measured table below
@@ -155,8 +156,11 @@ def spec_bytes(spec: Any, blocks: int = 1) -> int:
         nbytes = _counted_bytes(spec[0], spec[1] * blocks, spec[2])
         if nbytes >= 0:
             return nbytes // blocks
+    read = as_bytes(spec)  # (a derived datatype without gaps as cma.mpi hands it to cma)
+    if read is None and spec is not None:
+        return -1  # (one with gaps: MPI's to lay out, on this rank whatever its size)
     try:
-        return _message(spec, writable=False, blocks=blocks).nbytes // blocks
+        return _message(read, writable=False, blocks=blocks).nbytes // blocks
     except Exception:  # (whatever cma's reader refuses, cma's collective reports)
         return -1
 
@@ -213,8 +217,11 @@ def _block_exchanged(args: tuple[Any, ...], kwargs: dict[str, Any], size: int) -
 
 def _mean_block_gathered(args: tuple[Any, ...], kwargs: dict[str, Any], size: int) -> int:
     """Allgatherv's mean block: the counts of recvbuf's v-form are every rank's."""
+    read = as_bytes(recvbuf := _arg(args, kwargs, 1, "recvbuf"))
+    if read is None and recvbuf is not None:
+        return -1  # (a datatype with gaps: MPI's to lay out)
     try:
-        data, counts, _ = _vmessage(_arg(args, kwargs, 1, "recvbuf"), writable=False, size=size)
+        data, counts, _ = _vmessage(read, writable=False, size=size)
     except Exception:
         return -1
     return sum(counts) * data.itemsize // size

@@ -59,6 +59,43 @@ def has_gaps(spec: Any) -> bool:
     return not isinstance(_itemsize(datatype, None), int)
 
 
+def _scaled(counts: Any, by: int) -> Any:
+    """A spec's count, displacement, a sequence of them or a (counts, displacements)
+    pair, in elements ``by`` times smaller (bytes, for elements of ``by`` bytes)."""
+    if counts is None:
+        return None
+    if isinstance(counts, int):
+        return counts * by
+    if isinstance(counts, tuple):
+        return tuple(_scaled(part, by) for part in counts)
+    return [count * by for count in counts]
+
+
+def as_bytes(spec: Any) -> Any:
+    """``spec`` with a derived datatype without gaps read as bytes (``MPI.BYTE``'s
+    typechar), its counts and displacements scaled to match; ``spec`` itself where it
+    names no derived datatype; None where one stays MPI's to lay out (gaps, or the
+    per-rank datatype lists of Alltoallw)."""
+    if spec.__class__ not in SPECS or len(spec) < 2:
+        return spec
+    *head, datatype = spec
+    if any(isinstance(item, MPI.Datatype) or isinstance(item, (list, tuple)) and any(
+            isinstance(inner, MPI.Datatype) for inner in item) for item in head[1:]) \
+            or isinstance(datatype, (list, tuple)):
+        return None  # (Alltoallw's datatypes, or a datatype out of its place)
+    if not isinstance(datatype, MPI.Datatype) or datatype.is_predefined:
+        return spec
+    size = _contiguous_size(datatype)
+    if size is None:
+        return None
+    buf, *counts = head
+    if not counts:  # [buf, datatype]: as many whole elements as the buffer holds
+        if buf is not None and memoryview(buf).nbytes % size:
+            return None  # (MPI's to refuse)
+        return [buf, "B"]
+    return [buf, *(_scaled(count, size) for count in counts), "B"]
+
+
 def convert(spec: Sequence[Any]) -> Any:
     """An mpi4py buffer spec as something cma takes: the buffer itself, a byte view, or
     (a datatype with gaps) a ``Typed`` buffer.

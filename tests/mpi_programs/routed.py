@@ -9,6 +9,12 @@ ranks count cma messages, outside none; the results are MPI's own. A collective 
 at every size or none: one call, through the library the mode and table name.
 "mismatch": ranks that set CMA_MPI_COLLECTIVES differently all raise ValueError. Prints
 "OK <rank>".
+
+Second argument (optional): the datatype of rank 0's spec lists where data moves unreduced,
+"int64" (predefined, the default) or a derived one without gaps, which every rank must route
+as the others' arrays (MPICH refuses a predefined op on a derived datatype):
+"dup" (dtlib's ``from_numpy_dtype(np.int64)``, not predefined), "contiguous" (4 int64s)
+or "vector" (2 blocks of 2 int64s, stride 2).
 """
 
 from __future__ import annotations
@@ -20,12 +26,21 @@ from typing import Any
 
 import numpy as np
 from mpi4py import MPI
+from mpi4py.util import dtlib
 
 import cma.mpi
 from cma.mpi import routing
 
 # (the predefined datatype mpi4py gives an int64 array here, which MPI's type check wants)
 INT64 = MPI._typedict[np.dtype(np.int64).char]
+# rank 0's datatype in its spec lists, and how many int64s one element of it holds
+FORMS: dict[str, Callable[[], tuple[MPI.Datatype, int]]] = {
+    "int64": lambda: (INT64, 1),
+    "dup": lambda: (dtlib.from_numpy_dtype(np.int64), 1),
+    "contiguous": lambda: (INT64.Create_contiguous(4).Commit(), 4),
+    "vector": lambda: (INT64.Create_vector(2, 2, 2).Commit(), 4),
+}
+DATATYPE, PER = FORMS[sys.argv[2] if len(sys.argv) > 2 else "int64"]()
 LARGEST = 16 << 20  # (a window's end past this is not tried)
 NAMES = ("Bcast", "Reduce", "Allreduce", "Scan", "Exscan", "Reduce_scatter_block",
          "Reduce_scatter", "Gather", "Allgather", "Allgatherv", "Scatter", "Alltoall",
@@ -46,7 +61,7 @@ def build(name: str, nbytes: int, rank: int, size: int) -> tuple[Callable[[Any],
     if name == "Bcast":
         def run(method: Any) -> list[np.ndarray]:
             buf = mine.copy() if rank == 0 else np.zeros(count, np.int64)
-            method([buf, count, INT64] if rank == 0 else buf, root=0)
+            method([buf, count // PER, DATATYPE] if rank == 0 else buf, root=0)
             return [buf]
         return run, count * 8
     if name in ("Allreduce", "Scan", "Exscan", "Reduce"):
@@ -79,12 +94,14 @@ def build(name: str, nbytes: int, rank: int, size: int) -> tuple[Callable[[Any],
             out = np.zeros(count * size, np.int64)
             out[rank * count : (rank + 1) * count] = mine
             if name == "Gather":
-                method(MPI.IN_PLACE if rank == 0 else mine, out if rank == 0 else None, root=0)
+                method(MPI.IN_PLACE if rank == 0 else mine,
+                       [out, count // PER, DATATYPE] if rank == 0 else None, root=0)
                 return [out] if rank == 0 else []
             if name == "Allgatherv":
-                recv: Any = [out, [count] * size, INT64]
+                recv: Any = ([out, [count // PER] * size, DATATYPE] if rank == 0
+                             else [out, [count] * size, INT64])
             else:
-                recv = [out, count, INT64] if rank == 0 else out
+                recv = [out, count // PER, DATATYPE] if rank == 0 else out
             method(MPI.IN_PLACE, recv)
             return [out]
         return run, count * 8
@@ -93,7 +110,8 @@ def build(name: str, nbytes: int, rank: int, size: int) -> tuple[Callable[[Any],
 
         def run(method: Any) -> list[np.ndarray]:
             out = whole[:count].copy() if rank == 0 else np.zeros(count, np.int64)
-            method(whole if rank == 0 else None, MPI.IN_PLACE if rank == 0 else out, root=0)
+            method([whole, count // PER, DATATYPE] if rank == 0 else None,
+                   MPI.IN_PLACE if rank == 0 else out, root=0)
             return [out]
         return run, count * 8
     if name == "Alltoall":
@@ -101,7 +119,7 @@ def build(name: str, nbytes: int, rank: int, size: int) -> tuple[Callable[[Any],
 
         def run(method: Any) -> list[np.ndarray]:
             out = np.zeros(count * size, np.int64)
-            method([whole, count, INT64] if rank == 0 else whole, out)
+            method([whole, count // PER, DATATYPE] if rank == 0 else whole, out)
             return [out]
         return run, count * 8
     if name in ("bcast", "allreduce", "allgather", "gather"):
@@ -178,7 +196,7 @@ def main() -> None:
             check(comm, name, 4096, window == routing.EVERY_SIZE)
             tried += 1
             continue
-        unit = 8 * size if name.startswith("Reduce_scatter") else 8
+        unit = 8 * (size if name.startswith("Reduce_scatter") else PER)
         at = max(-(-start // unit) * unit, unit)
         sizes = [(at, True)] + ([(at - unit, False)] if start >= unit else [])
         if until <= LARGEST:

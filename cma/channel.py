@@ -99,6 +99,9 @@ REACH_PUBLISHED = 1 << 62
 
 
 MIN_RING_BYTES = 256 << 10  # eager limit 64 KiB, like MPICH's and Open MPI's shared-memory paths
+# A ring whose window is kept resident faults it in once its writer first passes this
+# far: the pair carries traffic (a few hundred small packets do not get there).
+RESIDENT_FROM = 64 << 10
 
 
 def channel_budget(size: int) -> int:
@@ -149,6 +152,20 @@ class ChannelConfig:
         return cls(eager_limit=ring // 4, ring_bytes=ring, frag_size=ring // 8, stage_slots=4)
 
     @property
+    def window(self) -> int:
+        """The first half of the ring, where a writer whose reader keeps up stays."""
+        return self.ring_bytes // 2
+
+    @staticmethod
+    def keeps_windows(size: int) -> bool:
+        """Whether a world of ``size`` ranks keeps its rings' windows resident once they
+        carry traffic: two ranks, whose 4 MiB windows cost ~4 ms of page faults on a
+        first pass and again after every quiet spell that handed them back; from three
+        ranks a window is at most 512 KiB and a rank writes N-1 of them, so they come on
+        first touch and go back when quiet (docs/architecture.md, "Resident windows")."""
+        return size == 2
+
+    @property
     def pair_bytes(self) -> int:
         """Bytes of one channel (one direction of a pair): control page, ring, staging."""
         staging = _round_up(self.stage_slots * self.frag_size, PAGE_SIZE)
@@ -191,7 +208,7 @@ class ChannelConfig:
     @property
     def max_packet(self) -> int:
         """The largest control packet payload (half the ring, so one always fits eventually)."""
-        return self.ring_bytes // 2 - HEADER_BYTES
+        return self.window - HEADER_BYTES
 
 
 def _channel_parts(pair: memoryview, config: ChannelConfig
@@ -205,37 +222,17 @@ def _channel_parts(pair: memoryview, config: ChannelConfig
             pair[staging_at : staging_at + config.stage_slots * config.frag_size])
 
 
-def _ring_mapping(pair: memoryview, data: memoryview) -> tuple[mmap.mmap | None, int]:
-    """The shared mapping a channel's ring lies in (None: the channel is no shared mapping,
-    as in some tests), and where the ring starts in it."""
-    pages = pair.obj if isinstance(pair.obj, mmap.mmap) else None
-    if pages is None:
-        return None, 0
-    with memoryview(pages) as whole:
-        return pages, buffer_address(data) - buffer_address(whole)
-
-
-def _make_window_resident(pair: memoryview, data: memoryview, window: int, write: bool) -> None:
-    """Fault in the ring's window at connect, in one call: a writer's first pass through
-    fresh pages cost ~27 us per 32 KiB here against ~3 us once they are resident
-    (docs/architecture.md, "Resident windows"). The reader maps them too (``write``
-    False) and so takes no fault of its own on its first pass."""
-    pages, ring_at = _ring_mapping(pair, data)
-    if pages is not None:
-        populate(pages, ring_at, window, write)
-
-
 class Outbox:
     """Producer end of the ring from this rank to one peer."""
 
     __slots__ = ("ctl", "data", "words", "size", "window", "mask", "head", "head_word",
                  "tail_seen", "staging", "filled", "peer_sleeping", "eager_bytes", "eager_count",
-                 "pages", "ring_at", "kept", "released", "quiet")
+                 "pages", "ring_at", "kept", "stretching", "released", "quiet")
 
     def __init__(self, pair: memoryview, config: ChannelConfig, peer_sleeping: memoryview,
                  head_word: memoryview | None = None, resident: bool = False) -> None:
-        """``resident``: fault the window in now and never hand it back (a world of two
-        ranks: ``pair_boxes``)."""
+        """``resident``: fault the window in once the ring carries traffic, and never hand
+        it back (``ChannelConfig.keeps_windows``)."""
         self.peer_sleeping = peer_sleeping  # the receiver's "about to sleep" word
         self.eager_bytes = 0
         self.eager_count = 0
@@ -244,20 +241,27 @@ class Outbox:
         # the control page's HEAD word
         self.head_word = self.ctl[HEAD : HEAD + 1] if head_word is None else head_word
         self.size = config.ring_bytes
-        self.window = config.ring_bytes // 2
+        self.window = config.window
         self.mask = config.ring_bytes - 1
         self.head = self.head_word[0]
         self.tail_seen = self.ctl[TAIL]
         self.filled = self.ctl[FILLED]
         # the mapping whose pages release_free_pages hands back, and where the ring starts
-        # in it; the bytes at the ring's start it keeps (the resident window); the ring's
+        # in it (None: the channel is no shared mapping, as in some tests); the bytes at
+        # the ring's start it keeps (a resident window, once faulted in); the ring's
         # (head, published tail) at the last release, and at the last look of
         # Progress.release_quiet_rings
-        self.pages, self.ring_at = _ring_mapping(pair, self.data)
+        self.pages = pair.obj if isinstance(pair.obj, mmap.mmap) else None
+        self.ring_at = 0
+        if self.pages is not None:
+            with memoryview(self.pages) as whole:
+                self.ring_at = buffer_address(self.data) - buffer_address(whole)
         self.kept = 0
-        if resident:
-            _make_window_resident(pair, self.data, self.window, True)
-            self.kept = self.window
+        # (a first stretch short of the window: the first packet past it takes the slow
+        # path of put_eager, which faults the whole window in: _reserve)
+        self.stretching = resident and self.pages is not None and RESIDENT_FROM < self.window
+        if self.stretching:
+            self.window = RESIDENT_FROM
         self.released = self.quiet = self.ends()
 
     def _fits(self, end: int) -> bool:
@@ -285,6 +289,8 @@ class Outbox:
 
     def _reserve(self, need: int) -> int:
         """Byte offset where a packet of ``need`` bytes goes (after padding), or -1 if full."""
+        if self.stretching and (self.head & self.mask) + need > self.window:
+            self._make_window_resident()
         start = self._place(need)
         if start < 0:
             return -1
@@ -292,6 +298,16 @@ class Outbox:
             self.words[(self.head & self.mask) >> 3] = PAD
             self.head = start
         return start & self.mask
+
+    def _make_window_resident(self) -> None:
+        """The ring carries traffic: fault its whole window in, in one call, and keep it.
+        A writer's first pass through fresh pages cost ~27 us per 32 KiB here against ~3
+        once they are resident (docs/architecture.md, "Resident windows")."""
+        self.stretching, self.window = False, self.size // 2
+        assert self.pages is not None
+        with memoryview(self.pages) as whole:
+            if populate(buffer_address(whole) + self.ring_at, self.window):
+                self.kept = self.window
 
     def fits(self, nbytes: int) -> bool:
         """Whether a packet of ``nbytes`` payload bytes would be published now."""
@@ -390,8 +406,7 @@ class Inbox:
                  "pending", "peer", "max_payload", "room_told", "head_word")
 
     def __init__(self, pair: memoryview, config: ChannelConfig, peer: int = -1,
-                 head_word: memoryview | None = None, resident: bool = False) -> None:
-        """``resident``: map the writer's resident window now (``Outbox``'s)."""
+                 head_word: memoryview | None = None) -> None:
         self.peer = peer  # the rank that writes this ring (named by ProtocolError)
         self.max_payload = config.max_packet
         self.last_tag = 0
@@ -399,8 +414,6 @@ class Inbox:
         self.eager_count = 0
         self.pending = 0  # size of the packet returned by take(), consumed by release()
         self.ctl, self.data, self.words, self.staging = _channel_parts(pair, config)
-        if resident:
-            _make_window_resident(pair, self.data, config.ring_bytes // 2, False)
         self.head_word = self.ctl[HEAD : HEAD + 1] if head_word is None else head_word  # (Outbox's)
         self.size = config.ring_bytes
         self.publish_every = config.ring_bytes // 16
@@ -613,10 +626,8 @@ def pair_boxes(pair: Callable[[int, int], memoryview], head: Callable[[int, int]
     """The outbox (this rank -> peer) and inbox (peer -> this rank) of one connected pair.
 
     ``pair(src, dst)`` gives the bytes of the channel ``src -> dst`` (``pair_bytes`` long),
-    ``head(src, dst)`` the word where its head is published. ``resident``: both rings'
-    windows are faulted in now and kept (a world of two ranks, whose 4 MiB windows cost
-    ~4 ms of page faults on first use; from three ranks a window is at most 512 KiB and
-    N(N-1) of them would stay resident: docs/architecture.md, "Resident windows").
+    ``head(src, dst)`` the word where its head is published; ``resident``: the outbox
+    keeps its window resident (``ChannelConfig.keeps_windows``).
     """
     return (Outbox(pair(rank, peer), config, peer_sleeping, head(rank, peer), resident),
-            Inbox(pair(peer, rank), config, peer, head(peer, rank), resident))
+            Inbox(pair(peer, rank), config, peer, head(peer, rank)))

@@ -358,7 +358,7 @@ class World:
             sleeping = self._header_view(self._word(peer, SLEEPING), 1)
             self.outboxes[peer], self.inboxes[peer] = pair_boxes(
                 self._map_pair, self._head_word, self.rank, peer, self.config, sleeping,
-                resident=self.size == 2)
+                resident=self.config.keeps_windows(self.size))
         self._watch(peer)
         if self.fds.doorbells[peer] < 0:
             try:

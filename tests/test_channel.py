@@ -6,7 +6,6 @@ reader keeps up) and that packets come out in order, whole, whatever the interle
 
 from __future__ import annotations
 
-import errno
 import os
 import random
 from collections import deque
@@ -18,6 +17,7 @@ from cma.channel import (
     EAGER,
     HEAD,
     NOT_EAGER,
+    RESIDENT_FROM,
     RING_EMPTY,
     ChannelConfig,
     Inbox,
@@ -266,62 +266,63 @@ def test_the_writer_hands_back_the_free_pages_and_keeps_what_is_in_flight(shared
         assert take(inbox)[1:] == (tag, BIG)
 
 
-def test_a_resident_window_is_faulted_in_at_once_and_never_handed_back():
-    """An Outbox made ``resident`` holds its window's pages from the start (before any
-    packet), and a release hands back only the pages past it: those that packets spilled
-    into while the reader lagged."""
-    fd = _linux.memfd_segment("test-ring", CONFIG.pair_bytes)
+needs_populate = pytest.mark.skipif(not _linux.can_populate(),
+                                    reason="the kernel has no MADV_POPULATE_WRITE (before 5.14)")
+
+
+@needs_populate
+def test_a_resident_window_is_faulted_in_once_the_ring_carries_traffic_and_kept():
+    """An Outbox made ``resident`` holds no more than the pages its packets touched until
+    its writer first passes RESIDENT_FROM; then its whole window is faulted in at once, and
+    a release hands back only the pages past it (those packets spilled into while the
+    reader lagged)."""
+    config = ChannelConfig(eager_limit=16 << 10, ring_bytes=4 * RESIDENT_FROM,
+                           frag_size=4096, stage_slots=1)
+    page, window, big = _linux.PAGE_SIZE, config.window, config.eager_limit
+    fd = _linux.memfd_segment("test-ring", config.pair_bytes)
     try:
-        pair = memoryview(_linux.map_shared(fd, CONFIG.pair_bytes))
+        pair = memoryview(_linux.map_shared(fd, config.pair_bytes))
         sleeping = memoryview(bytearray(8)).cast("q")
-        out, inbox = Outbox(pair, CONFIG, sleeping, resident=True), Inbox(pair, CONFIG)
-        page, window = _linux.PAGE_SIZE, CONFIG.ring_bytes // 2
-        assert allocated(fd) >= window
+        out, inbox = Outbox(pair, config, sleeping, resident=True), Inbox(pair, config)
         sent = 0
-        while out.head & out.mask < window + BIG:  # a lagging reader: packets spill past it
-            assert put(out, sent, BIG)
+        while out.head + packet_bytes(big) <= RESIDENT_FROM:  # (the first stretch)
+            assert put(out, sent, big)
+            sent += 1
+        assert allocated(fd) <= page + out.head + page < window
+        while out.head & out.mask < window + big:  # a lagging reader: packets spill past it
+            assert put(out, sent, big)
             sent += 1
         spilled = allocated(fd)
-        assert spilled >= window + BIG
+        assert spilled >= window + big
         for tag in range(sent):
-            assert take(inbox)[1:] == (tag, BIG)
+            assert take(inbox)[1:] == (tag, big)
         inbox.publish_tail()
         assert out.release_free_pages() >= 1
         assert window <= allocated(fd) <= window + 2 * page < spilled
-        for tag in range(sent, sent + 20):  # on through the kept window
-            assert put(out, tag, BIG)
-            assert take(inbox)[1:] == (tag, BIG)
+        for tag in range(sent, sent + 40):  # on through the kept window
+            assert put(out, tag, big)
+            assert take(inbox)[1:] == (tag, big)
     finally:
         os.close(fd)
 
 
-class _Refusing:
-    """A mapping whose madvise fails with ``errno``."""
-
-    def __init__(self, errno: int) -> None:
-        self.errno = errno
-
-    def madvise(self, *args: int) -> None:
-        raise OSError(self.errno, os.strerror(self.errno))
-
-
-def test_populate_faults_pages_in_and_says_false_where_the_kernel_would_not():
-    """populate makes the pages resident in one call; a kernel without the advice (EINVAL,
-    before 5.14), or short of memory, leaves them to first touch (False); another error,
-    a misuse, raises."""
-    fd = _linux.memfd_segment("test-populate", 16 * _linux.PAGE_SIZE)
+@needs_populate
+def test_populate_faults_whole_pages_in():
+    """populate makes the pages resident in one call; it takes whole pages only."""
+    page = _linux.PAGE_SIZE
+    fd = _linux.memfd_segment("test-populate", 16 * page)
+    mm = _linux.map_shared(fd, 16 * page)
     try:
-        mm = _linux.map_shared(fd, 16 * _linux.PAGE_SIZE)
         assert allocated(fd) == 0
-        assert _linux.populate(mm, 4 * _linux.PAGE_SIZE, 8 * _linux.PAGE_SIZE, write=True)
-        assert allocated(fd) == 8 * _linux.PAGE_SIZE
-        mm.close()
+        with memoryview(mm) as view:
+            start = _linux.buffer_address(view)
+            assert _linux.populate(start + 4 * page, 8 * page)
+            assert allocated(fd) == 8 * page
+            with pytest.raises(ValueError):
+                _linux.populate(start + 1, page)
     finally:
+        mm.close()
         os.close(fd)
-    assert not _linux.populate(_Refusing(errno.EINVAL), 0, 4096, write=False)  # type: ignore[arg-type]
-    assert not _linux.populate(_Refusing(errno.ENOMEM), 0, 4096, write=True)  # type: ignore[arg-type]
-    with pytest.raises(OSError):
-        _linux.populate(_Refusing(errno.EBADF), 0, 4096, write=True)  # type: ignore[arg-type]
 
 
 def test_a_ring_that_is_no_shared_mapping_hands_nothing_back(ring):

@@ -115,6 +115,24 @@ def _yama_scope() -> int:
         return 0  # no Yama: ptrace rules are the classic ones
 
 
+def _shmem_huge_pages() -> bool:
+    """Whether shared memory (a world's memfd) may get 2 MiB pages without being asked:
+    then a first write allocates a whole huge page, and counts of the pages a ring holds
+    mean something else."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/shmem_enabled") as f:
+            setting = f.read()
+    except OSError:
+        return False
+    return any(f"[{mode}]" in setting for mode in ("always", "within_size", "force"))
+
+
+# Tests that count the pages a ring holds (the memfd's allocated bytes) by 4 KiB.
+COUNTS_RING_PAGES = pytest.mark.skipif(
+    not cma._linux.can_populate() or _shmem_huge_pages(),
+    reason="needs MADV_POPULATE_WRITE (Linux 5.14+) and 4 KiB pages of shared memory "
+           "(shmem_enabled without always, within_size or force)")
+
 # SPLIT needs cma both ways between a parent and its child; Yama scope >= 1 lets only
 # the parent (an ancestor) in, so auto then stages and tests of auto's SPLIT skip.
 TWO_WAY_PTRACE = _yama_scope() == 0

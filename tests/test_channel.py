@@ -11,6 +11,7 @@ import random
 from collections import deque
 
 import pytest
+from conftest import COUNTS_RING_PAGES
 
 from cma import _linux
 from cma.channel import (
@@ -266,11 +267,7 @@ def test_the_writer_hands_back_the_free_pages_and_keeps_what_is_in_flight(shared
         assert take(inbox)[1:] == (tag, BIG)
 
 
-needs_populate = pytest.mark.skipif(not _linux.can_populate(),
-                                    reason="the kernel has no MADV_POPULATE_WRITE (before 5.14)")
-
-
-@needs_populate
+@COUNTS_RING_PAGES
 def test_a_resident_window_is_faulted_in_once_the_ring_carries_traffic_and_kept():
     """An Outbox made ``resident`` holds no more than the pages its packets touched until
     its writer first passes RESIDENT_FROM; then its whole window is faulted in at once, and
@@ -306,7 +303,7 @@ def test_a_resident_window_is_faulted_in_once_the_ring_carries_traffic_and_kept(
         os.close(fd)
 
 
-@needs_populate
+@COUNTS_RING_PAGES
 def test_populate_faults_whole_pages_in():
     """populate makes the pages resident in one call; it takes whole pages only."""
     page = _linux.PAGE_SIZE

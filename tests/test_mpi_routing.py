@@ -123,9 +123,14 @@ def test_specs_read_a_derived_datatype_without_gaps_as_bytes() -> None:
     for datatype, per in _derived():
         size = 8 * per
         assert as_bytes([buf, 3, datatype])[1:] == [3 * size, "B"]
-        assert as_bytes((buf, (2, 1), datatype))[1:] == [(2 * size, size), "B"]
+        assert as_bytes((buf, np.int64(3), datatype))[1:] == [3 * size, "B"]
         assert as_bytes([buf, [1, 2], [0, 3], datatype])[1:] == [[size, 2 * size],
                                                                  [0, 3 * size], "B"]
+        assert as_bytes([buf, np.array([1, 2]), None, datatype])[1:] == [[size, 2 * size],
+                                                                         None, "B"]
+        # (a displacement with one count: cma's collectives take none, MPI's run it)
+        assert as_bytes((buf, (2, 1), datatype)) is None
+        assert as_bytes([buf, 2, 1, datatype]) is None
         assert as_bytes([buf, ([1, 2], None), datatype])[1:] == [([size, 2 * size], None), "B"]
         assert as_bytes([buf, datatype])[1:] == ["B"]
         assert as_bytes([buf.view(np.uint8)[: size + 1], datatype]) is None  # (MPI's to refuse)
@@ -133,6 +138,14 @@ def test_specs_read_a_derived_datatype_without_gaps_as_bytes() -> None:
     assert as_bytes(spec) is spec and as_bytes(buf) is buf and as_bytes(None) is None
     gaps = MPI._typedict["l"].Create_vector(2, 1, 2).Commit()
     assert as_bytes([buf, 3, gaps]) is None
+    # (no gaps, but the bytes out of order or one repeated: as bytes, they would move
+    # other bytes than MPI moves)
+    reordered = MPI.DOUBLE.Create_indexed([1, 1], [1, 0]).Commit()
+    repeated = MPI.DOUBLE.Create_indexed([1, 1, 1], [0, 0, 2]).Commit()
+    for datatype in (reordered, repeated):
+        assert datatype.Get_extent()[1] == datatype.Get_size()  # (what a size test saw)
+        assert as_bytes([buf, 2, datatype]) is None
+        assert routing.spec_bytes([buf, 2, datatype]) == -1
     assert routing.spec_bytes([buf, 3, gaps]) == -1  # (MPI's to lay out: cma's path, which hands it on)
     assert as_bytes([buf, ([1, 1], [0, 1]), [MPI.DOUBLE, MPI.DOUBLE]]) is None  # (Alltoallw's)
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import TWO_WAY_PTRACE, run_ranks
+from conftest import COUNTS_RING_PAGES, TWO_WAY_PTRACE, run_ranks
 from test_run import cma_run
 
 import cma
@@ -230,11 +230,7 @@ def test_a_rank_hands_back_the_pages_of_a_ring_gone_quiet_while_it_sleeps(wait, 
     assert given == []
 
 
-needs_populate = pytest.mark.skipif(not _linux.can_populate(),
-                                    reason="the kernel has no MADV_POPULATE_WRITE (before 5.14)")
-
-
-@needs_populate
+@COUNTS_RING_PAGES
 @pytest.mark.parametrize("reader", ["prompt", "late"])
 def test_a_two_rank_world_keeps_its_windows_and_hands_back_only_what_spilled(reader, monkeypatch):
     """In a world of two ranks the window of a ring that carries traffic is faulted in
@@ -250,7 +246,7 @@ def test_a_two_rank_world_keeps_its_windows_and_hands_back_only_what_spilled(rea
     assert given == []
 
 
-@needs_populate
+@COUNTS_RING_PAGES
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_a_two_rank_ring_faults_its_window_in_once_it_carries_traffic(ranks):
     """A two-rank world's ring holds only what its packets touched until its writer

@@ -781,7 +781,8 @@ def _collective(name: str) -> Callable[..., Any]:
     through_mpi = getattr(MPI.Intracomm, name)
     through_cma = getattr(CmaComm, name)
     op_at = _OP_POSITION.get(name)
-    locked = name.islower() and _LOCK_TABLE is not None
+    typed = not name.islower()  # (an object collective's payload may hold datatypes: data)
+    locked = not typed and _LOCK_TABLE is not None
     across_nodes = name in HIERARCHICAL
     signature = inspect.signature(through_cma)
 
@@ -796,7 +797,7 @@ def _collective(name: str) -> Callable[..., Any]:
         barrier = self._barrier
         if barrier == BARRIER_MPI or barrier == BARRIER_NONBLOCKING and not across_nodes:
             return through_mpi(self, *args, **kwargs)
-        if _derived_datatype(args, kwargs):
+        if typed and _derived_datatype(args, kwargs):
             # (a reduction's op needs MPI's datatype: MPICH refuses predefined ops on
             # derived ones, so such a call is MPI's to run or refuse)
             as_bytes_call = None if op_at is not None else _with_byte_datatypes(args, kwargs)

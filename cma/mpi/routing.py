@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from ..collectives import IN_PLACE, _dtype, _message, _vmessage
+from ..collectives import IN_PLACE, _dtype, _message, _vmessage, mpi_datatype_constants
 from .specs import as_bytes
 
 ENV_COLLECTIVES = "CMA_MPI_COLLECTIVES"
@@ -143,6 +143,11 @@ def _in_place(buf: Any) -> bool:
     return buf is MPI.IN_PLACE or buf is None or buf is IN_PLACE
 
 
+# mpi4py's own datatype objects, by id: the fast path reads only these (a derived one
+# goes the way cma.mpi hands it to cma, specs.as_bytes)
+_MPI_OWN = mpi_datatype_constants(MPI)
+
+
 def spec_bytes(spec: Any, blocks: int = 1) -> int:
     """Bytes of one of ``blocks`` equal blocks of a buffer spec, as cma's collectives
     read it (their element type, their checks); -1 for a spec they refuse (cma's
@@ -152,14 +157,15 @@ def spec_bytes(spec: Any, blocks: int = 1) -> int:
     if kind is np.ndarray:
         if spec.flags.c_contiguous and not spec.dtype.hasobject:
             return spec.size // blocks * spec.itemsize
-    elif kind is list and len(spec) == 3 and spec[1].__class__ is int and spec[1] >= 0:
+    elif kind is list and len(spec) == 3 and spec[1].__class__ is int and spec[1] >= 0 \
+            and (id(spec[2]) in _MPI_OWN or spec[2].__class__ is str):
         nbytes = _counted_bytes(spec[0], spec[1] * blocks, spec[2])
         if nbytes >= 0:
             return nbytes // blocks
-    read = as_bytes(spec)  # (a derived datatype without gaps as cma.mpi hands it to cma)
-    if read is None and spec is not None:
-        return -1  # (one with gaps: MPI's to lay out, on this rank whatever its size)
     try:
+        read = as_bytes(spec)  # (a derived datatype without gaps as cma.mpi hands it to cma)
+        if read is None and spec is not None:
+            return -1  # (one with gaps: MPI's to lay out, on this rank whatever its size)
         return _message(read, writable=False, blocks=blocks).nbytes // blocks
     except Exception:  # (whatever cma's reader refuses, cma's collective reports)
         return -1
@@ -217,10 +223,11 @@ def _block_exchanged(args: tuple[Any, ...], kwargs: dict[str, Any], size: int) -
 
 def _mean_block_gathered(args: tuple[Any, ...], kwargs: dict[str, Any], size: int) -> int:
     """Allgatherv's mean block: the counts of recvbuf's v-form are every rank's."""
-    read = as_bytes(recvbuf := _arg(args, kwargs, 1, "recvbuf"))
-    if read is None and recvbuf is not None:
-        return -1  # (a datatype with gaps: MPI's to lay out)
+    recvbuf = _arg(args, kwargs, 1, "recvbuf")
     try:
+        read = as_bytes(recvbuf)
+        if read is None and recvbuf is not None:
+            return -1  # (a datatype with gaps: MPI's to lay out)
         data, counts, _ = _vmessage(read, writable=False, size=size)
     except Exception:
         return -1

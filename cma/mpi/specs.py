@@ -64,31 +64,41 @@ def _scaled(counts: Any, by: int) -> Any:
     pair, in elements ``by`` times smaller (bytes, for elements of ``by`` bytes)."""
     if counts is None:
         return None
-    if isinstance(counts, int):
-        return counts * by
     if isinstance(counts, tuple):
         return tuple(_scaled(part, by) for part in counts)
-    return [count * by for count in counts]
+    if isinstance(counts, (int, np.integer)):
+        return int(counts) * by
+    return [int(count) * by for count in counts]
 
 
 def as_bytes(spec: Any) -> Any:
-    """``spec`` with a derived datatype without gaps read as bytes (``MPI.BYTE``'s
-    typechar), its counts and displacements scaled to match; ``spec`` itself where it
-    names no derived datatype; None where one stays MPI's to lay out (gaps, or the
-    per-rank datatype lists of Alltoallw)."""
+    """``spec`` with a derived datatype whose elements are one gap-free run of bytes in
+    order (``Layout.contiguous``) read as bytes (``MPI.BYTE``'s typechar), its counts and
+    displacements scaled to match; ``spec`` itself where it names no derived datatype;
+    None where one stays MPI's to lay out: gaps, bytes out of order or repeated (a
+    reordered struct or indexed type), a displacement with a single count (cma's
+    collectives take none), or the per-rank datatype lists of Alltoallw."""
     if spec.__class__ not in SPECS or len(spec) < 2:
         return spec
-    *head, datatype = spec
-    if any(isinstance(item, MPI.Datatype) or isinstance(item, (list, tuple)) and any(
-            isinstance(inner, MPI.Datatype) for inner in item) for item in head[1:]) \
-            or isinstance(datatype, (list, tuple)):
+    datatype = spec[-1]
+    if id(datatype) in _SIZES or datatype is None or isinstance(datatype, (str, int)):
+        return spec  # (mpi4py's own datatypes, a typechar, a count: the usual specs)
+    buf, *counts = spec[:-1]
+    if isinstance(datatype, (list, tuple)) or any(
+            isinstance(item, MPI.Datatype) or isinstance(item, (list, tuple)) and any(
+                isinstance(inner, MPI.Datatype) for inner in item) for item in counts):
         return None  # (Alltoallw's datatypes, or a datatype out of its place)
     if not isinstance(datatype, MPI.Datatype) or datatype.is_predefined:
         return spec
-    size = _contiguous_size(datatype)
-    if size is None:
+    try:
+        size = _itemsize(datatype, None)
+    except (ValueError, MPI.Exception):
         return None
-    buf, *counts = head
+    if not isinstance(size, int) or not size:
+        return None
+    if len(counts) == 2 and isinstance(counts[0], (int, np.integer)) or len(counts) == 1 and \
+            isinstance(counts[0], tuple) and isinstance(counts[0][0], (int, np.integer)):
+        return None  # ([buf, count, displ, D] or [buf, (count, displ), D]: MPI's)
     if not counts:  # [buf, datatype]: as many whole elements as the buffer holds
         if buf is not None and memoryview(buf).nbytes % size:
             return None  # (MPI's to refuse)

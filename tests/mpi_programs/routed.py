@@ -205,6 +205,9 @@ def main() -> None:
             check(comm, name, nbytes, inside)
             tried += 1
     assert tried, "the table routes nothing"
+    # an object collective's payload is data, whatever datatypes it holds
+    got = comm.allgather(("label", rank, DATATYPE))
+    assert [item[:2] for item in got] == [("label", r) for r in range(size)], got
     if mode != routing.CMA:
         kept_past_free(comm)
     print(f"OK {rank} ({tried} calls)", flush=True)

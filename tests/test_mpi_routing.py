@@ -167,10 +167,10 @@ def test_a_spec_cma_refuses_stays_with_cma_which_raises_its_error() -> None:
                        ("Scatter", (None, fortran)), ("Alltoall", (fortran, np.zeros(256)))):
         assert agreed[name](args, {}, 2) == -1, name
     route = routing.Window(routing.AGREED_BYTES["Bcast"], 2, 100, 200)
-    assert route(([np.zeros(3), 1, 2, 3, 4],), {}) is False
-    assert route((np.zeros(10, np.uint8),), {}) is True
-    assert route((np.zeros(150, np.uint8),), {}) is False
-    assert route((np.zeros(200, np.uint8),), {}) is True
+    assert route(None, ([np.zeros(3), 1, 2, 3, 4],), {}) is False
+    assert route(None, (np.zeros(10, np.uint8),), {}) is True
+    assert route(None, (np.zeros(150, np.uint8),), {}) is False
+    assert route(None, (np.zeros(200, np.uint8),), {}) is True
 
 
 def test_a_routed_method_calls_the_library_its_route_names() -> None:
@@ -192,12 +192,34 @@ def test_a_routed_method_calls_the_library_its_route_names() -> None:
     assert bcast([np.zeros(3), 1, 2, 3, 4]) == "cma"  # (refused: cma raises its error)
 
 
+def test_an_object_collective_routes_by_the_largest_pickle_agreed_over_mpi() -> None:
+    """Each rank measures the pickle it holds (an array's data beside it, uncopied), the
+    root alone for bcast and scatter; MPI agrees on the largest (here over COMM_SELF),
+    and cma runs it inside the window. The window is the table's at every rank count."""
+    small, large = {"a": [1, 2]}, np.zeros(70_000, np.uint8)
+    assert routing.pickled_bytes(small) < 100
+    assert large.nbytes <= routing.pickled_bytes(large) < large.nbytes + 200
+    assert large.nbytes <= routing.pickled_bytes([large]) < large.nbytes + 200
+    comm = MPI.COMM_SELF
+    for name, start in (("bcast", 128 << 10), ("allreduce", 4 << 20)):
+        route = routing.routes(routing.AUTO, 2, [name])[name]
+        assert isinstance(route, routing.ObjectWindow)
+        assert route(comm, (small,), {}) is True  # (MPI's)
+        big = np.zeros(start, np.uint8)
+        assert route(comm, (big,), {}) is False  # (cma's)
+        assert route(comm, (), {"obj" if name == "bcast" else "sendobj": big}) is False
+        assert route(comm, (np.zeros(start - 200, np.uint8),), {}) is True
+    scatter = routing.routes(routing.AUTO, 2, ["scatter"])["scatter"]
+    assert scatter(comm, ([np.zeros(2 << 20, np.uint8) for _ in range(2)], 0), {}) is False
+    assert scatter(comm, (None,), {"sendobj": [small, small], "root": 0}) is True
+
+
 def test_modes_route_every_collective_alike() -> None:
     names = ON_NODE_COLLECTIVES
     assert routing.routes(routing.CMA, 4, names) == {}
     through_mpi = routing.routes(routing.MPI_ONLY, 4, names)
     assert set(through_mpi) == set(names)
-    assert all(route((), {}) for route in through_mpi.values())
+    assert all(route(None, (), {}) for route in through_mpi.values())
     with pytest.raises(ValueError, match="CMA_MPI_COLLECTIVES"):
         routing.mode_of("fast")
     assert routing.mode_of("") == routing.AUTO
@@ -214,7 +236,7 @@ def test_the_table_sizes_only_collectives_every_rank_can_size() -> None:
         for _, (start, until) in rows:
             assert 0 <= start <= until, name
             if (start, until) not in (routing.EVERY_SIZE, routing.NO_SIZE):
-                assert name in routing.AGREED_BYTES, name
+                assert name in routing.AGREED_BYTES or name in routing.OBJECT_HELD, name
 
 
 @pytest.mark.parametrize("size", [2, 3, 4, 8, 16, 64, 256])
@@ -226,13 +248,13 @@ def test_auto_routes_by_the_table_row_that_holds_the_rank_count(size: int) -> No
         if window == routing.EVERY_SIZE:
             assert name not in chosen, name
         elif window == routing.NO_SIZE:
-            assert chosen[name]((), {}), name
+            assert chosen[name](None, (), {}), name
         else:
             start, until = window
             args = (np.zeros(start, np.uint8),) if name == "Bcast" else None
             if args is not None:
-                assert not chosen[name](args, {}), name
+                assert not chosen[name](None, args, {}), name
                 if start:
-                    assert chosen[name]((np.zeros(start - 1, np.uint8),), {}), name
+                    assert chosen[name](None, (np.zeros(start - 1, np.uint8),), {}), name
                 if until <= 64 << 20:
-                    assert chosen[name]((np.zeros(until, np.uint8),), {}), name
+                    assert chosen[name](None, (np.zeros(until, np.uint8),), {}), name

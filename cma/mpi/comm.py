@@ -788,7 +788,7 @@ def _collective(name: str) -> Callable[..., Any]:
 
     def collective(self: Comm, *args: Any, **kwargs: Any) -> Any:
         route = self._routes.get(name)  # (only an all-on-node communicator has routes)
-        if route is not None and route(args, kwargs):
+        if route is not None and route(self, args, kwargs):
             return through_mpi(self, *args, **kwargs)
         return on_node(self, *args, **kwargs)
 

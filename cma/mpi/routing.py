@@ -5,14 +5,16 @@ measured faster (docs/mpi.md, "Which library runs a collective").
 Every rank must choose alike, or one waits in cma for peers that wait in MPI. So the
 choice rests only on what every rank knows the same: the rank count, the mode (checked
 equal when the communicator is made) and the size a collective's type signatures agree
-on (``AGREED_BYTES``). Collectives without such a size (the v-forms but Allgatherv, the
-object forms) choose by rank count alone.
+on (``AGREED_BYTES``). The object forms have no such size: each rank measures the pickle
+it holds and one MPI call agrees on the largest (``ObjectWindow``). The v-forms but
+Allgatherv choose by rank count alone.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
+import pickle
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -52,11 +54,13 @@ WINDOWS: dict[str, tuple[tuple[int, tuple[int, int]], ...]] = {
     # (mpi4py's osu_scatter demo at 8 ranks: 1.3-2.5x faster from 512 KiB; at 2 ranks
     # 2-5x slower at every size)
     "Scatter": ((4, NO_SIZE), (8, (512 * KIB, EVERY_SIZE[1]))),
-    # the object forms have no size every rank knows before the call (a bcast's pickle is
-    # the root's): cma's at every size, 2.5-30x faster from 4 MiB, 1.2-2.4x slower
-    # below 2 MiB (2 ranks)
-    **dict.fromkeys(("bcast", "reduce", "allreduce", "gather", "scatter", "allgather",
-                     "alltoall"), ((1 << 30, EVERY_SIZE),)),
+    # the object forms, by the largest pickle any rank holds (ObjectWindow: one MPI call
+    # agrees on it). 2 ranks, 2026-12-05: a small object 2.9-5.8x slower through cma (an
+    # allreduce of a float 27.6 us against 7.6), a bcast 1.2-1.6x faster from 128 KiB, the
+    # others 2.5-30x faster from 4 MiB and 1.2-2.4x slower below 2 MiB (docs/mpi.md)
+    "bcast": ((1 << 30, (128 * KIB, EVERY_SIZE[1])),),
+    **dict.fromkeys(("reduce", "allreduce", "gather", "scatter", "allgather", "alltoall"),
+                    ((1 << 30, (4 * MIB, EVERY_SIZE[1])),)),
 }
 
 
@@ -72,13 +76,13 @@ def env_mode_text() -> str:
     return os.environ.get(ENV_COLLECTIVES, "")
 
 
-Route = Callable[[tuple[Any, ...], dict[str, Any]], bool]
+Route = Callable[[MPI.Intracomm, tuple[Any, ...], dict[str, Any]], bool]
 
 
 def routes(mode: str, size: int, names: Sequence[str]) -> dict[str, Route]:
     """For each of ``names`` that MPI runs at some size on ``size`` ranks in ``mode``:
-    given a call's arguments, whether MPI runs it (``always_mpi``, or a ``Window``). The
-    others cma runs at every size."""
+    given the communicator and a call's arguments, whether MPI runs it (``always_mpi``, a
+    ``Window``, or an ``ObjectWindow``). The others cma runs at every size."""
     chosen: dict[str, Route] = {}
     for name in names:
         if mode == CMA:
@@ -90,11 +94,14 @@ def routes(mode: str, size: int, names: Sequence[str]) -> dict[str, Route]:
         if window == NO_SIZE:
             chosen[name] = always_mpi
             continue
-        chosen[name] = Window(AGREED_BYTES[name], size, *window)  # (a size every rank agrees on)
+        if name in OBJECT_HELD:
+            chosen[name] = ObjectWindow(name, *window)
+        else:
+            chosen[name] = Window(AGREED_BYTES[name], size, *window)  # (a size every rank agrees on)
     return chosen
 
 
-def always_mpi(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+def always_mpi(comm: MPI.Intracomm, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """The route of a collective that MPI runs at every size."""
     return True
 
@@ -108,10 +115,71 @@ class Window:
                  start: int, until: int) -> None:
         self.agreed, self.size, self.start, self.until = agreed, size, start, until
 
-    def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    def __call__(self, comm: MPI.Intracomm, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         nbytes = self.agreed(args, kwargs, self.size)
         # (a spec cma refuses: cma's collective raises its error, as it did before routes)
         return nbytes >= 0 and not self.start <= nbytes < self.until
+
+
+class ObjectWindow:
+    """The route of an object collective: cma runs it where the largest pickle a rank
+    holds is in [start, until), MPI elsewhere. Each rank pickles what it holds (the
+    root alone, for bcast and scatter) to measure it, then one MPI call agrees on the
+    largest: a Bcast of the root's size, else an Allreduce of the maximum (8 bytes; 1.5-3
+    us at 2 ranks, which the object collectives through MPI pay besides their own)."""
+
+    __slots__ = ("held", "rooted", "start", "until")
+
+    def __init__(self, name: str, start: int, until: int) -> None:
+        self.held = OBJECT_HELD[name]
+        self.rooted = name in ("bcast", "scatter")
+        self.start, self.until = start, until
+
+    def __call__(self, comm: MPI.Intracomm, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        # (a fresh buffer: a thread of the rank may route another call meanwhile)
+        size = np.zeros(1, np.int64)
+        if self.rooted:
+            root = _arg(args, kwargs, 1, "root")
+            root = 0 if root is None else root
+            if comm.Get_rank() == root:
+                size[0] = pickled_bytes(self.held(args, kwargs))
+            MPI.Intracomm.Bcast(comm, [size, MPI.INT64_T], root)
+        else:
+            size[0] = pickled_bytes(self.held(args, kwargs))
+            MPI.Intracomm.Allreduce(comm, MPI.IN_PLACE, [size, MPI.INT64_T], MPI.MAX)
+        return not self.start <= size[0] < self.until
+
+
+def pickled_bytes(obj: Any) -> int:
+    """Bytes of ``obj`` pickled as cma sends it (protocol 5: a buffer such as an array's
+    data travels beside the pickle, measured without a copy), or about that: an array's
+    or a bytes object's own size (pickling a NumPy array only to measure it took 5.6 us;
+    the ranks agree on what they measured, so the choice is one whatever the header)."""
+    kind = obj.__class__
+    if kind is np.ndarray:
+        return int(obj.nbytes)
+    if kind is bytes or kind is bytearray:
+        return len(obj)
+    buffers: list[pickle.PickleBuffer] = []
+    head = pickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
+    return len(head) + sum(buffer.raw().nbytes for buffer in buffers)
+
+
+def _object_sent(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    return args[0] if args else kwargs.get("sendobj")
+
+
+def _object_broadcast(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    return args[0] if args else kwargs.get("obj")
+
+
+# what each object collective's ObjectWindow measures on a rank (scatter's root: its
+# whole sequence, what it sends in all)
+OBJECT_HELD: dict[str, Callable[[tuple[Any, ...], dict[str, Any]], Any]] = {
+    "bcast": _object_broadcast,
+    **dict.fromkeys(("scatter", "reduce", "allreduce", "gather", "allgather", "alltoall"),
+                    _object_sent),
+}
 
 
 def method(route: Route, through_mpi: Callable[..., Any], through_cma: Callable[..., Any]
@@ -120,6 +188,14 @@ def method(route: Route, through_mpi: Callable[..., Any], through_cma: Callable[
     every size, else a call that sizes the message and picks, in one frame (the
     wrapper's frames had cost a routed small Bcast 0.8-1 us more than MPI's own at 2
     ranks: docs/guide.md section 7, "Which library runs a collective under cma.mpi")."""
+    if isinstance(route, ObjectWindow):
+        comm = through_mpi.__self__  # type: ignore[attr-defined]  # (bound to the wrapper)
+
+        def routed_object(*args: Any, **kwargs: Any) -> Any:
+            if route(comm, args, kwargs):
+                return through_mpi(*args, **kwargs)
+            return through_cma(*args, **kwargs)
+        return routed_object
     if not isinstance(route, Window):
         return through_mpi
     agreed, size, start, until = route.agreed, route.size, route.start, route.until

@@ -182,9 +182,10 @@ def test_a_routed_method_calls_the_library_its_route_names() -> None:
     def through_cma(*args: Any, **kwargs: Any) -> str:
         return "cma"
 
-    assert routing.method(routing.always_mpi, through_mpi, through_cma) is through_mpi
+    assert routing.method(routing.always_mpi, through_mpi, through_cma, MPI.COMM_SELF) \
+        is through_mpi
     bcast = routing.method(routing.Window(routing.AGREED_BYTES["Bcast"], 2, 100, 200),
-                           through_mpi, through_cma)
+                           through_mpi, through_cma, MPI.COMM_SELF)
     assert bcast(np.zeros(99, np.uint8), 0) == "mpi"
     assert bcast(np.zeros(100, np.uint8), root=1) == "cma"
     assert bcast(buf=[np.zeros(300, np.uint8), 150, MPI.BYTE]) == "cma"
@@ -211,7 +212,18 @@ def test_an_object_collective_routes_by_the_largest_pickle_agreed_over_mpi() -> 
         assert route(comm, (np.zeros(start - 200, np.uint8),), {}) is True
     scatter = routing.routes(routing.AUTO, 2, ["scatter"])["scatter"]
     assert scatter(comm, ([np.zeros(2 << 20, np.uint8) for _ in range(2)], 0), {}) is False
-    assert scatter(comm, (None,), {"sendobj": [small, small], "root": 0}) is True
+    assert scatter(comm, (), {"sendobj": [small, small], "root": 0}) is True
+    # what cannot be pickled whole (a generator, which cma's scatter takes item by item)
+    # goes to cma on every rank, whose collective takes it or raises there
+    assert scatter(comm, ((item for item in [small, small]),), {}) is False
+    assert route(comm, (lambda: None,), {}) is False
+    # measured without pickling: arrays (not of objects), bytes, scalars
+    assert routing.pickled_bytes(1.5) == routing.pickled_bytes(None) == 0
+    assert routing.pickled_bytes(np.zeros(10, object)) > 0
+    assert routing.pickled_bytes(np.ma.zeros(1000)) >= 8000  # (a subclass: its own size)
+    # a routed object collective: the agreement and the call under the routing's lock
+    through = routing.method(scatter, lambda *a, **k: "mpi", lambda *a, **k: "cma", comm)
+    assert through([small, small]) == "mpi" and through(x for x in [small]) == "cma"
 
 
 def test_modes_route_every_collective_alike() -> None:

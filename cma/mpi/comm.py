@@ -54,7 +54,7 @@ from .mpiapi import (
 )
 from .node import NodeComm
 from .requests import SERVED
-from .routing import ENV_COLLECTIVES, Route, env_mode_text, method, mode_of, routes
+from .routing import ENV_COLLECTIVES, ObjectWindow, Route, env_mode_text, method, mode_of, routes
 from .specs import as_bytes, snapshot
 
 # methods an all-on-node Comm takes from its cma communicator (those its class does not
@@ -150,7 +150,7 @@ class Comm(MPI.Intracomm):
             for name, route in self._routes.items():
                 if getattr(type(self), name) is getattr(Comm, name):
                     self.__dict__[name] = method(route, getattr(MPI.Intracomm, name).__get__(self),
-                                                 _ON_NODE[name].__get__(self))
+                                                 _ON_NODE[name].__get__(self), self)
             kept = [name for name in HANDED_OUT if getattr(type(self), name) is not getattr(Comm, name)]
             for name in HANDED_OUT if SAME_WILDCARDS else ():
                 # (the wrapper's Sendrecv calls Isend and Recv, which a subclass may change)
@@ -788,6 +788,9 @@ def _collective(name: str) -> Callable[..., Any]:
 
     def collective(self: Comm, *args: Any, **kwargs: Any) -> Any:
         route = self._routes.get(name)  # (only an all-on-node communicator has routes)
+        if route.__class__ is ObjectWindow:
+            return route.run(self, args, kwargs, through_mpi.__get__(self),
+                             on_node.__get__(self))
         if route is not None and route(self, args, kwargs):
             return through_mpi(self, *args, **kwargs)
         return on_node(self, *args, **kwargs)

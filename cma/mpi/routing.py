@@ -12,9 +12,11 @@ Allgatherv choose by rank count alone.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import pickle
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -55,9 +57,8 @@ WINDOWS: dict[str, tuple[tuple[int, tuple[int, int]], ...]] = {
     # 2-5x slower at every size)
     "Scatter": ((4, NO_SIZE), (8, (512 * KIB, EVERY_SIZE[1]))),
     # the object forms, by the largest pickle any rank holds (ObjectWindow: one MPI call
-    # agrees on it). 2 ranks, 2026-12-05: a small object 2.9-5.8x slower through cma (an
-    # allreduce of a float 27.6 us against 7.6), a bcast 1.2-1.6x faster from 128 KiB, the
-    # others 2.5-30x faster from 4 MiB and 1.2-2.4x slower below 2 MiB (docs/mpi.md)
+    # agrees on it); measured at 2 ranks only (docs/mpi.md, "Which library runs a
+    # collective", has the runs)
     "bcast": ((1 << 30, (128 * KIB, EVERY_SIZE[1])),),
     **dict.fromkeys(("reduce", "allreduce", "gather", "scatter", "allgather", "alltoall"),
                     ((1 << 30, (4 * MIB, EVERY_SIZE[1])),)),
@@ -123,46 +124,83 @@ class Window:
 
 class ObjectWindow:
     """The route of an object collective: cma runs it where the largest pickle a rank
-    holds is in [start, until), MPI elsewhere. Each rank pickles what it holds (the
-    root alone, for bcast and scatter) to measure it, then one MPI call agrees on the
+    holds is in [start, until), MPI elsewhere. Each rank measures what it holds (the
+    root alone, for bcast and scatter: ``pickled_bytes``), then one MPI call agrees on the
     largest: a Bcast of the root's size, else an Allreduce of the maximum (8 bytes; 1.5-3
     us at 2 ranks, which the object collectives through MPI pay besides their own)."""
 
-    __slots__ = ("held", "rooted", "start", "until")
+    __slots__ = ("name", "held", "rooted", "start", "until")
 
     def __init__(self, name: str, start: int, until: int) -> None:
-        self.held = OBJECT_HELD[name]
+        self.name, self.held = name, OBJECT_HELD[name]
         self.rooted = name in ("bcast", "scatter")
         self.start, self.until = start, until
 
     def __call__(self, comm: MPI.Intracomm, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-        # (a fresh buffer: a thread of the rank may route another call meanwhile)
-        size = np.zeros(1, np.int64)
+        size = bytearray(8)  # (a buffer per call: a thread of the rank may route another)
         if self.rooted:
             root = _arg(args, kwargs, 1, "root")
             root = 0 if root is None else root
-            if comm.Get_rank() == root:
-                size[0] = pickled_bytes(self.held(args, kwargs))
+            if MPI.Comm.Get_rank(comm) == root:
+                size[:] = self._measure(args, kwargs).to_bytes(8, "little")
             MPI.Intracomm.Bcast(comm, [size, MPI.INT64_T], root)
         else:
-            size[0] = pickled_bytes(self.held(args, kwargs))
+            size[:] = self._measure(args, kwargs).to_bytes(8, "little")
             MPI.Intracomm.Allreduce(comm, MPI.IN_PLACE, [size, MPI.INT64_T], MPI.MAX)
-        return not self.start <= size[0] < self.until
+        return not self.start <= int.from_bytes(size, "little") < self.until
+
+    def _measure(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+        """What this rank holds, in bytes; where it cannot be pickled whole (a generator
+        cma's scatter takes item by item, an object that refuses), a size that sends the
+        call to cma on every rank, whose collective then takes it or raises, as before
+        routes: a rank that raised here would leave its peers in the agreement."""
+        try:
+            return pickled_bytes(self.held(args, kwargs))
+        except Exception:
+            return self.until - 1
+
+    def run(self, comm: MPI.Intracomm, args: tuple[Any, ...], kwargs: dict[str, Any],
+            through_mpi: Callable[..., Any], through_cma: Callable[..., Any]) -> Any:
+        """The call, routed; the agreement and the call under one lock per communicator
+        and name, so that threads of a rank calling the same collective at once cannot
+        pair one rank's agreement with another's call (as mpi4py's own lock keeps its
+        two MPI calls of a gather together)."""
+        with _route_lock(comm, self.name):
+            if self(comm, args, kwargs):
+                return through_mpi(*args, **kwargs)
+            return through_cma(*args, **kwargs)
+
+
+_LOCK_TABLE: Callable[[MPI.Comm], dict[Any, Any]] | None = getattr(MPI, "_comm_lock_table", None)
+
+
+def _route_lock(comm: MPI.Intracomm, name: str) -> Any:
+    """This communicator's lock for routing ``name`` (a key of its own: the cma path
+    takes mpi4py's ``name`` lock inside it, which does not nest)."""
+    if _LOCK_TABLE is None:
+        return contextlib.nullcontext()
+    return _LOCK_TABLE(comm).setdefault(("cma.mpi.route", name), threading.Lock())
 
 
 def pickled_bytes(obj: Any) -> int:
     """Bytes of ``obj`` pickled as cma sends it (protocol 5: a buffer such as an array's
-    data travels beside the pickle, measured without a copy), or about that: an array's
-    or a bytes object's own size (pickling a NumPy array only to measure it took 5.6 us;
-    the ranks agree on what they measured, so the choice is one whatever the header)."""
-    kind = obj.__class__
-    if kind is np.ndarray:
+    data travels beside the pickle, counted without a copy), or about that: an array's or
+    a bytes object's own size, a scalar's 0 (pickling a NumPy array only to measure it
+    took 5.6 us; the ranks agree on what they measured, so the choice is one whatever a
+    header adds). (A Pickler writing to a file that only counts took 2.0 us for a small
+    dict, ``dumps`` 0.8.)"""
+    if obj is None or obj.__class__ in _SCALARS:
+        return 0
+    if isinstance(obj, np.ndarray) and not obj.dtype.hasobject:
         return int(obj.nbytes)
-    if kind is bytes or kind is bytearray:
+    if isinstance(obj, (bytes, bytearray)):
         return len(obj)
     buffers: list[pickle.PickleBuffer] = []
     head = pickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
     return len(head) + sum(buffer.raw().nbytes for buffer in buffers)
+
+
+_SCALARS = frozenset((int, float, bool, complex, np.float64, np.int64, np.float32, np.int32))
 
 
 def _object_sent(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -182,19 +220,15 @@ OBJECT_HELD: dict[str, Callable[[tuple[Any, ...], dict[str, Any]], Any]] = {
 }
 
 
-def method(route: Route, through_mpi: Callable[..., Any], through_cma: Callable[..., Any]
-           ) -> Callable[..., Any]:
+def method(route: Route, through_mpi: Callable[..., Any], through_cma: Callable[..., Any],
+           comm: MPI.Intracomm) -> Callable[..., Any]:
     """One communicator's collective, routed: ``through_mpi`` itself where MPI runs
     every size, else a call that sizes the message and picks, in one frame (the
     wrapper's frames had cost a routed small Bcast 0.8-1 us more than MPI's own at 2
     ranks: docs/guide.md section 7, "Which library runs a collective under cma.mpi")."""
     if isinstance(route, ObjectWindow):
-        comm = through_mpi.__self__  # type: ignore[attr-defined]  # (bound to the wrapper)
-
         def routed_object(*args: Any, **kwargs: Any) -> Any:
-            if route(comm, args, kwargs):
-                return through_mpi(*args, **kwargs)
-            return through_cma(*args, **kwargs)
+            return route.run(comm, args, kwargs, through_mpi, through_cma)
         return routed_object
     if not isinstance(route, Window):
         return through_mpi

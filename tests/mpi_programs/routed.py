@@ -44,7 +44,7 @@ DATATYPE, PER = FORMS[sys.argv[2] if len(sys.argv) > 2 else "int64"]()
 LARGEST = 16 << 20  # (a window's end past this is not tried)
 NAMES = ("Bcast", "Reduce", "Allreduce", "Scan", "Exscan", "Reduce_scatter_block",
          "Reduce_scatter", "Gather", "Allgather", "Allgatherv", "Scatter", "Alltoall",
-         "bcast", "allreduce", "allgather", "gather")
+         "bcast", "allreduce", "allgather", "gather", "scatter", "reduce", "alltoall")
 
 
 def moved(comm: cma.mpi.Comm) -> int:
@@ -122,11 +122,29 @@ def build(name: str, nbytes: int, rank: int, size: int) -> tuple[Callable[[Any],
             method([whole, count // PER, DATATYPE] if rank == 0 else whole, out)
             return [out]
         return run, count * 8
-    if name in ("bcast", "allreduce", "allgather", "gather"):
+    if name in routing.OBJECT_HELD:
+        # (the window's size held by one rank alone where ranks may differ: the last for
+        # gather, allgather and alltoall, the root for bcast and scatter, whose other
+        # ranks pass something large that is not theirs to send; root 1 by keyword where
+        # there are 3 ranks or more)
+        root = 1 if size >= 3 else 0
+        last = rank == size - 1
+        mine_or_small = mine if last else np.arange(4) * rank
+        items = [np.arange(count // size) + i for i in range(size)]
+
         def run(method: Any) -> list[np.ndarray]:
-            arg = {"bcast": mine if rank == 0 else None}.get(name, mine)
-            got = method(arg, **({"root": 0} if name in ("bcast", "gather") else {}))
-            return [np.asarray(got if got is not None else [])]
+            if name == "bcast":
+                got = method(mine if rank == root else np.zeros(2 * count + 1), root=root)
+            elif name == "scatter":
+                got = method(items if rank == root else None, root=root)
+            elif name in ("allreduce", "reduce"):
+                got = method(mine, op=MPI.SUM, **({"root": root} if name == "reduce" else {}))
+            elif name == "alltoall":
+                got = method(items if last else [np.arange(2) + rank] * size)
+            else:
+                got = method(mine_or_small, **({"root": root} if name == "gather" else {}))
+            parts = got if isinstance(got, list) else [] if got is None else [got]
+            return [np.concatenate([np.ravel(part) for part in parts]) if parts else np.zeros(0)]
         return run, -1
     raise AssertionError(f"no call built for {name}")
 

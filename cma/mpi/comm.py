@@ -54,7 +54,16 @@ from .mpiapi import (
 )
 from .node import NodeComm
 from .requests import SERVED
-from .routing import ENV_COLLECTIVES, ObjectWindow, Route, env_mode_text, method, mode_of, routes
+from .routing import (
+    ENV_COLLECTIVES,
+    LOCK_TABLE,
+    ObjectWindow,
+    Route,
+    env_mode_text,
+    method,
+    mode_of,
+    routes,
+)
 from .specs import as_bytes, snapshot
 
 # methods an all-on-node Comm takes from its cma communicator (those its class does not
@@ -768,11 +777,6 @@ _PREDEFINED = tuple(getattr(MPI, name) for name in OPS)
 _PREDEFINED_IDS = frozenset(map(id, _PREDEFINED))  # (mpi4py's own objects, which live on)
 
 
-# mpi4py serialises each communicator's object collectives per name with a lock from this
-# table (threads calling bcast at once); through cma they take the same lock.
-_LOCK_TABLE: Callable[[MPI.Comm], dict[str, Any]] | None = getattr(MPI, "_comm_lock_table", None)
-
-
 # each collective past its route, for routed instance methods (Comm.__init__)
 _ON_NODE: dict[str, Callable[..., Any]] = {}
 
@@ -782,7 +786,7 @@ def _collective(name: str) -> Callable[..., Any]:
     through_cma = getattr(CmaComm, name)
     op_at = _OP_POSITION.get(name)
     typed = not name.islower()  # (an object collective's payload may hold datatypes: data)
-    locked = not typed and _LOCK_TABLE is not None
+    locked = not typed and LOCK_TABLE is not None
     across_nodes = name in HIERARCHICAL
     signature = inspect.signature(through_cma)
 
@@ -829,8 +833,8 @@ def _collective(name: str) -> Callable[..., Any]:
                 getattr(self._hierarchy(), name)(**arguments)
                 result = None
             elif locked:
-                assert _LOCK_TABLE is not None
-                with _LOCK_TABLE(self).setdefault(name, threading.Lock()):
+                assert LOCK_TABLE is not None
+                with LOCK_TABLE(self).setdefault(name, threading.Lock()):
                     result = through_cma(node, *args, **kwargs)
             else:
                 result = through_cma(node, *args, **kwargs)

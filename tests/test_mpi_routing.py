@@ -201,6 +201,7 @@ def test_an_object_collective_routes_by_the_largest_pickle_agreed_over_mpi() -> 
     assert routing.pickled_bytes(small) < 100
     assert large.nbytes <= routing.pickled_bytes(large) < large.nbytes + 200
     assert large.nbytes <= routing.pickled_bytes([large]) < large.nbytes + 200
+    assert large.nbytes <= routing.pickled_bytes({"data": large, "step": 3}) < large.nbytes + 200
     comm = MPI.COMM_SELF
     for name, start in (("bcast", 128 << 10), ("allreduce", 4 << 20)):
         route = routing.routes(routing.AUTO, 2, [name])[name]

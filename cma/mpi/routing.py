@@ -194,14 +194,20 @@ def pickled_bytes(obj: Any) -> int:
         return 0
     if isinstance(obj, np.ndarray) and not obj.dtype.hasobject:
         return int(obj.nbytes)
-    if isinstance(obj, (bytes, bytearray)):
+    if isinstance(obj, (bytes, bytearray, str)):
         return len(obj)
+    if obj.__class__ is dict and len(obj) <= _PARTS and any(
+            value.__class__ is np.ndarray for value in obj.values()):
+        # (a small dict holding an array, the usual message, by its parts: measured
+        # without pickling the array, which took 5.6 us)
+        return sum(map(pickled_bytes, obj)) + sum(map(pickled_bytes, obj.values()))
     buffers: list[pickle.PickleBuffer] = []
     head = pickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
     return len(head) + sum(buffer.raw().nbytes for buffer in buffers)
 
 
 _SCALARS = frozenset((int, float, bool, complex, np.float64, np.int64, np.float32, np.int32))
+_PARTS = 16  # (a larger dict is pickled whole: measuring its parts one by one costs more)
 
 
 def _object_sent(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

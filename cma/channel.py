@@ -304,10 +304,8 @@ class Outbox:
         A writer's first pass through fresh pages cost ~27 us per 32 KiB here against ~3
         once they are resident (docs/architecture.md, "Resident windows")."""
         self.stretching, self.window = False, self.size // 2
-        assert self.pages is not None
-        with memoryview(self.pages) as whole:
-            if populate(buffer_address(whole) + self.ring_at, self.window):
-                self.kept = self.window
+        if populate(buffer_address(self.data), self.window):
+            self.kept = self.window
 
     def fits(self, nbytes: int) -> bool:
         """Whether a packet of ``nbytes`` payload bytes would be published now."""

@@ -11,7 +11,7 @@ from typing import Any, Literal, NoReturn
 import numpy as np
 from mpi4py import MPI
 
-from ..collectives import OPS, Op, mpi_datatype_constants
+from ..collectives import OPS, Op
 from ..comm import AUTO, NOT_TAKEN
 from ..comm import Comm as CmaComm
 from ..comm import Message as CmaMessage
@@ -57,6 +57,7 @@ from .requests import SERVED
 from .routing import (
     ENV_COLLECTIVES,
     LOCK_TABLE,
+    MPI_OWN_DATATYPES,
     ObjectWindow,
     Route,
     env_mode_text,
@@ -877,7 +878,7 @@ def _derived_datatype(args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
         for spec in specs:
             if spec.__class__ is list or isinstance(spec, (list, tuple)):
                 for item in spec:
-                    if item.__class__ is int or id(item) in _PREDEFINED_DATATYPES:
+                    if item.__class__ is int or id(item) in MPI_OWN_DATATYPES:
                         continue
                     if _is_derived(item) or isinstance(item, (list, tuple)) \
                             and any(map(_is_derived, item)):
@@ -900,9 +901,6 @@ def _with_byte_datatypes(args: tuple[Any, ...], kwargs: dict[str, Any]
 
 def _is_derived(item: Any) -> bool:
     return isinstance(item, MPI.Datatype) and not item.is_predefined
-
-
-_PREDEFINED_DATATYPES = mpi_datatype_constants(MPI)  # (mpi4py's own: predefined, all of them)
 
 
 for _name in ON_NODE_COLLECTIVES:

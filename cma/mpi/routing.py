@@ -24,6 +24,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..collectives import IN_PLACE, _dtype, _message, _vmessage, mpi_datatype_constants
+from ..comm import PLAIN_PICKLES
 from .specs import as_bytes
 
 ENV_COLLECTIVES = "CMA_MPI_COLLECTIVES"
@@ -187,16 +188,17 @@ def _route_lock(comm: MPI.Intracomm, name: str) -> Any:
 def pickled_bytes(obj: Any) -> int:
     """Bytes of ``obj`` pickled as cma sends it (protocol 5: a buffer such as an array's
     data travels beside the pickle, counted without a copy), or about that: an array's or
-    a bytes object's own size, a scalar's 0 (pickling a NumPy array only to measure it
+    a bytes object's or a str's own size, a number's 0 (pickling a NumPy array only to measure it
     took 5.6 us; the ranks agree on what they measured, so the choice is one whatever a
     header adds)."""
-    if obj is None or obj.__class__ in _SCALARS:
-        return 0
-    if isinstance(obj, np.ndarray) and not obj.dtype.hasobject:
+    kind = obj.__class__
+    if kind in PLAIN_PICKLES:
+        return len(obj) if kind is str else 0
+    if isinstance(obj, np.generic) or isinstance(obj, np.ndarray) and not obj.dtype.hasobject:
         return int(obj.nbytes)
-    if isinstance(obj, (bytes, bytearray, str)):
+    if isinstance(obj, (bytes, bytearray)):
         return len(obj)
-    if obj.__class__ is dict and len(obj) <= _PARTS and any(
+    if kind is dict and len(obj) <= _PARTS and any(
             value.__class__ is np.ndarray for value in obj.values()):
         # (a small dict holding an array, the usual message, by its parts: measured
         # without pickling the array, which took 5.6 us)
@@ -206,7 +208,6 @@ def pickled_bytes(obj: Any) -> int:
     return len(head) + sum(buffer.raw().nbytes for buffer in buffers)
 
 
-_SCALARS = frozenset((int, float, bool, complex, np.float64, np.int64, np.float32, np.int32))
 _PARTS = 16  # (a larger dict is pickled whole: measuring its parts one by one costs more)
 
 
@@ -260,9 +261,9 @@ def _in_place(buf: Any) -> bool:
     return buf is MPI.IN_PLACE or buf is None or buf is IN_PLACE
 
 
-# mpi4py's own datatype objects, by id: the fast path reads only these (a derived one
-# goes the way cma.mpi hands it to cma, specs.as_bytes)
-_MPI_OWN = mpi_datatype_constants(MPI)
+# mpi4py's own datatype objects (predefined, all of them), by id: the fast path reads only
+# these (a derived one goes the way cma.mpi hands it to cma, specs.as_bytes)
+MPI_OWN_DATATYPES = mpi_datatype_constants(MPI)
 
 
 def spec_bytes(spec: Any, blocks: int = 1) -> int:
@@ -275,7 +276,7 @@ def spec_bytes(spec: Any, blocks: int = 1) -> int:
         if spec.flags.c_contiguous and not spec.dtype.hasobject:
             return spec.size // blocks * spec.itemsize
     elif kind is list and len(spec) == 3 and spec[1].__class__ is int and spec[1] >= 0 \
-            and (id(spec[2]) in _MPI_OWN or spec[2].__class__ is str):
+            and (id(spec[2]) in MPI_OWN_DATATYPES or spec[2].__class__ is str):
         nbytes = _counted_bytes(spec[0], spec[1] * blocks, spec[2])
         if nbytes >= 0:
             return nbytes // blocks

@@ -156,6 +156,16 @@ def test_a_rank_that_talks_to_one_peer_maps_one_peer_and_holds_its_fds_only(tmp_
         assert figures["fds"] - alone <= FDS_PER_PEER * peers, (figures, alone)
 
 
+def held_bytes(memfd: int) -> int:
+    """Bytes of memory the world's memfd holds."""
+    return os.fstat(memfd).st_blocks * 512
+
+
+def idle(comm: cma.Comm) -> bool:
+    """A rank that talks to no one (a third rank: the world is no longer two ranks')."""
+    return True
+
+
 def _quiet_ring_pair(wait: str, reader: str, count: int = 64, block: int = 64 << 10,
                      ranks: int = 3):
     """Rank 0 sends ``count`` eager messages of ``block`` bytes, then waits for rank 1 in
@@ -177,14 +187,14 @@ def _quiet_ring_pair(wait: str, reader: str, count: int = 64, block: int = 64 <<
         memfd = comm._progress.world.fds.memfd
         for i in range(count):
             comm.Send(np.full(block, i, np.uint8), dest=1, tag=1)
-        sent = os.fstat(memfd).st_blocks * 512
+        sent = held_bytes(memfd)
         receive = np.zeros(1, np.uint8)
         for tag in (2, 3):  # (2: rank 1 has read them all)
             if wait == "Recv":
                 comm.Recv(receive, source=1, tag=tag)
             else:
                 comm.Irecv(receive, source=1, tag=tag).Wait()
-        quiet = os.fstat(memfd).st_blocks * 512
+        quiet = held_bytes(memfd)
         for i in range(8):
             comm.Send(np.full(block, 100 + i, np.uint8), dest=1, tag=4)
         return sent, quiet
@@ -203,9 +213,6 @@ def _quiet_ring_pair(wait: str, reader: str, count: int = 64, block: int = 64 <<
         for i in range(8):
             comm.Recv(got, source=0, tag=4)
             assert (got == 100 + i).all()
-        return True
-
-    def idle(comm):
         return True
 
     funcs = [rank0, rank1, idle][:ranks]
@@ -263,7 +270,7 @@ def test_a_two_rank_ring_faults_its_window_in_once_it_carries_traffic(ranks):
         held = []
         for i in range(3):  # (the third passes RESIDENT_FROM)
             comm.Send(np.full(block, i, np.uint8), dest=1, tag=1)
-            held.append(os.fstat(memfd).st_blocks * 512)
+            held.append(held_bytes(memfd))
         comm.Recv(np.zeros(1, np.uint8), source=1, tag=2)
         return held
 
@@ -273,9 +280,6 @@ def test_a_two_rank_ring_faults_its_window_in_once_it_carries_traffic(ranks):
             comm.Recv(got, source=0, tag=1)
             assert (got == i).all()
         comm.Send(np.zeros(1, np.uint8), dest=0, tag=2)
-        return True
-
-    def idle(comm):
         return True
 
     packet = cma.channel.packet_bytes(block)

@@ -10,6 +10,7 @@ off-node peers at once.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -282,6 +283,21 @@ def test_collectives_agree_with_mpi(n: int, env: dict[str, str]) -> None:
     through cma (CMA_MPI_COLLECTIVES=cma): cma's are what is tested; routing.py has
     which library runs what by default."""
     expect_ok(n, "collectives.py", env={"CMA_MPI_COLLECTIVES": "cma", **env})
+
+
+def test_the_object_snippets_bench_times_both_libraries_in_both_orders(tmp_path: Path) -> None:
+    """bench/object_snippets.py (docs/mpi.md's object-collective figures): every case
+    timed for both libraries each round, plain first in even rounds, the plugin in odd."""
+    out_file = tmp_path / "snippets.json"
+    code, out, _ = mpirun(2, str(ROOT / "bench" / "object_snippets.py"), "--rounds", "2",
+                          "--cases", "gather int,reduce 4 MiB array", "--json", str(out_file))
+    assert code == 0, out
+    records = json.loads(out_file.read_text())["records"]
+    assert [(r["case"], r["round"], r["first"]) for r in records] == [
+        (case, 0, "plain") if i % 2 == 0 else (case, 1, "plugin")
+        for case in ("gather int", "reduce 4 MiB array") for i in range(2)]
+    assert all(r["plain"] > 0 and r["plugin"] > 0 for r in records)
+    assert len(re.findall(r"speed +\d", out)) == 4, out
 
 
 @pytest.mark.parametrize(("n", "mode", "datatype"), [

@@ -4,6 +4,8 @@ its buffer spec takes; the table and the modes route as they say."""
 
 from __future__ import annotations
 
+import pickle
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -193,38 +195,209 @@ def test_a_routed_method_calls_the_library_its_route_names() -> None:
     assert bcast([np.zeros(3), 1, 2, 3, 4]) == "cma"  # (refused: cma raises its error)
 
 
-def test_an_object_collective_routes_by_the_largest_pickle_agreed_over_mpi() -> None:
+def test_an_object_collective_routes_by_the_pickle_a_rank_holds() -> None:
     """Each rank measures the pickle it holds (an array's data beside it, uncopied), the
-    root alone for bcast and scatter; MPI agrees on the largest (here over COMM_SELF),
-    and cma runs it inside the window. The window is the table's at every rank count."""
+    root alone for bcast and scatter; one rank's object past the window's start is
+    enough. The window is the table's at every rank count."""
     small, large = {"a": [1, 2]}, np.zeros(70_000, np.uint8)
     assert routing.pickled_bytes(small) < 100
     assert large.nbytes <= routing.pickled_bytes(large) < large.nbytes + 200
     assert large.nbytes <= routing.pickled_bytes([large]) < large.nbytes + 200
     assert large.nbytes <= routing.pickled_bytes({"data": large, "step": 3}) < large.nbytes + 200
-    comm = MPI.COMM_SELF
     for name, start in (("bcast", 128 << 10), ("allreduce", 4 << 20)):
         route = routing.routes(routing.AUTO, 2, [name])[name]
-        assert isinstance(route, routing.ObjectWindow)
-        assert route(comm, (small,), {}) is True  # (MPI's)
+        assert isinstance(route, routing.ObjectWindow) and route.start == start
+        assert not route.holds_large((small,), {})
         big = np.zeros(start, np.uint8)
-        assert route(comm, (big,), {}) is False  # (cma's)
-        assert route(comm, (), {"obj" if name == "bcast" else "sendobj": big}) is False
-        assert route(comm, (np.zeros(start - 200, np.uint8),), {}) is True
+        assert route.holds_large((big,), {})
+        assert route.holds_large((), {"obj" if name == "bcast" else "sendobj": big})
+        assert not route.holds_large((np.zeros(start - 200, np.uint8),), {})
+        # what cannot be pickled whole goes to cma, whose collective takes it or raises
+        assert route.holds_large((lambda: None,), {})
     scatter = routing.routes(routing.AUTO, 2, ["scatter"])["scatter"]
-    assert scatter(comm, ([np.zeros(2 << 20, np.uint8) for _ in range(2)], 0), {}) is False
-    assert scatter(comm, (), {"sendobj": [small, small], "root": 0}) is True
-    # what cannot be pickled whole (a generator, which cma's scatter takes item by item)
-    # goes to cma on every rank, whose collective takes it or raises there
-    assert scatter(comm, ((item for item in [small, small]),), {}) is False
-    assert route(comm, (lambda: None,), {}) is False
+    assert isinstance(scatter, routing.ObjectWindow)
+    assert scatter.holds_large(([np.zeros(2 << 20, np.uint8) for _ in range(2)], 0), {})
+    assert not scatter.holds_large((), {"sendobj": [small, small], "root": 0})
+    assert scatter.holds_large(((item for item in [small, small]),), {})  # (cma's takes it)
     # measured without pickling: arrays (not of objects), bytes, scalars
     assert routing.pickled_bytes(1.5) == routing.pickled_bytes(None) == 0
     assert routing.pickled_bytes(np.zeros(10, object)) > 0
     assert routing.pickled_bytes(np.ma.zeros(1000)) >= 8000  # (a subclass: its own size)
-    # a routed object collective: the agreement and the call under the routing's lock
-    through = routing.method(scatter, lambda *a, **k: "mpi", lambda *a, **k: "cma", comm)
-    assert through([small, small]) == "mpi" and through(x for x in [small]) == "cma"
+
+
+class Peers:
+    """MPI's side of an object collective as this rank sees it, peers' objects given:
+    records what this rank sent through MPI and answers what its peers' would make
+    MPI return (their THROUGH_CMA included)."""
+
+    def __init__(self, name: str, peers: list[Any], root: int = 0) -> None:
+        self.name, self.peers, self.root, self.sent = name, peers, root, []
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.sent.append((args, kwargs))
+        mine = args[0] if args else next(iter(kwargs.values()))
+        if self.name in ("bcast", "scatter"):
+            return self.peers[self.root] if self.root != 0 else (
+                mine if self.name == "bcast" else mine[0])
+        if self.name == "allgather":
+            return [mine, *self.peers[1:]]
+        if self.name == "alltoall":
+            return [mine[0], *self.peers[1:]]
+        result = mine  # allreduce: rank order, with the op it was given
+        for peer in self.peers[1:]:
+            result = args[1](result, peer)
+        return result
+
+
+def cma_call(*args: Any, **kwargs: Any) -> Any:
+    return ("cma", args, kwargs)
+
+
+@pytest.mark.parametrize("name", ["bcast", "scatter", "allgather", "alltoall", "allreduce"])
+def test_an_object_collective_goes_to_cma_where_any_rank_sends_through_cma(name: str) -> None:
+    """Without an agreement call: a rank whose object is large sends THROUGH_CMA
+    through MPI in place of it; a rank that gets one back (a root's, a peer's block, a
+    combination holding one) runs the call through cma; else MPI's answer stands."""
+    route = routing.routes(routing.AUTO, 2, [name])[name]
+    assert isinstance(route, routing.ObjectWindow)
+    big, mark = np.zeros(route.start, np.uint8), routing.THROUGH_CMA
+    small = [1, 2] if name in ("scatter", "alltoall") else 1
+    run = route.run
+    # small everywhere: MPI's answer, once
+    mpi = Peers(name, [None, 1 if name != "scatter" else 1])
+    got = run(MPI.COMM_SELF, (small,), {}, mpi, cma_call)
+    assert got == {"bcast": 1, "scatter": 1, "allgather": [1, 1], "alltoall": [1, 1],
+                   "allreduce": 2}[name] and len(mpi.sent) == 1
+    # large here: THROUGH_CMA through MPI, then cma with the call as it was made
+    held = [big, big] if name in ("scatter", "alltoall") else big
+    mpi = Peers(name, [None, 1])
+    assert run(MPI.COMM_SELF, (held,), {}, mpi, cma_call) == ("cma", (held,), {})
+    sent = mpi.sent[0][0][0]
+    assert sent is mark or sent == [mark], sent
+    # large at a peer only (rank 1): the peer's THROUGH_CMA sends this rank to cma
+    rooted = name in ("bcast", "scatter")
+    mpi = Peers(name, [None, mark], root=1 if rooted else 0)
+    kwargs = {"root": 1} if rooted else {}
+    assert run(MPI.COMM_SELF, (small,), kwargs, mpi, cma_call) == ("cma", (small,), kwargs)
+    if name == "allreduce":  # (the user's op still combines what is small)
+        mpi = Peers(name, [None, 5])
+        assert run(MPI.COMM_SELF, (3, MPI.PROD), {}, mpi, cma_call) == 15
+        assert run(MPI.COMM_SELF, (), {"sendobj": 3, "op": lambda a, b: a - b}, mpi, cma_call) == -2
+    # a non-root's own large object does not count: the root's decides
+    if rooted:
+        mpi = Peers(name, [None, 7], root=1)
+        assert run(MPI.COMM_SELF, (held, 1), {}, mpi, cma_call) == 7
+
+
+def test_through_cma_comes_back_as_itself_through_any_pickle() -> None:
+    mark = routing.THROUGH_CMA
+    assert pickle.loads(pickle.dumps(mark)) is mark
+    assert MPI.COMM_SELF.bcast(mark) is mark
+    assert MPI.COMM_SELF.allreduce([mark]) == [mark]
+
+
+class Moving(MPI.Intracomm):
+    """COMM_SELF as the root of a gather or reduce (rank 0) or as a peer of it: what
+    it would take from ranks through cma, and what it sends."""
+
+    def __init__(self, comm: MPI.Intracomm) -> None:
+        self.pulled: list[int] = []
+        self.sent: list[tuple[Any, int]] = []
+
+    def _objects_from(self, ranks: list[int], root: int) -> list[Any]:
+        self.pulled += ranks
+        return [[f"large {rank}"] for rank in ranks]
+
+    def _object_to(self, obj: Any, root: int) -> None:
+        self.sent.append((obj, root))
+
+
+def test_a_gather_takes_only_the_large_objects_through_cma() -> None:
+    """The root gets MPI's list with each large object in its place, taken from its
+    rank through cma (its own as it is); a rank other than the root that holds a large
+    object sends it after MPI's gather; nothing else moves through cma."""
+    route = routing.routes(routing.AUTO, 2, ["gather"])["gather"]
+    assert isinstance(route, routing.ObjectWindow)
+    big, mark = np.zeros(route.start, np.uint8), routing.THROUGH_CMA
+
+    def gather_with(peers: list[Any]) -> Callable[..., Any]:
+        return lambda obj, root: [obj, *peers] if root == 0 else None
+
+    comm = Moving(MPI.COMM_SELF)
+    assert route.run(comm, ([1],), {}, gather_with([[2], [3]]), cma_call) == [[1], [2], [3]]
+    assert route.run(comm, ([1],), {}, gather_with([mark, [3]]), cma_call) == [[1], ["large 1"], [3]]
+    assert comm.pulled == [1] and comm.sent == []
+    got = route.run(comm, (big,), {}, gather_with([[2], mark]), cma_call)
+    assert got[0] is big and got[1:] == [[2], ["large 2"]] and comm.pulled == [1, 2]
+    # at a rank other than the root (1): its large object goes after MPI's call
+    sent: list[Any] = []
+    gather_at_peer = lambda obj, root: sent.append(obj)  # noqa: E731
+    assert route.run(comm, (big, 1), {}, gather_at_peer, cma_call) is None
+    assert sent == [mark] and comm.sent == [(big, 1)]
+    assert route.run(comm, (), {"sendobj": [1], "root": 1}, gather_at_peer, cma_call) is None
+    assert sent == [mark, [1]] and comm.sent == [(big, 1)]
+
+
+def tree_reduce(peers: list[Any]) -> Callable[..., Any]:
+    """MPI's reduce at rank 0 as mpi4py runs it, the peers' objects given: a binomial
+    tree over ranks (rank r combines with r + mask), then to the root."""
+    def reduce(obj: Any, op: Any, root: int) -> Any:
+        values = [obj, *peers]
+        mask = 1
+        while mask < len(values):
+            for r in range(0, len(values), 2 * mask):
+                if r + mask < len(values):
+                    values[r] = op(values[r], values[r + mask])
+            mask <<= 1
+        return values[0] if root == 0 else None
+    return reduce
+
+
+def test_a_reduce_combines_the_large_objects_in_rank_order_at_the_root() -> None:
+    """Through MPI's reduce, a large object is its rank (``_LargeAt`` in ``_Parts``),
+    the small ones between combined by the user's op; the root takes the large ones
+    through cma and combines all in rank order, whatever the tree's grouping."""
+    route = routing.routes(routing.AUTO, 2, ["reduce"])["reduce"]
+    assert isinstance(route, routing.ObjectWindow)
+    big = [np.zeros(route.start, np.uint8)]
+
+    def large_at(rank: int) -> Any:
+        return routing._Parts([routing._LargeAt(rank)])
+
+    def joined(a: list[Any], b: list[Any]) -> list[Any]:
+        return a + b
+
+    comm = Moving(MPI.COMM_SELF)
+    assert route.run(comm, ([0], joined), {}, tree_reduce([[1], [2], [3]]), cma_call) == [0, 1, 2, 3]
+    assert route.run(comm, (5,), {}, tree_reduce([6, 7]), cma_call) == 18  # (MPI.SUM, the default)
+    assert comm.pulled == []
+    for peers, pulled in (([[1], large_at(2), [3], [4], large_at(5)], [2, 5]),
+                          ([large_at(1), large_at(2), [3]], [1, 2])):
+        comm.pulled = []
+        got = route.run(comm, ([0],), {"op": joined}, tree_reduce(peers), cma_call)
+        assert got == [0, *[f"large {r}" if p.__class__ is routing._Parts else p[0]
+                            for r, p in enumerate(peers, 1)]], got
+        assert comm.pulled == pulled
+    got = route.run(comm, (big, joined), {}, tree_reduce([[1], large_at(2)]), cma_call)
+    assert got[0] is big[0] and got[1:] == [1, "large 2"]
+    # a user's int is an int, not a rank: the op sees it
+    assert route.run(comm, ([3],), {"op": joined}, tree_reduce([[(1,)], [2]]), cma_call) == [3, (1,), 2]
+    # at a rank other than the root (1): its large object goes after MPI's call
+    seen: list[Any] = []
+    at_peer = lambda obj, op, root: seen.append(obj)  # noqa: E731
+    assert route.run(comm, (big, joined, 1), {}, at_peer, cma_call) is None
+    assert seen == [large_at(0)] and comm.sent == [(big, 1)]
+
+
+@pytest.mark.skipif(routing.LOCK_TABLE is None, reason="this mpi4py has no lock table")
+def test_a_routed_object_collective_runs_under_the_routing_lock() -> None:
+    """MPI's call and cma's run under one lock per communicator and name (threads of a
+    rank calling one collective at once stay paired across ranks)."""
+    route = routing.routes(routing.AUTO, 2, ["gather"])["gather"]
+    comm = Moving(MPI.COMM_SELF)
+    lock = routing._route_lock(comm, "gather")
+    through = routing.method(route, lambda obj, root: [lock.locked()], cma_call, comm)
+    assert through(3) == [True] and not lock.locked()
 
 
 def test_modes_route_every_collective_alike() -> None:

@@ -185,6 +185,28 @@ class Comm(MPI.Intracomm):
         return (f"<cma.mpi.Comm rank {self.Get_rank()} of {self.Get_size()}, cma "
                 f"({self._cma.transport}) to ranks {self._ranks}, MPI to the rest>")
 
+    def _objects_from(self, ranks: Sequence[int], root: int) -> list[Any]:
+        """``NodeComm.objects_from``, its errors raised as mpi4py's (the large objects
+        of a gather or reduce, routing.ObjectWindow)."""
+        node = self._cma
+        assert node is not None
+        try:
+            objects = node.objects_from(ranks, root)
+            node._keep_moving()
+            return objects
+        except CmaError as exc:
+            self._fail(exc)
+
+    def _object_to(self, obj: Any, root: int) -> None:
+        """``NodeComm.object_to``, its errors raised as mpi4py's."""
+        node = self._cma
+        assert node is not None
+        try:
+            node.object_to(obj, root)
+            node._keep_moving()
+        except CmaError as exc:
+            self._fail(exc)
+
     # -- errors
 
     def _fail(self, exc: BaseException, status: MPI.Status | None = None) -> NoReturn:
@@ -793,7 +815,7 @@ def _collective(name: str) -> Callable[..., Any]:
 
     def collective(self: Comm, *args: Any, **kwargs: Any) -> Any:
         route = self._routes.get(name)  # (only an all-on-node communicator has routes)
-        if route.__class__ is ObjectWindow:
+        if isinstance(route, ObjectWindow):
             return route.run(self, args, kwargs, through_mpi.__get__(self),
                              on_node.__get__(self))
         if route is not None and route(self, args, kwargs):

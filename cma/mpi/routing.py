@@ -13,12 +13,13 @@ Allgatherv choose by rank count alone.
 from __future__ import annotations
 
 import contextlib
+import functools
 import mmap
 import os
 import pickle
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol, TypeAlias, cast
 
 import numpy as np
 from mpi4py import MPI
@@ -78,7 +79,9 @@ def env_mode_text() -> str:
     return os.environ.get(ENV_COLLECTIVES, "")
 
 
-Route = Callable[[MPI.Intracomm, tuple[Any, ...], dict[str, Any]], bool]
+# whether MPI runs a call (given the communicator and the call's arguments), or an
+# ObjectWindow, which runs an object collective itself
+Route: TypeAlias = "Callable[[MPI.Intracomm, tuple[Any, ...], dict[str, Any]], bool] | ObjectWindow"
 
 
 def routes(mode: str, size: int, names: Sequence[str]) -> dict[str, Route]:
@@ -97,7 +100,8 @@ def routes(mode: str, size: int, names: Sequence[str]) -> dict[str, Route]:
             chosen[name] = always_mpi
             continue
         if name in OBJECT_HELD:
-            chosen[name] = ObjectWindow(name, *window)
+            # (open-ended: one rank's object past the start sends the call to cma)
+            chosen[name] = ObjectWindow(name, window[0])
         else:
             chosen[name] = Window(AGREED_BYTES[name], size, *window)  # (a size every rank agrees on)
     return chosen
@@ -123,53 +127,214 @@ class Window:
         return nbytes >= 0 and not self.start <= nbytes < self.until
 
 
+class _ThroughCma:
+    """What a rank sends through MPI in place of a large object: the ranks that receive
+    it run the call again through cma (pickled by name, so that any ``MPI.pickle``
+    brings back the one instance)."""
+
+    __slots__ = ()
+
+    def __reduce__(self) -> str:
+        return "THROUGH_CMA"
+
+    def __repr__(self) -> str:
+        return "THROUGH_CMA"
+
+
+THROUGH_CMA = _ThroughCma()
+
+
 class ObjectWindow:
-    """The route of an object collective: cma runs it where the largest pickle a rank
-    holds is in [start, until), MPI elsewhere. Each rank measures what it holds (the
-    root alone, for bcast and scatter: ``pickled_bytes``), then one MPI call agrees on the
-    largest: a Bcast of the root's size, else an Allreduce of the maximum (8 bytes; 1.5-3
-    us at 2 ranks, which the object collectives through MPI pay besides their own)."""
+    """The route of an object collective: cma carries an object of ``start`` bytes or
+    more (``pickled_bytes``, as the rank holding it measures it; the root alone for bcast
+    and scatter), MPI the rest, with no call to agree first: MPI's own call carries a
+    mark in place of each large object, and the ranks that receive one go on through
+    cma. bcast, scatter, allgather, alltoall and allreduce mark with ``THROUGH_CMA``,
+    whose receivers run the whole call again through cma (allreduce's op passes it on);
+    gather and reduce mark with the rank, whose object alone then goes to the root
+    through cma. So a call of small objects costs mpi4py's own and a measure
+    (docs/mpi.md, "Which library runs a collective", has the costs)."""
 
-    __slots__ = ("name", "held", "rooted", "start", "until")
+    __slots__ = ("name", "held", "start", "_run", "_lock")
 
-    def __init__(self, name: str, start: int, until: int) -> None:
-        self.name, self.held = name, OBJECT_HELD[name]
-        self.rooted = name in ("bcast", "scatter")
-        self.start, self.until = start, until
+    def __init__(self, name: str, start: int) -> None:
+        self.name, self.held, self.start = name, OBJECT_HELD[name], start
+        self._run = _OBJECT_RUNS[name]
+        self._lock: tuple[MPI.Intracomm, Any] | None = None  # (the last communicator's)
 
-    def __call__(self, comm: MPI.Intracomm, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-        size = bytearray(8)  # (a buffer per call: a thread of the rank may route another)
-        if self.rooted:
-            root = _arg(args, kwargs, 1, "root")
-            root = 0 if root is None else root
-            if MPI.Comm.Get_rank(comm) == root:
-                size[:] = self._measure(args, kwargs).to_bytes(8, "little")
-            MPI.Intracomm.Bcast(comm, [size, MPI.INT64_T], root)
-        else:
-            size[:] = self._measure(args, kwargs).to_bytes(8, "little")
-            MPI.Intracomm.Allreduce(comm, MPI.IN_PLACE, [size, MPI.INT64_T], MPI.MAX)
-        return not self.start <= int.from_bytes(size, "little") < self.until
-
-    def _measure(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
-        """What this rank holds, in bytes; where it cannot be pickled whole (a generator
-        cma's scatter takes item by item, an object that refuses), a size that sends the
-        call to cma on every rank, whose collective then takes it or raises, as before
-        routes: a rank that raised here would leave its peers in the agreement."""
+    def holds_large(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """Whether this rank's object goes through cma; also where it cannot be pickled
+        whole (a generator, which cma's scatter takes item by item; an object that
+        refuses): cma's collective then takes it or raises, as before routes (a rank that
+        raised here would leave its peers waiting in MPI)."""
         try:
-            return pickled_bytes(self.held(args, kwargs))
+            return pickled_bytes(self.held(args, kwargs)) >= self.start
         except Exception:
-            return self.until - 1
+            return True
 
     def run(self, comm: MPI.Intracomm, args: tuple[Any, ...], kwargs: dict[str, Any],
             through_mpi: Callable[..., Any], through_cma: Callable[..., Any]) -> Any:
-        """The call, routed; the agreement and the call under one lock per communicator
-        and name, so that threads of a rank calling the same collective at once cannot
-        pair one rank's agreement with another's call (as mpi4py's own lock keeps its
-        two MPI calls of a gather together)."""
-        with _route_lock(comm, self.name):
-            if self(comm, args, kwargs):
-                return through_mpi(*args, **kwargs)
-            return through_cma(*args, **kwargs)
+        """The call, routed; MPI's call and cma's under one lock per communicator and
+        name, so that threads of a rank calling the same collective at once cannot pair
+        one rank's MPI call with another's cma call (as mpi4py's own lock keeps its two
+        MPI calls of a gather together)."""
+        kept = self._lock
+        if kept is None or kept[0] is not comm:  # (a route serves one communicator: the
+            kept = self._lock = (comm, _route_lock(comm, self.name))  # look-up cost 0.35 us)
+        with kept[1]:
+            return self._run(self, comm, args, kwargs, through_mpi, through_cma)
+
+
+_ObjectRun = Callable[[ObjectWindow, MPI.Intracomm, tuple[Any, ...], dict[str, Any],
+                       Callable[..., Any], Callable[..., Any]], Any]
+
+
+def _rooted(route: ObjectWindow, comm: MPI.Intracomm, args: tuple[Any, ...],
+            kwargs: dict[str, Any], through_mpi: Callable[..., Any],
+            through_cma: Callable[..., Any]) -> Any:
+    """bcast and scatter: the root alone decides; a large object's place in MPI's call
+    goes to THROUGH_CMA (scatter's: one to each rank)."""
+    root = _arg(args, kwargs, 1, "root")
+    root = 0 if root is None else root
+    if MPI.Comm.Get_rank(comm) == root:
+        if not route.holds_large(args, kwargs):
+            return through_mpi(*args, **kwargs)
+        mark = THROUGH_CMA if route.name == "bcast" else [THROUGH_CMA] * MPI.Comm.Get_size(comm)
+        through_mpi(mark, root)
+        return through_cma(*args, **kwargs)
+    got = through_mpi(*args, **kwargs)
+    return through_cma(*args, **kwargs) if got is THROUGH_CMA else got
+
+
+def _each_rank(route: ObjectWindow, comm: MPI.Intracomm, args: tuple[Any, ...],
+               kwargs: dict[str, Any], through_mpi: Callable[..., Any],
+               through_cma: Callable[..., Any]) -> Any:
+    """allgather and alltoall: a rank holding a large object sends THROUGH_CMA to every
+    rank, so every rank sees one."""
+    if route.holds_large(args, kwargs):
+        through_mpi(THROUGH_CMA if route.name == "allgather"
+                    else [THROUGH_CMA] * MPI.Comm.Get_size(comm))
+        return through_cma(*args, **kwargs)
+    got = through_mpi(*args, **kwargs)
+    if any(item is THROUGH_CMA for item in got):
+        return through_cma(*args, **kwargs)
+    return got
+
+
+def _allreduce(route: ObjectWindow, comm: MPI.Intracomm, args: tuple[Any, ...],
+               kwargs: dict[str, Any], through_mpi: Callable[..., Any],
+               through_cma: Callable[..., Any]) -> Any:
+    """allreduce: THROUGH_CMA combined with anything is THROUGH_CMA, and every rank
+    gets the combination."""
+    op = _arg(args, kwargs, 1, "op")
+    op = MPI.SUM if op is None else op
+
+    def passing_on(a: Any, b: Any) -> Any:
+        return THROUGH_CMA if a is THROUGH_CMA or b is THROUGH_CMA else op(a, b)
+
+    large = route.holds_large(args, kwargs)
+    got = through_mpi(THROUGH_CMA if large else route.held(args, kwargs), passing_on)
+    return through_cma(*args, **kwargs) if got is THROUGH_CMA else got
+
+
+class MovesObjects(Protocol):
+    """A communicator that moves single objects to the root of a gather or reduce
+    through cma (cma.mpi.Comm)."""
+
+    def _objects_from(self, ranks: Sequence[int], root: int) -> list[Any]: ...
+
+    def _object_to(self, obj: Any, root: int) -> None: ...
+
+
+def _root(args: tuple[Any, ...], kwargs: dict[str, Any], at: int) -> Any:
+    root = _arg(args, kwargs, at, "root")
+    return 0 if root is None else root
+
+
+def _gathered(route: ObjectWindow, comm: MPI.Intracomm, args: tuple[Any, ...],
+              kwargs: dict[str, Any], through_mpi: Callable[..., Any],
+              through_cma: Callable[..., Any]) -> Any:
+    """gather: a rank holding a large object sends THROUGH_CMA through MPI, then its
+    object to the root through cma; the root takes those into their places (its own as
+    it is, as cma's gather gives it)."""
+    root = _root(args, kwargs, 1)
+    large, sendobj = route.holds_large(args, kwargs), route.held(args, kwargs)
+    got = through_mpi(THROUGH_CMA if large else sendobj, root)
+    moves = cast(MovesObjects, comm)
+    if MPI.Comm.Get_rank(comm) != root:
+        if large:
+            moves._object_to(sendobj, root)
+        return got
+    if large:
+        got[root] = sendobj
+    marked = [rank for rank, item in enumerate(got) if item is THROUGH_CMA]
+    if marked:
+        for rank, item in zip(marked, moves._objects_from(marked, root), strict=True):
+            got[rank] = item
+    return got
+
+
+class _Parts(list[Any]):
+    """What a reduce through MPI combines where a rank's object is large: in rank order,
+    the combination of each run of small objects and, for each large one, its rank
+    (``_LargeAt``), whose object the root takes through cma."""
+
+    __slots__ = ()
+
+
+class _LargeAt(int):
+    """The rank of a large object in a reduce's ``_Parts`` (a class of its own: a user's
+    objects may be ints)."""
+
+    __slots__ = ()
+
+
+def _parts(item: Any) -> list[Any]:
+    return item if item.__class__ is _Parts else [item]
+
+
+def _reduced(route: ObjectWindow, comm: MPI.Intracomm, args: tuple[Any, ...],
+             kwargs: dict[str, Any], through_mpi: Callable[..., Any],
+             through_cma: Callable[..., Any]) -> Any:
+    """reduce: a rank holding a large object passes ``_Parts([_LargeAt(rank)])``
+    through MPI's reduce, whose op keeps the parts in rank order and combines the small
+    objects between them; then it sends its object to the root through cma, which
+    combines the parts in order (the op is associative, as MPI asks: only the grouping
+    differs from mpi4py's tree)."""
+    op = _arg(args, kwargs, 1, "op")
+    op = MPI.SUM if op is None else op
+    root = _root(args, kwargs, 2)
+    rank = MPI.Comm.Get_rank(comm)
+
+    def keeping_parts(a: Any, b: Any) -> Any:
+        if a.__class__ is not _Parts and b.__class__ is not _Parts:
+            return op(a, b)
+        left, right = _parts(a), _parts(b)
+        if left[-1].__class__ is not _LargeAt and right[0].__class__ is not _LargeAt:
+            return _Parts([*left[:-1], op(left[-1], right[0]), *right[1:]])
+        return _Parts(left + right)
+
+    large, sendobj = route.holds_large(args, kwargs), route.held(args, kwargs)
+    got = through_mpi(_Parts([_LargeAt(rank)]) if large else sendobj, keeping_parts, root)
+    moves = cast(MovesObjects, comm)
+    if rank != root:
+        if large:
+            moves._object_to(sendobj, root)
+        return got
+    if got.__class__ is not _Parts:
+        return got
+
+    def value(part: Any) -> Any:  # (taken as the fold comes to it: one at a time)
+        if part.__class__ is not _LargeAt:
+            return part
+        return sendobj if part == root else moves._objects_from([int(part)], root)[0]
+    return functools.reduce(op, map(value, got))
+
+
+_OBJECT_RUNS: dict[str, _ObjectRun] = {
+    "bcast": _rooted, "scatter": _rooted, "allgather": _each_rank, "alltoall": _each_rank,
+    "allreduce": _allreduce, "gather": _gathered, "reduce": _reduced,
+}
 
 
 # mpi4py serialises each communicator's object collectives per name with a lock from this
@@ -188,24 +353,29 @@ def _route_lock(comm: MPI.Intracomm, name: str) -> Any:
 def pickled_bytes(obj: Any) -> int:
     """Bytes of ``obj`` pickled as cma sends it (protocol 5: a buffer such as an array's
     data travels beside the pickle, counted without a copy), or about that: an array's or
-    a bytes object's or a str's own size, a number's 0 (pickling a NumPy array only to measure it
-    took 5.6 us; the ranks agree on what they measured, so the choice is one whatever a
-    header adds)."""
+    a bytes object's or a str's own size, a number's 0 (pickling a NumPy array only to
+    measure it took 5.6 us). Each rank decides by its own measure, so it need only be
+    cheap: the tests come in the order of the usual messages."""
     kind = obj.__class__
     if kind in PLAIN_PICKLES:
         return len(obj) if kind is str else 0
-    if isinstance(obj, np.generic) or isinstance(obj, np.ndarray) and not obj.dtype.hasobject:
+    if kind is np.ndarray and not obj.dtype.hasobject:
+        return obj.nbytes
+    if kind is dict and len(obj) <= _PARTS:
+        for value in obj.values():
+            if value.__class__ is np.ndarray:
+                # (a small dict holding an array, the usual message, by its parts: measured
+                # without pickling the array)
+                return sum(map(pickled_bytes, obj)) + sum(map(pickled_bytes, obj.values()))
+    elif isinstance(obj, np.generic) or isinstance(obj, np.ndarray) and not obj.dtype.hasobject:
         return int(obj.nbytes)
-    if isinstance(obj, (bytes, bytearray)):
+    elif isinstance(obj, (bytes, bytearray)):
         return len(obj)
-    if kind is dict and len(obj) <= _PARTS and any(
-            value.__class__ is np.ndarray for value in obj.values()):
-        # (a small dict holding an array, the usual message, by its parts: measured
-        # without pickling the array, which took 5.6 us)
-        return sum(map(pickled_bytes, obj)) + sum(map(pickled_bytes, obj.values()))
     buffers: list[pickle.PickleBuffer] = []
-    head = pickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
-    return len(head) + sum(buffer.raw().nbytes for buffer in buffers)
+    nbytes = len(pickle.dumps(obj, protocol=5, buffer_callback=buffers.append))
+    for buffer in buffers:
+        nbytes += buffer.raw().nbytes
+    return nbytes
 
 
 _PARTS = 16  # (a larger dict is pickled whole: measuring its parts one by one costs more)

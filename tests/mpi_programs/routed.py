@@ -124,12 +124,15 @@ def build(name: str, nbytes: int, rank: int, size: int) -> tuple[Callable[[Any],
         return run, count * 8
     if name in routing.OBJECT_HELD:
         # (the window's size held by one rank alone where ranks may differ: the last for
-        # gather, allgather and alltoall, the root for bcast and scatter, whose other
-        # ranks pass something large that is not theirs to send; root 1 by keyword where
-        # there are 3 ranks or more)
+        # gather, allgather and alltoall; the middle one, in a list, for reduce and
+        # allreduce, which concatenate the lists (an op that does not commute: rank
+        # order in sight) besides summing every rank's array; the root for bcast and
+        # scatter, whose other ranks pass something large that is not theirs to send;
+        # root 1 by keyword where there are 3 ranks or more, the middle rank then)
         root = 1 if size >= 3 else 0
         last = rank == size - 1
         mine_or_small = mine if last else np.arange(4) * rank
+        middle = [mine if rank == size // 2 else np.arange(4) * rank]
         items = [np.arange(count // size) + i for i in range(size)]
 
         def run(method: Any) -> list[np.ndarray]:
@@ -137,8 +140,12 @@ def build(name: str, nbytes: int, rank: int, size: int) -> tuple[Callable[[Any],
                 got = method(mine if rank == root else np.zeros(2 * count + 1), root=root)
             elif name == "scatter":
                 got = method(items if rank == root else None, root=root)
-            elif name in ("allreduce", "reduce"):
-                got = method(mine, op=MPI.SUM, **({"root": root} if name == "reduce" else {}))
+            elif name == "allreduce":
+                got = method(middle, op=concatenated) + [method(mine, op=MPI.SUM)]
+            elif name == "reduce":
+                joined = method(middle, op=concatenated, root=root)
+                summed = method(mine, op=MPI.SUM, root=root)
+                got = joined + [summed] if rank == root else None
             elif name == "alltoall":
                 got = method(items if last else [np.arange(2) + rank] * size)
             else:
@@ -147,6 +154,11 @@ def build(name: str, nbytes: int, rank: int, size: int) -> tuple[Callable[[Any],
             return [np.concatenate([np.ravel(part) for part in parts]) if parts else np.zeros(0)]
         return run, -1
     raise AssertionError(f"no call built for {name}")
+
+
+def concatenated(a: list[Any], b: list[Any]) -> list[Any]:
+    """An op that does not commute: each rank's list in rank order, whatever the grouping."""
+    return a + b
 
 
 def check(comm: cma.mpi.Comm, name: str, nbytes: int, expect_cma: bool) -> None:

@@ -813,11 +813,20 @@ class Collectives:
         self._coll_wait(op)
         return self.load_object(op)
 
-    def _coll_start(self, root: int | None = None) -> None:
+    def _coll_start(self, root: Any = None) -> int:
+        """Attach if need be; ``root`` checked and returned as an int (mpi4py takes any
+        integer, NumPy's too)."""
         if self._progress is None:
             self._attach()
-        if root is not None and not (isinstance(root, int) and 0 <= root < self.size):
+        if root is None:
+            return 0
+        try:
+            index = operator.index(root)
+        except TypeError:
+            index = -1
+        if not 0 <= index < self.size:
             raise InvalidRank(f"root {root!r} is not in 0..{self.size - 1}")
+        return index
 
     def _sendrecv(self, send: np.ndarray, dest: int, recv: np.ndarray, source: int) -> None:
         sending = self._coll_send(send, dest)  # (never blocks: a full ring queues it)
@@ -828,7 +837,7 @@ class Collectives:
 
     def Bcast(self, buf: Any, root: int = 0) -> None:
         """Broadcast ``buf`` from ``root`` to every rank (``MPI_Bcast``)."""
-        self._coll_start(root)
+        root = self._coll_start(root)
         writable = self.rank != root
         last = self._last_bcast
         raw = last.get(buf, writable) if last is not None else None
@@ -890,7 +899,7 @@ class Collectives:
 
     def bcast(self, obj: Any, root: int = 0) -> Any:
         """Broadcast a picklable object from ``root``; returns it on every rank."""
-        self._coll_start(root)
+        root = self._coll_start(root)
         size, vr = self.size, (self.rank - root) % self.size
         mask = 1
         while mask < size:
@@ -963,7 +972,7 @@ class Collectives:
         """Combine every rank's ``sendbuf`` with ``op`` into ``recvbuf`` at ``root``
         (``MPI_Reduce``); ``recvbuf`` is ignored elsewhere. ``IN_PLACE`` as ``sendbuf`` at
         the root takes its input from ``recvbuf``."""
-        self._coll_start(root)
+        root = self._coll_start(root)
         source, result, ours = self._reduce_inputs(sendbuf, recvbuf, op,
                                                    result_here=self.rank == root)
         cast: tuple[np.ndarray, np.ndarray] | None = None  # (recvbuf, the result to cast into it)
@@ -1388,7 +1397,7 @@ class Collectives:
     def reduce(self, sendobj: Any, op: Any = SUM, root: int = 0) -> Any:
         """Combine every rank's object with ``op`` (a cma op or any function of two
         objects), in rank order; the result at ``root``, None elsewhere."""
-        self._coll_start(root)
+        root = self._coll_start(root)
         combine = _object_op(op)
         size, rank = self.size, self.rank
         acc = sendobj
@@ -1418,7 +1427,7 @@ class Collectives:
     def Gather(self, sendbuf: Any, recvbuf: Any, root: int = 0) -> None:
         """Every rank's ``sendbuf`` to block ``rank`` of ``recvbuf`` at ``root``
         (``MPI_Gather``); ``IN_PLACE`` as the root's ``sendbuf``: its block is in place."""
-        self._coll_start(root)
+        root = self._coll_start(root)
         if self.rank == root:
             data = _message(recvbuf, writable=True, blocks=self.size)
             count = data.size // self.size
@@ -1430,7 +1439,7 @@ class Collectives:
     def Gatherv(self, sendbuf: Any, recvbuf: Any, root: int = 0) -> None:
         """``Gather`` with a count and displacement per rank in the root's v-form
         ``recvbuf`` (``MPI_Gatherv``)."""
-        self._coll_start(root)
+        root = self._coll_start(root)
         if self.rank == root:
             data, counts, displs = _vmessage(recvbuf, writable=True, size=self.size)
             self._gatherv_root(sendbuf, data, counts, displs, root)
@@ -1451,7 +1460,7 @@ class Collectives:
     def Scatter(self, sendbuf: Any, recvbuf: Any, root: int = 0) -> None:
         """Block ``r`` of the root's ``sendbuf`` to rank r's ``recvbuf`` (``MPI_Scatter``);
         ``IN_PLACE`` as the root's ``recvbuf``: its block stays where it is."""
-        self._coll_start(root)
+        root = self._coll_start(root)
         if self.rank == root:
             data = _message(sendbuf, writable=False, blocks=self.size)
             count = data.size // self.size
@@ -1463,7 +1472,7 @@ class Collectives:
     def Scatterv(self, sendbuf: Any, recvbuf: Any, root: int = 0) -> None:
         """``Scatter`` with a count and displacement per rank in the root's v-form
         ``sendbuf`` (``MPI_Scatterv``)."""
-        self._coll_start(root)
+        root = self._coll_start(root)
         if self.rank == root:
             data, counts, displs = _vmessage(sendbuf, writable=False, size=self.size)
             self._scatterv_root(data, counts, displs, recvbuf, root)
@@ -1586,7 +1595,7 @@ class Collectives:
 
     def gather(self, sendobj: Any, root: int = 0) -> list[Any] | None:
         """Every rank's object, in rank order, as a list at ``root``; None elsewhere."""
-        self._coll_start(root)
+        root = self._coll_start(root)
         if self.rank != root:
             self._coll_wait(self._coll_send(None, root, sendobj))
             return None
@@ -1594,7 +1603,7 @@ class Collectives:
 
     def scatter(self, sendobj: Sequence[Any] | None, root: int = 0) -> Any:
         """Item ``r`` of the root's sequence of ``size`` objects to rank r."""
-        self._coll_start(root)
+        root = self._coll_start(root)
         if self.rank != root:
             return self._coll_recv_object(root)
         items = list(sendobj) if sendobj is not None else []

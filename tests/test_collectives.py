@@ -1171,6 +1171,28 @@ def refusals(comm: cma.Comm) -> list[str]:
     return raised
 
 
+def numpy_roots(comm: cma.Comm) -> list[Any]:
+    """A root given as a NumPy integer (mpi4py takes one) is that rank; a float is none."""
+    rank, last = comm.Get_rank(), np.int64(comm.Get_size() - 1)
+    buf = np.full(3, rank, np.int32)
+    comm.Bcast(buf, root=last)
+    got = [buf.tolist(), comm.bcast(rank, root=last), comm.gather(rank, root=np.int32(0)),
+           comm.reduce(rank, root=last), comm.scatter(list(range(comm.size)) if rank == last else None,
+                                                     root=last)]
+    try:
+        comm.bcast(rank, root=0.0)
+    except InvalidRank:
+        got.append("InvalidRank")
+    return got
+
+
+def test_a_numpy_integer_root_is_that_rank(world: World) -> None:
+    last, size = world.size - 1, world.size
+    assert world.run(numpy_roots) == [
+        [[last] * 3, last, list(range(size)) if rank == 0 else None,
+         size * last // 2 if rank == last else None, rank, "InvalidRank"] for rank in range(size)]
+
+
 def test_bad_root_dtype_op_and_counts_are_refused_on_every_rank(world: World) -> None:
     results = world.run(refusals)
     assert results == [["InvalidRank", "InvalidDatatype", "TypeError", "InvalidCount",

@@ -4,6 +4,8 @@ its buffer spec takes; the table and the modes route as they say."""
 
 from __future__ import annotations
 
+import functools
+import json
 import pickle
 from collections.abc import Callable
 from typing import Any
@@ -204,21 +206,22 @@ def test_an_object_collective_routes_by_the_pickle_a_rank_holds() -> None:
     assert large.nbytes <= routing.pickled_bytes(large) < large.nbytes + 200
     assert large.nbytes <= routing.pickled_bytes([large]) < large.nbytes + 200
     assert large.nbytes <= routing.pickled_bytes({"data": large, "step": 3}) < large.nbytes + 200
-    for name, start in (("bcast", 128 << 10), ("allreduce", 4 << 20)):
+    for name, start in (("bcast", 256 << 10), ("allreduce", 4 << 20)):
         route = routing.routes(routing.AUTO, 2, [name])[name]
         assert isinstance(route, routing.ObjectWindow) and route.start == start
-        assert not route.holds_large((small,), {})
+        assert not route.is_large(small)
         big = np.zeros(start, np.uint8)
-        assert route.holds_large((big,), {})
-        assert route.holds_large((), {"obj" if name == "bcast" else "sendobj": big})
-        assert not route.holds_large((np.zeros(start - 200, np.uint8),), {})
+        assert route.is_large(big)
+        assert route.held((), {"obj" if name == "bcast" else "sendobj": big}) is big
+        assert route.held((big,), {}) is big
+        assert not route.is_large(np.zeros(start - 200, np.uint8))
         # what cannot be pickled whole goes to cma, whose collective takes it or raises
-        assert route.holds_large((lambda: None,), {})
+        assert route.is_large(lambda: None)
     scatter = routing.routes(routing.AUTO, 2, ["scatter"])["scatter"]
     assert isinstance(scatter, routing.ObjectWindow)
-    assert scatter.holds_large(([np.zeros(2 << 20, np.uint8) for _ in range(2)], 0), {})
-    assert not scatter.holds_large((), {"sendobj": [small, small], "root": 0})
-    assert scatter.holds_large(((item for item in [small, small]),), {})  # (cma's takes it)
+    assert scatter.is_large([np.zeros(2 << 20, np.uint8) for _ in range(2)])
+    assert not scatter.is_large(scatter.held((), {"sendobj": [small, small], "root": 0}))
+    assert scatter.is_large(item for item in [small, small])  # (cma's takes it)
     # measured without pickling: arrays (not of objects), bytes, scalars
     assert routing.pickled_bytes(1.5) == routing.pickled_bytes(None) == 0
     assert routing.pickled_bytes(np.zeros(10, object)) > 0
@@ -235,7 +238,7 @@ class Peers:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.sent.append((args, kwargs))
-        mine = args[0] if args else next(iter(kwargs.values()))
+        mine = args[0] if args else kwargs.get("sendobj", kwargs.get("obj"))
         if self.name in ("bcast", "scatter"):
             return self.peers[self.root] if self.root != 0 else (
                 mine if self.name == "bcast" else mine[0])
@@ -243,9 +246,10 @@ class Peers:
             return [mine, *self.peers[1:]]
         if self.name == "alltoall":
             return [mine[0], *self.peers[1:]]
+        op = args[1] if len(args) > 1 else kwargs["op"]
         result = mine  # allreduce: rank order, with the op it was given
         for peer in self.peers[1:]:
-            result = args[1](result, peer)
+            result = op(result, peer)
         return result
 
 
@@ -264,7 +268,7 @@ def test_an_object_collective_goes_to_cma_where_any_rank_sends_through_cma(name:
     small = [1, 2] if name in ("scatter", "alltoall") else 1
     run = route.run
     # small everywhere: MPI's answer, once
-    mpi = Peers(name, [None, 1 if name != "scatter" else 1])
+    mpi = Peers(name, [None, 1])
     got = run(MPI.COMM_SELF, (small,), {}, mpi, cma_call)
     assert got == {"bcast": 1, "scatter": 1, "allgather": [1, 1], "alltoall": [1, 1],
                    "allreduce": 2}[name] and len(mpi.sent) == 1
@@ -289,11 +293,25 @@ def test_an_object_collective_goes_to_cma_where_any_rank_sends_through_cma(name:
         assert run(MPI.COMM_SELF, (held, 1), {}, mpi, cma_call) == 7
 
 
-def test_through_cma_comes_back_as_itself_through_any_pickle() -> None:
-    mark = routing.THROUGH_CMA
+def test_the_marks_come_back_through_mpi_or_none_is_sent() -> None:
+    """The marks travel through mpi4py's own pickling; under a pickler that would not
+    bring them back (JSON here), no rank marks, and every call is MPI's."""
+    mark, large_at = routing.THROUGH_CMA, routing._LargeAt(3)
     assert pickle.loads(pickle.dumps(mark)) is mark
     assert MPI.COMM_SELF.bcast(mark) is mark
-    assert MPI.COMM_SELF.allreduce([mark]) == [mark]
+    pair = MPI.COMM_SELF.reduce(routing._Pair((large_at, 2)), op=lambda a, b: a, root=0)
+    assert pair.__class__ is routing._Pair and pair[0].__class__ is routing._LargeAt
+    assert pair == (3, 2)
+    route = routing.routes(routing.AUTO, 2, ["allreduce"])["allreduce"]
+    assert isinstance(route, routing.ObjectWindow)
+    big = np.zeros(route.start, np.uint8)
+    assert route.is_large(big)
+    MPI.pickle.__init__(lambda obj, protocol=None: json.dumps(obj).encode(), json.loads)
+    try:
+        assert not route.is_large(big)
+    finally:
+        MPI.pickle.__init__()
+    assert route.is_large(big)
 
 
 class Moving(MPI.Intracomm):
@@ -320,8 +338,11 @@ def test_a_gather_takes_only_the_large_objects_through_cma() -> None:
     assert isinstance(route, routing.ObjectWindow)
     big, mark = np.zeros(route.start, np.uint8), routing.THROUGH_CMA
 
-    def gather_with(peers: list[Any]) -> Callable[..., Any]:
-        return lambda obj, root: [obj, *peers] if root == 0 else None
+    def gather_with(peers: list[Any], at: int = 0) -> Callable[..., Any]:
+        """MPI's gather at this rank, ``at`` in the list, the peers' objects given."""
+        def gather(sendobj: Any, root: int = 0) -> Any:
+            return [*peers[:at], sendobj, *peers[at:]] if root == at else None
+        return gather
 
     comm = Moving(MPI.COMM_SELF)
     assert route.run(comm, ([1],), {}, gather_with([[2], [3]]), cma_call) == [[1], [2], [3]]
@@ -329,75 +350,107 @@ def test_a_gather_takes_only_the_large_objects_through_cma() -> None:
     assert comm.pulled == [1] and comm.sent == []
     got = route.run(comm, (big,), {}, gather_with([[2], mark]), cma_call)
     assert got[0] is big and got[1:] == [[2], ["large 2"]] and comm.pulled == [1, 2]
+    # the root is rank 1 (a NumPy integer, as mpi4py takes it), its own object large
+    got = route.run(comm, (big, np.int64(1)), {}, gather_with([mark, [2]], at=1), cma_call)
+    assert got[0] == ["large 0"] and got[1] is big and got[2] == [2] and comm.pulled == [1, 2, 0]
     # at a rank other than the root (1): its large object goes after MPI's call
     sent: list[Any] = []
-    gather_at_peer = lambda obj, root: sent.append(obj)  # noqa: E731
+
+    def gather_at_peer(sendobj: Any, root: int = 0) -> None:
+        sent.append(sendobj)
+
     assert route.run(comm, (big, 1), {}, gather_at_peer, cma_call) is None
     assert sent == [mark] and comm.sent == [(big, 1)]
     assert route.run(comm, (), {"sendobj": [1], "root": 1}, gather_at_peer, cma_call) is None
     assert sent == [mark, [1]] and comm.sent == [(big, 1)]
+    # mpi4py's own checks of the call stand: an object is required
+    with pytest.raises(TypeError):
+        route.run(comm, (), {"root": 1}, gather_at_peer, cma_call)
 
 
-def tree_reduce(peers: list[Any]) -> Callable[..., Any]:
-    """MPI's reduce at rank 0 as mpi4py runs it, the peers' objects given: a binomial
-    tree over ranks (rank r combines with r + mask), then to the root."""
-    def reduce(obj: Any, op: Any, root: int) -> Any:
-        values = [obj, *peers]
+def mpi4py_reduce(peers: list[Any], at: int = 0, fast: bool = True) -> Callable[..., Any]:
+    """MPI's reduce at rank ``at`` as mpi4py runs it, the other ranks' objects given:
+    with ``fast`` (mpi4py.rc.fast_reduce, the default) a binomial tree over ranks (rank r
+    combines with r + mask), else a left fold of all of them."""
+    def reduce(sendobj: Any, op: Any = MPI.SUM, root: int = 0) -> Any:
+        values = [*peers[:at], sendobj, *peers[at:]]
+        if not fast:
+            return functools.reduce(op, values) if root == at else None
         mask = 1
         while mask < len(values):
             for r in range(0, len(values), 2 * mask):
                 if r + mask < len(values):
                     values[r] = op(values[r], values[r + mask])
             mask <<= 1
-        return values[0] if root == 0 else None
+        return values[0] if root == at else None
     return reduce
 
 
-def test_a_reduce_combines_the_large_objects_in_rank_order_at_the_root() -> None:
-    """Through MPI's reduce, a large object is its rank (``_LargeAt`` in ``_Parts``),
-    the small ones between combined by the user's op; the root takes the large ones
-    through cma and combines all in rank order, whatever the tree's grouping."""
+def grouped(a: str, b: str) -> str:
+    """An op that shows the grouping: ranks in order and every pair's parentheses."""
+    return f"({a} {b})"
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["tree", "fold"])
+def test_a_reduce_combines_the_large_objects_as_mpi_grouped_them(fast: bool) -> None:
+    """Through MPI's reduce, a large object is its rank (``_LargeAt``), and each
+    combination holding one a ``_Pair``; the root takes the large objects through cma
+    and combines the pairs as MPI paired them: the result is mpi4py's own, grouping and
+    all (a float sum rounds alike)."""
     route = routing.routes(routing.AUTO, 2, ["reduce"])["reduce"]
     assert isinstance(route, routing.ObjectWindow)
-    big = [np.zeros(route.start, np.uint8)]
+    big = "x" * route.start  # (a large object, measured by its length)
 
-    def large_at(rank: int) -> Any:
-        return routing._Parts([routing._LargeAt(rank)])
-
-    def joined(a: list[Any], b: list[Any]) -> list[Any]:
-        return a + b
+    def pulled(rank: int) -> str:
+        return f"large {rank}"
 
     comm = Moving(MPI.COMM_SELF)
-    assert route.run(comm, ([0], joined), {}, tree_reduce([[1], [2], [3]]), cma_call) == [0, 1, 2, 3]
-    assert route.run(comm, (5,), {}, tree_reduce([6, 7]), cma_call) == 18  # (MPI.SUM, the default)
-    assert comm.pulled == []
-    for peers, pulled in (([[1], large_at(2), [3], [4], large_at(5)], [2, 5]),
-                          ([large_at(1), large_at(2), [3]], [1, 2])):
+    comm._objects_from = lambda ranks, root: (comm.pulled.extend(ranks), [pulled(r) for r in ranks])[1]
+    # this rank is the root (0, a NumPy integer as mpi4py takes it); the large objects
+    # are the peers' (then its own too)
+    for objects in (["r0", "r1", big, "r3", "r4", big, "r6"], [big, "r1", "r2", big, "r4"]):
+        # what MPI sees from the peers (their marks where their objects are large), and
+        # what mpi4py would give, each large object as the root takes it
+        seen = [routing._LargeAt(r) if obj is big else obj for r, obj in enumerate(objects)]
+        taken = [pulled(r) if obj is big and r else obj for r, obj in enumerate(objects)]
         comm.pulled = []
-        got = route.run(comm, ([0],), {"op": joined}, tree_reduce(peers), cma_call)
-        assert got == [0, *[f"large {r}" if p.__class__ is routing._Parts else p[0]
-                            for r, p in enumerate(peers, 1)]], got
-        assert comm.pulled == pulled
-    got = route.run(comm, (big, joined), {}, tree_reduce([[1], large_at(2)]), cma_call)
-    assert got[0] is big[0] and got[1:] == [1, "large 2"]
-    # a user's int is an int, not a rank: the op sees it
-    assert route.run(comm, ([3],), {"op": joined}, tree_reduce([[(1,)], [2]]), cma_call) == [3, (1,), 2]
+        got = route.run(comm, (objects[0], grouped, np.int64(0)), {},
+                        mpi4py_reduce(seen[1:], fast=fast), cma_call)
+        assert got == mpi4py_reduce(taken[1:], fast=fast)(taken[0], grouped, 0), got[:200]
+        assert comm.pulled == [r for r, obj in enumerate(objects) if obj is big and r]
+    assert route.run(comm, (5,), {}, mpi4py_reduce([6, 7], fast=fast), cma_call) == 18  # (SUM)
+    # a user's int, tuple or list is a value, not a rank: the op sees it
+    assert route.run(comm, ([3],), {"op": lambda a, b: a + b},
+                     mpi4py_reduce([[(1,)], [2]], fast=fast), cma_call) == [3, (1,), 2]
     # at a rank other than the root (1): its large object goes after MPI's call
-    seen: list[Any] = []
-    at_peer = lambda obj, op, root: seen.append(obj)  # noqa: E731
-    assert route.run(comm, (big, joined, 1), {}, at_peer, cma_call) is None
-    assert seen == [large_at(0)] and comm.sent == [(big, 1)]
+    seen_by_mpi: list[Any] = []
+
+    def reduce_at_peer(sendobj: Any, op: Any = MPI.SUM, root: int = 0) -> None:
+        seen_by_mpi.append(sendobj)
+
+    assert route.run(comm, (big, grouped, 1), {}, reduce_at_peer, cma_call) is None
+    assert seen_by_mpi == [routing._LargeAt(0)] and seen_by_mpi[0].__class__ is routing._LargeAt
+    assert comm.sent == [(big, 1)]
 
 
 @pytest.mark.skipif(routing.LOCK_TABLE is None, reason="this mpi4py has no lock table")
 def test_a_routed_object_collective_runs_under_the_routing_lock() -> None:
     """MPI's call and cma's run under one lock per communicator and name (threads of a
-    rank calling one collective at once stay paired across ranks)."""
+    rank calling one collective at once stay paired across ranks); another
+    communicator's call takes that communicator's lock."""
     route = routing.routes(routing.AUTO, 2, ["gather"])["gather"]
-    comm = Moving(MPI.COMM_SELF)
-    lock = routing._route_lock(comm, "gather")
-    through = routing.method(route, lambda obj, root: [lock.locked()], cma_call, comm)
-    assert through(3) == [True] and not lock.locked()
+    for comm in (Moving(MPI.COMM_SELF), Moving(MPI.COMM_SELF.Dup())):
+        lock = routing._route_lock(comm, "gather")
+        held: list[bool] = []
+
+        def gather(sendobj: Any, root: int = 0, lock: Any = lock, held: list[bool] = held) -> list[Any]:
+            held.append(lock.locked())
+            return [sendobj]
+
+        assert route.run(comm, (3,), {}, gather, cma_call) == [3]
+        assert held == [True] and not lock.locked()
+        other = routing._route_lock(MPI.COMM_WORLD, "gather")
+        assert other is not lock and not other.locked()
 
 
 def test_modes_route_every_collective_alike() -> None:
@@ -423,6 +476,8 @@ def test_the_table_sizes_only_collectives_every_rank_can_size() -> None:
             assert 0 <= start <= until, name
             if (start, until) not in (routing.EVERY_SIZE, routing.NO_SIZE):
                 assert name in routing.AGREED_BYTES or name in routing.OBJECT_HELD, name
+            if name in routing.OBJECT_HELD:  # (one rank's large object decides: no end)
+                assert until == routing.EVERY_SIZE[1], name
 
 
 @pytest.mark.parametrize("size", [2, 3, 4, 8, 16, 64, 256])

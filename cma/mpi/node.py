@@ -82,7 +82,6 @@ class NodeComm(CmaComm):
         self._typed_spec: list[Any] = []
         self._typed: Typed | None = None
 
-
     def objects_from(self, ranks: Sequence[int], root: int) -> list[Any]:
         """At the ``root`` of a gather or reduce: the objects ``ranks`` alone send it
         through cma (``object_to``), in that order: cma.mpi's routing sends their large
@@ -94,6 +93,7 @@ class NodeComm(CmaComm):
         """Send ``obj`` to ``root``, which takes it with ``objects_from``."""
         self._coll_start(root)
         self._coll_wait(self._coll_send(None, root, obj))
+
     def packets_queued(self) -> None:
         """Hook (``cma.Comm.packets_queued``): MPI's progress hook sends them if this rank
         next waits inside MPI."""

@@ -5,16 +5,17 @@ measured faster (docs/mpi.md, "Which library runs a collective").
 Every rank must choose alike, or one waits in cma for peers that wait in MPI. So the
 choice rests only on what every rank knows the same: the rank count, the mode (checked
 equal when the communicator is made) and the size a collective's type signatures agree
-on (``AGREED_BYTES``). The object forms have no such size: each rank measures the pickle
-it holds and one MPI call agrees on the largest (``ObjectWindow``). The v-forms but
-Allgatherv choose by rank count alone.
+on (``AGREED_BYTES``). The object forms have no such size: each rank measures the object
+it holds, and MPI's own call carries a mark in place of a large one to the ranks that
+must follow it into cma (``ObjectWindow``). The v-forms but Allgatherv choose by rank
+count alone.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import mmap
+import operator
 import os
 import pickle
 import threading
@@ -58,10 +59,10 @@ WINDOWS: dict[str, tuple[tuple[int, tuple[int, int]], ...]] = {
     # (mpi4py's osu_scatter demo at 8 ranks: 1.3-2.5x faster from 512 KiB; at 2 ranks
     # 2-5x slower at every size)
     "Scatter": ((4, NO_SIZE), (8, (512 * KIB, EVERY_SIZE[1]))),
-    # the object forms, by the largest pickle any rank holds (ObjectWindow: one MPI call
-    # agrees on it); measured at 2 ranks only (docs/mpi.md, "Which library runs a
-    # collective", has the runs)
-    "bcast": ((1 << 30, (128 * KIB, EVERY_SIZE[1])),),
+    # the object forms, from the size of the object a rank holds (ObjectWindow: open-ended
+    # windows, one rank's large object is enough); measured at 2 ranks only (docs/mpi.md,
+    # "Which library runs a collective", has the runs)
+    "bcast": ((1 << 30, (256 * KIB, EVERY_SIZE[1])),),
     **dict.fromkeys(("reduce", "allreduce", "gather", "scatter", "allgather", "alltoall"),
                     ((1 << 30, (4 * MIB, EVERY_SIZE[1])),)),
 }
@@ -101,6 +102,7 @@ def routes(mode: str, size: int, names: Sequence[str]) -> dict[str, Route]:
             continue
         if name in OBJECT_HELD:
             # (open-ended: one rank's object past the start sends the call to cma)
+            assert window[1] == EVERY_SIZE[1], f"{name}: an object window has no end"
             chosen[name] = ObjectWindow(name, window[0])
         else:
             chosen[name] = Window(AGREED_BYTES[name], size, *window)  # (a size every rank agrees on)
@@ -129,8 +131,9 @@ class Window:
 
 class _ThroughCma:
     """What a rank sends through MPI in place of a large object: the ranks that receive
-    it run the call again through cma (pickled by name, so that any ``MPI.pickle``
-    brings back the one instance)."""
+    it run the call again through cma (pickled by name: ``MPI.pickle`` brings back the
+    one instance, where it is pickle or a pickler like it, which ``_marks_survive``
+    checks)."""
 
     __slots__ = ()
 
@@ -144,6 +147,45 @@ class _ThroughCma:
 THROUGH_CMA = _ThroughCma()
 
 
+class _LargeAt(int):
+    """In a reduce through MPI: the rank whose large object the root takes through cma
+    (a class of its own: a user's objects may be ints)."""
+
+    __slots__ = ()
+
+
+class _Pair(tuple[Any, Any]):
+    """In a reduce through MPI: a combination left to the root, one side holding a
+    ``_LargeAt``; the root combines the pairs as MPI's reduce paired them, so the
+    grouping, and a float's rounding, is mpi4py's."""
+
+    __slots__ = ()
+
+
+def _marks_survive() -> bool:
+    """Whether ``MPI.pickle`` brings the marks back as they went (a JSON or msgpack
+    pickler would not; then no rank sends one, every rank having the same pickler, and
+    the call is MPI's whatever the size). Checked where a rank is about to mark, again
+    only once the pickler, its protocol or its threshold changed (the check took 6 us:
+    a tenth of a 256 KiB bcast; installing another pickler with ``MPI.pickle.__init__``
+    sets the protocol to None unless given one)."""
+    pickler = MPI.pickle
+    key = (pickler, pickler.PROTOCOL, pickler.THRESHOLD)
+    if _PICKLER_CHECKED[0] != key:
+        marks = (THROUGH_CMA, _Pair((_LargeAt(1), 2)))
+        try:
+            back = pickler.loads(pickler.dumps(marks))
+            survive = (back[0] is THROUGH_CMA and back[1].__class__ is _Pair
+                       and back[1][0].__class__ is _LargeAt and back[1] == marks[1])
+        except Exception:
+            survive = False
+        _PICKLER_CHECKED[:] = [key, survive]
+    return bool(_PICKLER_CHECKED[1])
+
+
+_PICKLER_CHECKED: list[Any] = [None, False]  # (the pickler last checked, and its answer)
+
+
 class ObjectWindow:
     """The route of an object collective: cma carries an object of ``start`` bytes or
     more (``pickled_bytes``, as the rank holding it measures it; the root alone for bcast
@@ -151,9 +193,9 @@ class ObjectWindow:
     mark in place of each large object, and the ranks that receive one go on through
     cma. bcast, scatter, allgather, alltoall and allreduce mark with ``THROUGH_CMA``,
     whose receivers run the whole call again through cma (allreduce's op passes it on);
-    gather and reduce mark with the rank, whose object alone then goes to the root
-    through cma. So a call of small objects costs mpi4py's own and a measure
-    (docs/mpi.md, "Which library runs a collective", has the costs)."""
+    in a gather the mark's place names the rank, in a reduce ``_LargeAt`` does, and only
+    those objects go to the root through cma. So a call of small objects costs mpi4py's
+    own and a measure (docs/mpi.md, "Which library runs a collective", has the costs)."""
 
     __slots__ = ("name", "held", "start", "_run", "_lock")
 
@@ -162,15 +204,17 @@ class ObjectWindow:
         self._run = _OBJECT_RUNS[name]
         self._lock: tuple[MPI.Intracomm, Any] | None = None  # (the last communicator's)
 
-    def holds_large(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-        """Whether this rank's object goes through cma; also where it cannot be pickled
-        whole (a generator, which cma's scatter takes item by item; an object that
-        refuses): cma's collective then takes it or raises, as before routes (a rank that
-        raised here would leave its peers waiting in MPI)."""
+    def is_large(self, held: Any) -> bool:
+        """Whether this rank's object (``self.held`` of the call's arguments) goes
+        through cma; also where it cannot be pickled whole (a generator, which cma's
+        scatter takes item by item; an object that refuses): cma's collective then takes
+        it or raises, as before routes (a rank that raised here would leave its peers
+        waiting in MPI). Never where the marks would not come back through MPI."""
         try:
-            return pickled_bytes(self.held(args, kwargs)) >= self.start
+            large = pickled_bytes(held) >= self.start
         except Exception:
-            return True
+            large = True
+        return large and _marks_survive()
 
     def run(self, comm: MPI.Intracomm, args: tuple[Any, ...], kwargs: dict[str, Any],
             through_mpi: Callable[..., Any], through_cma: Callable[..., Any]) -> Any:
@@ -178,15 +222,45 @@ class ObjectWindow:
         name, so that threads of a rank calling the same collective at once cannot pair
         one rank's MPI call with another's cma call (as mpi4py's own lock keeps its two
         MPI calls of a gather together)."""
-        kept = self._lock
-        if kept is None or kept[0] is not comm:  # (a route serves one communicator: the
-            kept = self._lock = (comm, _route_lock(comm, self.name))  # look-up cost 0.35 us)
+        kept = self._lock  # (looked up again only for another communicator: 0.35 us)
+        if kept is None or kept[0] is not comm:
+            kept = self._lock = (comm, _route_lock(comm, self.name))
         with kept[1]:
             return self._run(self, comm, args, kwargs, through_mpi, through_cma)
 
 
+# (gather and reduce move single objects through the communicator, MovesObjects: their
+# runs take through_cma for the one signature)
 _ObjectRun = Callable[[ObjectWindow, MPI.Intracomm, tuple[Any, ...], dict[str, Any],
                        Callable[..., Any], Callable[..., Any]], Any]
+
+
+def _root(args: tuple[Any, ...], kwargs: dict[str, Any], at: int) -> int:
+    """The call's root, as an int (mpi4py takes any integer, NumPy's too; its default 0)."""
+    root = _arg(args, kwargs, at, "root")
+    return 0 if root is None else operator.index(root)
+
+
+def _op(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A reduce's or allreduce's op, mpi4py's default where the call gives none."""
+    op = _arg(args, kwargs, 1, "op")
+    return MPI.SUM if op is None else op
+
+
+def _sending(args: tuple[Any, ...], kwargs: dict[str, Any], obj: Any,
+             op: Any = None) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The call's arguments with ``obj`` for its object (and ``op`` for its op, if
+    given), the rest as they were, so that mpi4py checks them as it would."""
+    if args:
+        args = (obj, *args[1:])
+    elif "sendobj" in kwargs:
+        kwargs = {**kwargs, "sendobj": obj}
+    if op is not None:
+        if len(args) > 1:
+            args = (args[0], op, *args[2:])
+        else:
+            kwargs = {**kwargs, "op": op}
+    return args, kwargs
 
 
 def _rooted(route: ObjectWindow, comm: MPI.Intracomm, args: tuple[Any, ...],
@@ -194,10 +268,9 @@ def _rooted(route: ObjectWindow, comm: MPI.Intracomm, args: tuple[Any, ...],
             through_cma: Callable[..., Any]) -> Any:
     """bcast and scatter: the root alone decides; a large object's place in MPI's call
     goes to THROUGH_CMA (scatter's: one to each rank)."""
-    root = _arg(args, kwargs, 1, "root")
-    root = 0 if root is None else root
+    root = _root(args, kwargs, 1)
     if MPI.Comm.Get_rank(comm) == root:
-        if not route.holds_large(args, kwargs):
+        if not route.is_large(route.held(args, kwargs)):
             return through_mpi(*args, **kwargs)
         mark = THROUGH_CMA if route.name == "bcast" else [THROUGH_CMA] * MPI.Comm.Get_size(comm)
         through_mpi(mark, root)
@@ -210,30 +283,33 @@ def _each_rank(route: ObjectWindow, comm: MPI.Intracomm, args: tuple[Any, ...],
                kwargs: dict[str, Any], through_mpi: Callable[..., Any],
                through_cma: Callable[..., Any]) -> Any:
     """allgather and alltoall: a rank holding a large object sends THROUGH_CMA to every
-    rank, so every rank sees one."""
-    if route.holds_large(args, kwargs):
+    rank, so every rank sees one. (Where the ranks' objects straddle the start, the small
+    ones cross twice: through MPI, then with the large ones through cma.)"""
+    if route.is_large(route.held(args, kwargs)):
         through_mpi(THROUGH_CMA if route.name == "allgather"
                     else [THROUGH_CMA] * MPI.Comm.Get_size(comm))
         return through_cma(*args, **kwargs)
     got = through_mpi(*args, **kwargs)
-    if any(item is THROUGH_CMA for item in got):
-        return through_cma(*args, **kwargs)
+    for item in got:  # (a loop: 0.2 us less than any() here)
+        if item is THROUGH_CMA:
+            return through_cma(*args, **kwargs)
     return got
 
 
-def _allreduce(route: ObjectWindow, comm: MPI.Intracomm, args: tuple[Any, ...],
-               kwargs: dict[str, Any], through_mpi: Callable[..., Any],
-               through_cma: Callable[..., Any]) -> Any:
+def _allreduced(route: ObjectWindow, comm: MPI.Intracomm, args: tuple[Any, ...],
+                kwargs: dict[str, Any], through_mpi: Callable[..., Any],
+                through_cma: Callable[..., Any]) -> Any:
     """allreduce: THROUGH_CMA combined with anything is THROUGH_CMA, and every rank
     gets the combination."""
-    op = _arg(args, kwargs, 1, "op")
-    op = MPI.SUM if op is None else op
+    op = _op(args, kwargs)
 
     def passing_on(a: Any, b: Any) -> Any:
         return THROUGH_CMA if a is THROUGH_CMA or b is THROUGH_CMA else op(a, b)
 
-    large = route.holds_large(args, kwargs)
-    got = through_mpi(THROUGH_CMA if large else route.held(args, kwargs), passing_on)
+    sendobj = route.held(args, kwargs)
+    sent_args, sent_kwargs = _sending(args, kwargs, THROUGH_CMA if route.is_large(sendobj)
+                                      else sendobj, passing_on)
+    got = through_mpi(*sent_args, **sent_kwargs)
     return through_cma(*args, **kwargs) if got is THROUGH_CMA else got
 
 
@@ -246,94 +322,76 @@ class MovesObjects(Protocol):
     def _object_to(self, obj: Any, root: int) -> None: ...
 
 
-def _root(args: tuple[Any, ...], kwargs: dict[str, Any], at: int) -> Any:
-    root = _arg(args, kwargs, at, "root")
-    return 0 if root is None else root
-
-
 def _gathered(route: ObjectWindow, comm: MPI.Intracomm, args: tuple[Any, ...],
               kwargs: dict[str, Any], through_mpi: Callable[..., Any],
               through_cma: Callable[..., Any]) -> Any:
     """gather: a rank holding a large object sends THROUGH_CMA through MPI, then its
     object to the root through cma; the root takes those into their places (its own as
     it is, as cma's gather gives it)."""
-    root = _root(args, kwargs, 1)
-    large, sendobj = route.holds_large(args, kwargs), route.held(args, kwargs)
-    got = through_mpi(THROUGH_CMA if large else sendobj, root)
-    moves = cast(MovesObjects, comm)
-    if MPI.Comm.Get_rank(comm) != root:
+    sendobj = route.held(args, kwargs)
+    large = route.is_large(sendobj)
+    sent_args, sent_kwargs = _sending(args, kwargs, THROUGH_CMA) if large else (args, kwargs)
+    got = through_mpi(*sent_args, **sent_kwargs)
+    if got is None:  # (a rank other than the root)
         if large:
-            moves._object_to(sendobj, root)
+            cast(MovesObjects, comm)._object_to(sendobj, _root(args, kwargs, 1))
         return got
+    root = _root(args, kwargs, 1)
     if large:
         got[root] = sendobj
-    marked = [rank for rank, item in enumerate(got) if item is THROUGH_CMA]
-    if marked:
-        for rank, item in zip(marked, moves._objects_from(marked, root), strict=True):
-            got[rank] = item
+    for item in got:  # (a loop: the usual list has no mark, and a comprehension costs more)
+        if item is THROUGH_CMA:
+            marked = [rank for rank, item in enumerate(got) if item is THROUGH_CMA]
+            pulled = cast(MovesObjects, comm)._objects_from(marked, root)
+            for rank, obj in zip(marked, pulled, strict=True):
+                got[rank] = obj
+            break
     return got
-
-
-class _Parts(list[Any]):
-    """What a reduce through MPI combines where a rank's object is large: in rank order,
-    the combination of each run of small objects and, for each large one, its rank
-    (``_LargeAt``), whose object the root takes through cma."""
-
-    __slots__ = ()
-
-
-class _LargeAt(int):
-    """The rank of a large object in a reduce's ``_Parts`` (a class of its own: a user's
-    objects may be ints)."""
-
-    __slots__ = ()
-
-
-def _parts(item: Any) -> list[Any]:
-    return item if item.__class__ is _Parts else [item]
 
 
 def _reduced(route: ObjectWindow, comm: MPI.Intracomm, args: tuple[Any, ...],
              kwargs: dict[str, Any], through_mpi: Callable[..., Any],
              through_cma: Callable[..., Any]) -> Any:
-    """reduce: a rank holding a large object passes ``_Parts([_LargeAt(rank)])``
-    through MPI's reduce, whose op keeps the parts in rank order and combines the small
-    objects between them; then it sends its object to the root through cma, which
-    combines the parts in order (the op is associative, as MPI asks: only the grouping
-    differs from mpi4py's tree)."""
-    op = _arg(args, kwargs, 1, "op")
-    op = MPI.SUM if op is None else op
-    root = _root(args, kwargs, 2)
-    rank = MPI.Comm.Get_rank(comm)
+    """reduce: a rank holding a large object passes ``_LargeAt(rank)`` through MPI's
+    reduce, whose op leaves each combination that holds one as a ``_Pair``; then it
+    sends its object to the root through cma, which takes each such object as it comes
+    to it and combines the pairs as MPI paired them."""
+    op = _op(args, kwargs)
 
-    def keeping_parts(a: Any, b: Any) -> Any:
-        if a.__class__ is not _Parts and b.__class__ is not _Parts:
-            return op(a, b)
-        left, right = _parts(a), _parts(b)
-        if left[-1].__class__ is not _LargeAt and right[0].__class__ is not _LargeAt:
-            return _Parts([*left[:-1], op(left[-1], right[0]), *right[1:]])
-        return _Parts(left + right)
+    def pairing(a: Any, b: Any) -> Any:
+        if a.__class__ in _HELD_BACK or b.__class__ in _HELD_BACK:
+            return _Pair((a, b))
+        return op(a, b)
 
-    large, sendobj = route.holds_large(args, kwargs), route.held(args, kwargs)
-    got = through_mpi(_Parts([_LargeAt(rank)]) if large else sendobj, keeping_parts, root)
-    moves = cast(MovesObjects, comm)
-    if rank != root:
-        if large:
-            moves._object_to(sendobj, root)
-        return got
-    if got.__class__ is not _Parts:
-        return got
+    sendobj = route.held(args, kwargs)
+    large = route.is_large(sendobj)
+    mine = _LargeAt(MPI.Comm.Get_rank(comm)) if large else sendobj
+    sent_args, sent_kwargs = _sending(args, kwargs, mine, pairing)
+    got = through_mpi(*sent_args, **sent_kwargs)
+    if got.__class__ in _HELD_BACK:  # (the root, some rank's object large)
+        return _combined(got, op, sendobj, _root(args, kwargs, 2), cast(MovesObjects, comm))
+    if large:  # (a rank other than the root: the root's own would have come back marked)
+        cast(MovesObjects, comm)._object_to(sendobj, _root(args, kwargs, 2))
+    return got
 
-    def value(part: Any) -> Any:  # (taken as the fold comes to it: one at a time)
-        if part.__class__ is not _LargeAt:
-            return part
-        return sendobj if part == root else moves._objects_from([int(part)], root)[0]
-    return functools.reduce(op, map(value, got))
+
+def _combined(got: Any, op: Any, sendobj: Any, root: int, moves: MovesObjects) -> Any:
+    """What a reduce's root makes of the pairs MPI left it: each large object taken
+    through cma as the walk comes to it (its own as it is), combined as MPI paired."""
+    if got.__class__ is _Pair:
+        return op(_combined(got[0], op, sendobj, root, moves),
+                  _combined(got[1], op, sendobj, root, moves))
+    if got.__class__ is _LargeAt:
+        return sendobj if got == root else moves._objects_from([int(got)], root)[0]
+    return got
+
+
+_HELD_BACK = (_LargeAt, _Pair)
 
 
 _OBJECT_RUNS: dict[str, _ObjectRun] = {
     "bcast": _rooted, "scatter": _rooted, "allgather": _each_rank, "alltoall": _each_rank,
-    "allreduce": _allreduce, "gather": _gathered, "reduce": _reduced,
+    "allreduce": _allreduced, "gather": _gathered, "reduce": _reduced,
 }
 
 
@@ -355,7 +413,7 @@ def pickled_bytes(obj: Any) -> int:
     data travels beside the pickle, counted without a copy), or about that: an array's or
     a bytes object's or a str's own size, a number's 0 (pickling a NumPy array only to
     measure it took 5.6 us). Each rank decides by its own measure, so it need only be
-    cheap: the tests come in the order of the usual messages."""
+    cheap: the type tests come in the order of the usual messages' types."""
     kind = obj.__class__
     if kind in PLAIN_PICKLES:
         return len(obj) if kind is str else 0

@@ -124,15 +124,17 @@ def build(name: str, nbytes: int, rank: int, size: int) -> tuple[Callable[[Any],
         return run, count * 8
     if name in routing.OBJECT_HELD:
         # (the window's size held by one rank alone where ranks may differ: the last for
-        # gather, allgather and alltoall; the middle one, in a list, for reduce and
-        # allreduce, which concatenate the lists (an op that does not commute: rank
-        # order in sight) besides summing every rank's array; the root for bcast and
-        # scatter, whose other ranks pass something large that is not theirs to send;
-        # root 1 by keyword where there are 3 ranks or more, the middle rank then)
+        # allgather and alltoall; the last and the root for gather; the middle one, in a
+        # list, for reduce and allreduce, which concatenate the lists (an op that does not
+        # commute: rank order in sight) besides summing every rank's floats (whose
+        # rounding shows the grouping); the root for bcast and scatter, whose other
+        # ranks pass something large that is not theirs to send; root 1 by keyword where
+        # there are 3 ranks or more, the middle rank then)
         root = 1 if size >= 3 else 0
         last = rank == size - 1
         mine_or_small = mine if last else np.arange(4) * rank
         middle = [mine if rank == size // 2 else np.arange(4) * rank]
+        floats = np.random.default_rng(rank).random(count)  # (sums that round by grouping)
         items = [np.arange(count // size) + i for i in range(size)]
 
         def run(method: Any) -> list[np.ndarray]:
@@ -141,15 +143,17 @@ def build(name: str, nbytes: int, rank: int, size: int) -> tuple[Callable[[Any],
             elif name == "scatter":
                 got = method(items if rank == root else None, root=root)
             elif name == "allreduce":
-                got = method(middle, op=concatenated) + [method(mine, op=MPI.SUM)]
+                got = method(middle, op=concatenated) + [method(floats, op=MPI.SUM)]
             elif name == "reduce":
                 joined = method(middle, op=concatenated, root=root)
-                summed = method(mine, op=MPI.SUM, root=root)
+                summed = method(floats, op=MPI.SUM, root=root)
                 got = joined + [summed] if rank == root else None
             elif name == "alltoall":
                 got = method(items if last else [np.arange(2) + rank] * size)
+            elif name == "gather":
+                got = method(mine if rank in (root, size - 1) else np.arange(4) * rank, root=root)
             else:
-                got = method(mine_or_small, **({"root": root} if name == "gather" else {}))
+                got = method(mine_or_small)
             parts = got if isinstance(got, list) else [] if got is None else [got]
             return [np.concatenate([np.ravel(part) for part in parts]) if parts else np.zeros(0)]
         return run, -1

@@ -285,6 +285,15 @@ def test_collectives_agree_with_mpi(n: int, env: dict[str, str]) -> None:
     expect_ok(n, "collectives.py", env={"CMA_MPI_COLLECTIVES": "cma", **env})
 
 
+@pytest.mark.parametrize(("n", "mode"), [(2, "auto"), (3, "cma"), (4, "auto")])
+def test_a_rank_passing_a_datatype_with_gaps_takes_its_peers_path(n: int, mode: str) -> None:
+    """Rank 0 names a vector of int64s with gaps where its peers pass arrays: packed for
+    cma's collectives and unpacked after, it goes where they go, with MPI's results and
+    its gaps untouched (gapped.py; before, it went to MPI while its peers waited in cma
+    inside a window of the table, or in every call with CMA_MPI_COLLECTIVES=cma: a hang)."""
+    expect_ok(n, "gapped.py", mode, env={} if mode == "auto" else {"CMA_MPI_COLLECTIVES": mode})
+
+
 def test_the_object_snippets_bench_times_both_libraries_in_both_orders(tmp_path: Path) -> None:
     """bench/object_snippets.py (docs/mpi.md's object-collective figures): every case
     timed for both libraries each round, plain first in even rounds, the plugin in odd."""

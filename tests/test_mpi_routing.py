@@ -149,9 +149,41 @@ def test_specs_read_a_derived_datatype_without_gaps_as_bytes() -> None:
     for datatype in (reordered, repeated):
         assert datatype.Get_extent()[1] == datatype.Get_size()  # (what a size test saw)
         assert as_bytes([buf, 2, datatype]) is None
-        assert routing.spec_bytes([buf, 2, datatype]) == -1
-    assert routing.spec_bytes([buf, 3, gaps]) == -1  # (MPI's to lay out: cma's path, which hands it on)
+        # (packed for cma, sized as its peers' arrays of the same signature)
+        assert routing.spec_bytes([buf, 2, datatype]) == 2 * datatype.Get_size()
+    assert routing.spec_bytes([buf, 3, gaps]) == 3 * gaps.Get_size()
     assert as_bytes([buf, ([1, 1], [0, 1]), [MPI.DOUBLE, MPI.DOUBLE]]) is None  # (Alltoallw's)
+
+
+def test_a_datatype_with_gaps_goes_to_cma_packed_and_comes_back_unpacked() -> None:
+    """``as_packed``: every whole element the buffer holds packed in type-map order (as
+    MPI_Pack lays them out), the counts scaled to bytes, and what a collective writes
+    into the packed copy unpacked into the elements, the gaps untouched."""
+    from cma.mpi.specs import as_packed, packed_size
+
+    buf = np.arange(12, dtype=np.int64)
+    gaps = MPI._typedict["l"].Create_vector(2, 1, 2).Commit()  # (2 of every 3 int64s)
+    reordered = MPI.DOUBLE.Create_indexed([1, 1], [1, 0]).Commit()
+    packed = as_packed([buf, 3, gaps])
+    assert packed is not None
+    spec, whole = packed
+    assert spec[1:] == [48, "B"]
+    assert spec[0].view(np.int64).tolist() == [0, 2, 3, 5, 6, 8, 9, 11]  # (4 whole elements)
+    spec[0].view(np.int64)[:] = -np.arange(1, 9)
+    whole.scatter(spec[0])
+    assert buf.tolist() == [-1, 1, -2, -3, 4, -4, -5, 7, -6, -7, 10, -8]
+    shape = as_packed([np.arange(4.0), reordered])
+    assert shape is not None and shape[0][0].view(np.float64).tolist() == [1.0, 0.0, 3.0, 2.0]
+    assert shape[0][1:] == ["B"]
+    v_form = as_packed([buf, ([1, 2], [0, 2]), gaps])
+    assert v_form is not None and v_form[0][1:] == [([16, 32], [0, 32]), "B"]
+    sized = packed_size([buf, [1, 2], [0, 2], gaps])
+    assert sized is not None and sized[0].nbytes == 64 and sized[1:] == [[16, 32], [0, 32], "B"]
+    # what stays MPI's: a displacement with a single count, no buffer, Alltoallw's lists
+    assert as_packed([buf, 2, 1, gaps]) is None and as_packed([buf, (2, 1), gaps]) is None
+    assert as_packed([None, 0, gaps]) is None
+    assert as_packed([buf, ([1, 1], [0, 1]), [gaps, gaps]]) is None
+    assert as_packed([buf, 3, MPI.DOUBLE]) is None  # (nothing to pack)
 
 
 def test_a_spec_cma_refuses_stays_with_cma_which_raises_its_error() -> None:

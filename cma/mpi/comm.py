@@ -21,6 +21,7 @@ from ..protocol import ANY_SOURCE as CMA_ANY_SOURCE
 from ..transports.xmap import View
 from ..wire import PROC_NULL as CMA_PROC_NULL
 from .bootstrap import BARRIER_CMA, BARRIER_MPI, BARRIER_NONBLOCKING, ENV_DISABLE, bootstrap, env_flag
+from .datatypes import Typed
 from .errors import PeerGoneError, TruncateError
 from .hierarchy import HIERARCHICAL, Hierarchy
 from .mixedio import MixedRank
@@ -65,7 +66,7 @@ from .routing import (
     mode_of,
     routes,
 )
-from .specs import as_bytes, snapshot
+from .specs import as_bytes, as_packed, snapshot
 
 # methods an all-on-node Comm takes from its cma communicator (those its class does not
 # override; Sendrecv only if it overrides none)
@@ -812,6 +813,10 @@ def _collective(name: str) -> Callable[..., Any]:
     locked = not typed and LOCK_TABLE is not None
     across_nodes = name in HIERARCHICAL
     signature = inspect.signature(through_cma)
+    # the positions and names of the buffers the collective writes ("recvbuf", a Bcast's
+    # "buf"), for a packed copy to be unpacked into after the call
+    received = [(at, parameter) for at, parameter in enumerate(list(signature.parameters)[1:])
+                if parameter in ("recvbuf", "buf")]
 
     def collective(self: Comm, *args: Any, **kwargs: Any) -> Any:
         route = self._routes.get(name)  # (only an all-on-node communicator has routes)
@@ -827,13 +832,14 @@ def _collective(name: str) -> Callable[..., Any]:
         barrier = self._barrier
         if barrier == BARRIER_MPI or barrier == BARRIER_NONBLOCKING and not across_nodes:
             return through_mpi(self, *args, **kwargs)
+        unpacked: list[tuple[Typed, np.ndarray]] = []
         if typed and _derived_datatype(args, kwargs):
             # (a reduction's op needs MPI's datatype: MPICH refuses predefined ops on
             # derived ones, so such a call is MPI's to run or refuse)
-            as_bytes_call = None if op_at is not None else _with_byte_datatypes(args, kwargs)
-            if as_bytes_call is None:
+            cma_call = None if op_at is not None else _with_cma_datatypes(args, kwargs, received)
+            if cma_call is None:
                 return through_mpi(self, *args, **kwargs)
-            args, kwargs = as_bytes_call
+            args, kwargs, unpacked = cma_call
         node_op = None
         if op_at is not None:
             op = args[op_at] if len(args) > op_at else kwargs.get("op", MPI.SUM)
@@ -861,6 +867,8 @@ def _collective(name: str) -> Callable[..., Any]:
                     result = through_cma(node, *args, **kwargs)
             else:
                 result = through_cma(node, *args, **kwargs)
+            for whole, packed in unpacked:  # (what the call wrote into a packed copy)
+                whole.scatter(packed)
             # what this rank still owes a peer (a FIN queued behind a full ring) must move
             # while it waits in MPI's own calls next
             if node is not None:
@@ -908,17 +916,31 @@ def _derived_datatype(args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
     return False
 
 
-def _with_byte_datatypes(args: tuple[Any, ...], kwargs: dict[str, Any]
-                         ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-    """The call with every derived datatype without gaps read as bytes (``specs.as_bytes``),
-    so that a rank passing one takes cma's path as its peers passing arrays do (MPI's
-    would leave them waiting: docs/mpi.md); None where one stays MPI's to lay out."""
-    new_args = tuple(map(as_bytes, args))
-    new_kwargs = {name: as_bytes(arg) for name, arg in kwargs.items()}
-    if any(arg is None and old is not None for arg, old in zip(new_args, args, strict=True)) \
-            or any(arg is None and kwargs[name] is not None for name, arg in new_kwargs.items()):
-        return None
-    return new_args, new_kwargs
+def _with_cma_datatypes(args: tuple[Any, ...], kwargs: dict[str, Any],
+                        received: list[tuple[int, str]]
+                        ) -> tuple[tuple[Any, ...], dict[str, Any], list[tuple[Typed, np.ndarray]]] | None:
+    """The call as cma's collectives take it: every derived datatype without gaps read as
+    bytes (``specs.as_bytes``), one with gaps or its bytes out of order over a packed copy
+    of its elements (``specs.as_packed``), so that a rank passing one takes cma's path as
+    its peers passing arrays do (MPI's would leave them waiting: docs/mpi.md); with the
+    copies to unpack into the buffers the call writes (``received``). None where a spec
+    stays MPI's to lay out (Alltoallw's lists, a displacement with a single count)."""
+    written = {at for at, _ in received} | {name for _, name in received}
+    unpacked: list[tuple[Typed, np.ndarray]] = []
+    read: dict[int | str, Any] = {}
+    places: list[tuple[int | str, Any]] = [*enumerate(args), *kwargs.items()]
+    for where, spec in places:
+        bytes_read = as_bytes(spec)
+        if bytes_read is None and spec is not None:
+            packed = as_packed(spec)
+            if packed is None:
+                return None
+            bytes_read, whole = packed
+            if where in written and not whole.readonly:
+                unpacked.append((whole, bytes_read[0]))
+        read[where] = bytes_read
+    return (tuple(read[at] for at in range(len(args))),
+            {name: read[name] for name in kwargs}, unpacked)
 
 
 def _is_derived(item: Any) -> bool:

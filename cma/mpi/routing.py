@@ -27,7 +27,7 @@ from mpi4py import MPI
 
 from ..collectives import IN_PLACE, _dtype, _message, _vmessage, mpi_datatype_constants
 from ..comm import PLAIN_PICKLES
-from .specs import as_bytes
+from .specs import as_bytes, packed_size
 
 ENV_COLLECTIVES = "CMA_MPI_COLLECTIVES"
 AUTO = "auto"  # by the measured table below
@@ -509,12 +509,22 @@ def spec_bytes(spec: Any, blocks: int = 1) -> int:
         if nbytes >= 0:
             return nbytes // blocks
     try:
-        read = as_bytes(spec)  # (a derived datatype without gaps as cma.mpi hands it to cma)
-        if read is None and spec is not None:
-            return -1  # (one with gaps: MPI's to lay out, on this rank whatever its size)
+        read = _as_cma_reads(spec)
+        if read is None:
+            return -1  # (MPI's to lay out, on this rank whatever its size)
         return _message(read, writable=False, blocks=blocks).nbytes // blocks
     except Exception:  # (whatever cma's reader refuses, cma's collective reports)
         return -1
+
+
+def _as_cma_reads(spec: Any) -> Any:
+    """A spec as cma.mpi hands it to cma, for its size: a derived datatype without gaps
+    as bytes (``as_bytes``), one with gaps over a packed copy, left unfilled here
+    (``packed_size``); None where the spec stays MPI's to lay out."""
+    read = as_bytes(spec)
+    if read is None and spec is not None:
+        return packed_size(spec)
+    return read
 
 
 def _counted_bytes(buf: Any, count: int, datatype: Any) -> int:
@@ -571,9 +581,9 @@ def _mean_block_gathered(args: tuple[Any, ...], kwargs: dict[str, Any], size: in
     """Allgatherv's mean block: the counts of recvbuf's v-form are every rank's."""
     recvbuf = _arg(args, kwargs, 1, "recvbuf")
     try:
-        read = as_bytes(recvbuf)
-        if read is None and recvbuf is not None:
-            return -1  # (a datatype with gaps: MPI's to lay out)
+        read = _as_cma_reads(recvbuf)
+        if read is None:
+            return -1  # (MPI's to lay out)
         data, counts, _ = _vmessage(read, writable=False, size=size)
     except Exception:
         return -1

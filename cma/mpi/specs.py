@@ -9,7 +9,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..comm import send_view
-from .datatypes import Layout, Typed, layout, typed
+from .datatypes import Layout, Plan, Typed, layout, typed
 
 _fromcode = getattr(MPI.Datatype, "fromcode", None) or MPI._typedict.__getitem__  # mpi4py 4 / 3
 SPECS = frozenset((list, tuple))  # what an mpi4py buffer spec (not a plain buffer) is
@@ -84,10 +84,8 @@ def as_bytes(spec: Any) -> Any:
     if id(datatype) in _SIZES or datatype is None or isinstance(datatype, (str, int)):
         return spec  # (mpi4py's own datatypes, a typechar, a count: the usual specs)
     buf, *counts = spec[:-1]
-    if isinstance(datatype, (list, tuple)) or any(
-            isinstance(item, MPI.Datatype) or isinstance(item, (list, tuple)) and any(
-                isinstance(inner, MPI.Datatype) for inner in item) for item in counts):
-        return None  # (Alltoallw's datatypes, or a datatype out of its place)
+    if isinstance(datatype, (list, tuple)) or not _collective_counts(counts):
+        return None
     if not isinstance(datatype, MPI.Datatype) or datatype.is_predefined:
         return spec
     try:
@@ -96,14 +94,73 @@ def as_bytes(spec: Any) -> Any:
         return None
     if not isinstance(size, int) or not size:
         return None
-    if len(counts) == 2 and isinstance(counts[0], (int, np.integer)) or len(counts) == 1 and \
-            isinstance(counts[0], tuple) and isinstance(counts[0][0], (int, np.integer)):
-        return None  # ([buf, count, displ, D] or [buf, (count, displ), D]: MPI's)
     if not counts:  # [buf, datatype]: as many whole elements as the buffer holds
         if buf is not None and memoryview(buf).nbytes % size:
             return None  # (MPI's to refuse)
         return [buf, "B"]
     return [buf, *(_scaled(count, size) for count in counts), "B"]
+
+
+def _collective_counts(counts: list[Any]) -> bool:
+    """Whether a spec's counts are a form cma's collectives take: none, a count, per-rank
+    counts, (counts, displacements); not a displacement beside a single count
+    (``[buf, count, displ, D]``, ``[buf, (count, displ), D]``: MPI's), nor Alltoallw's
+    datatypes or a datatype out of its place."""
+    if any(isinstance(item, MPI.Datatype) or isinstance(item, (list, tuple)) and any(
+            isinstance(inner, MPI.Datatype) for inner in item) for item in counts):
+        return False
+    return not (len(counts) == 2 and isinstance(counts[0], (int, np.integer)) or len(counts) == 1
+                and isinstance(counts[0], tuple) and isinstance(counts[0][0], (int, np.integer)))
+
+
+def _gapped(spec: Any) -> tuple[Any, list[Any], Layout, Plan] | None:
+    """A spec ``as_bytes`` leaves to MPI because its datatype has gaps or its bytes out
+    of order or repeated, in a form cma's collectives take: its buffer, counts, layout
+    and the Plan of every whole element the buffer holds; None otherwise."""
+    if spec.__class__ not in SPECS or len(spec) < 2:
+        return None
+    datatype = spec[-1]
+    if not isinstance(datatype, MPI.Datatype) or datatype.is_predefined:
+        return None
+    buf, *counts = spec[:-1]
+    if buf is None or not _collective_counts(counts):
+        return None
+    try:
+        found = layout(datatype)
+    except (ValueError, NotImplementedError, MPI.Exception):
+        return None
+    if found.contiguous or not found.size or found.extent <= 0 or found.true_lb < 0:
+        return None
+    nbytes = send_view(buf).nbytes
+    elements = (nbytes - found.true_ub) // found.extent + 1 if nbytes >= found.true_ub else 0
+    return buf, counts, found, found.plan(elements, 0)
+
+
+def as_packed(spec: Any) -> tuple[list[Any], Typed] | None:
+    """For a spec ``as_bytes`` leaves to MPI (a datatype with gaps, or its bytes out of
+    order): the spec over a packed copy of every whole element its buffer holds, in
+    type-map order as MPI_Pack lays them out, counts and displacements scaled to bytes as
+    ``as_bytes`` scales them; and the Typed that unpacks the copy back into the buffer
+    once a collective has written it. None where cma's collectives cannot take the spec
+    (``_collective_counts``, a None buffer, a datatype cma cannot decode)."""
+    found = _gapped(spec)
+    if found is None:
+        return None
+    buf, counts, kind, plan = found
+    view = send_view(buf)
+    whole = Typed(plan, buf, np.frombuffer(view, dtype=np.uint8) if view.nbytes else np.zeros(0, np.uint8))
+    packed = np.frombuffer(whole.pack(), dtype=np.uint8) if plan.nbytes else np.zeros(0, np.uint8)
+    return [packed, *(_scaled(count, kind.size) for count in counts), "B"], whole
+
+
+def packed_size(spec: Any) -> list[Any] | None:
+    """What ``as_packed`` makes of ``spec`` to size it (the routing's), its packed copy
+    left unfilled; None where it makes nothing."""
+    found = _gapped(spec)
+    if found is None:
+        return None
+    _, counts, kind, plan = found
+    return [np.empty(plan.nbytes, np.uint8), *(_scaled(count, kind.size) for count in counts), "B"]
 
 
 def convert(spec: Sequence[Any]) -> Any:

@@ -194,8 +194,8 @@ def inline_specs(comm: cma.mpi.Comm) -> None:
     """Bcasts of ``[mmap, n, MPI.BYTE]`` written inline (a new list each call, as mpi4py's
     osu_bcast does) while n and the root change: each call moves its own n bytes; an
     equal spec is not worked out again; the mmap closes afterwards (no view kept alive).
-    A derived datatype's spec goes through MPI; copies of a predefined one go through cma
-    without growing the dtypes kept by id."""
+    A datatype with gaps goes through cma packed, its gaps untouched; copies of a
+    predefined one go through cma without growing the dtypes kept by id."""
     rank, size = comm.Get_rank(), comm.Get_size()
     from cma import collectives
 
@@ -230,7 +230,10 @@ def inline_specs(comm: cma.mpi.Comm) -> None:
     before = messages(comm)
     comm.Bcast([grid, 1, column], 0)
     assert grid.tolist() == [0, 0 if rank else 1, 2, 0 if rank else 3, 4, 0 if rank else 5], grid
-    assert messages(comm) == before, "a derived datatype went through cma"
+    # (packed for cma, as its peers' arrays of the same signature go; a rank alone on its
+    # pretend node has no cma peer)
+    assert messages(comm) > before or comm.cma is None or comm.cma.size == 1, \
+        "a datatype with gaps did not go through cma"
     column.Free()
     # a predefined datatype's copy is a new object every time: not kept (by id) at all
     total = np.zeros(2, np.float32)

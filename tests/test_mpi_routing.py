@@ -156,34 +156,54 @@ def test_specs_read_a_derived_datatype_without_gaps_as_bytes() -> None:
 
 
 def test_a_datatype_with_gaps_goes_to_cma_packed_and_comes_back_unpacked() -> None:
-    """``as_packed``: every whole element the buffer holds packed in type-map order (as
-    MPI_Pack lays them out), the counts scaled to bytes, and what a collective writes
-    into the packed copy unpacked into the elements, the gaps untouched."""
-    from cma.mpi.specs import as_packed, packed_size
+    """``as_packed``: the elements the spec names (a count's blocks, the furthest a
+    v-form's blocks reach, all of a buffer of whole elements) packed in type-map order
+    (as MPI_Pack lays them out), the counts scaled to bytes, and what a collective
+    writes into the packed copy unpacked into them, the gaps and the rest untouched."""
+    from cma.mpi.specs import as_packed, as_packed_unfilled
 
     buf = np.arange(12, dtype=np.int64)
     gaps = MPI._typedict["l"].Create_vector(2, 1, 2).Commit()  # (2 of every 3 int64s)
-    reordered = MPI.DOUBLE.Create_indexed([1, 1], [1, 0]).Commit()
-    packed = as_packed([buf, 3, gaps])
-    assert packed is not None
-    spec, whole = packed
-    assert spec[1:] == [48, "B"]
-    assert spec[0].view(np.int64).tolist() == [0, 2, 3, 5, 6, 8, 9, 11]  # (4 whole elements)
-    spec[0].view(np.int64)[:] = -np.arange(1, 9)
-    whole.scatter(spec[0])
-    assert buf.tolist() == [-1, 1, -2, -3, 4, -4, -5, 7, -6, -7, 10, -8]
-    shape = as_packed([np.arange(4.0), reordered])
-    assert shape is not None and shape[0][0].view(np.float64).tolist() == [1.0, 0.0, 3.0, 2.0]
-    assert shape[0][1:] == ["B"]
-    v_form = as_packed([buf, ([1, 2], [0, 2]), gaps])
-    assert v_form is not None and v_form[0][1:] == [([16, 32], [0, 32]), "B"]
-    sized = packed_size([buf, [1, 2], [0, 2], gaps])
+    packed = as_packed([buf, 1, gaps], blocks=3)  # (a block for each of 3 ranks)
+    assert packed is not None and packed[1] is not None
+    spec, typed_buffer = packed
+    assert spec[1:] == [16, "B"]
+    assert spec[0].view(np.int64).tolist() == [0, 2, 3, 5, 6, 8]
+    spec[0].view(np.int64)[:] = -np.arange(1, 7)
+    typed_buffer.scatter(spec[0])
+    assert buf.tolist() == [-1, 1, -2, -3, 4, -4, -5, 7, -6, 9, 10, 11]
+    one = as_packed([np.arange(12, dtype=np.int64), 1, gaps], blocks=1)
+    assert one is not None and one[0][0].view(np.int64).tolist() == [0, 2]  # (not the rest)
+    # a v-form: as far as its blocks reach, its displacements in elements become bytes
+    v_form = as_packed([np.arange(12, dtype=np.int64), ([1, 1], [3, 0]), gaps], blocks=3)
+    assert v_form is not None and v_form[0][1:] == [([16, 16], [48, 0]), "B"]
+    assert v_form[0][0].view(np.int64).tolist() == [0, 2, 3, 5, 6, 8, 9, 11]
+    sized = as_packed_unfilled([buf, [1, 2], [0, 2], gaps], blocks=3)
     assert sized is not None and sized[0].nbytes == 64 and sized[1:] == [[16, 32], [0, 32], "B"]
-    # what stays MPI's: a displacement with a single count, no buffer, Alltoallw's lists
-    assert as_packed([buf, 2, 1, gaps]) is None and as_packed([buf, (2, 1), gaps]) is None
-    assert as_packed([None, 0, gaps]) is None
-    assert as_packed([buf, ([1, 1], [0, 1]), [gaps, gaps]]) is None
-    assert as_packed([buf, 3, MPI.DOUBLE]) is None  # (nothing to pack)
+    reordered = MPI.DOUBLE.Create_indexed([1, 1], [1, 0]).Commit()
+    whole = as_packed([np.arange(4.0), reordered], blocks=1)
+    assert whole is not None and whole[0][0].view(np.float64).tolist() == [1.0, 0.0, 3.0, 2.0]
+    assert whole[0][1:] == ["B"]
+    # elements that overlap their neighbours: only the one named is written back
+    overlapping = MPI._typedict["l"].Create_contiguous(2).Create_resized(0, 8).Commit()
+    values = np.array([0, 10, 20, 30], np.int64)
+    first = as_packed([values, 1, overlapping], blocks=1)
+    assert first is not None and first[1] is not None
+    first[0][0].view(np.int64)[:] = [-1, -2]
+    first[1].scatter(first[0][0])
+    assert values.tolist() == [-1, -2, 20, 30]
+    # a root's peers pass None where mpi4py ignores the buffer: nothing packed, counts kept
+    assert as_packed([None, 3, gaps], blocks=2) == ([None, 48, "B"], None)
+    # a read-only buffer gives a read-only copy (a receive into it raises, as MPI's)
+    frozen = as_packed([np.frombuffer(bytes(48), np.int64), 2, gaps], blocks=1)
+    assert frozen is not None and not frozen[0][0].flags.writeable
+    # what stays MPI's: a displacement with a single count, absolute addresses, a buffer
+    # of no whole number of elements with no count, Alltoallw's lists
+    assert as_packed([buf, 2, 1, gaps], 1) is None and as_packed([buf, (2, 1), gaps], 1) is None
+    assert as_packed([MPI.BOTTOM, 1, gaps], 1) is None
+    assert as_packed([np.zeros(4, np.int64), gaps], 1) is None  # (32 B, elements of 24)
+    assert as_packed([buf, ([1, 1], [0, 1]), [gaps, gaps]], 1) is None
+    assert as_packed([buf, 3, MPI.DOUBLE], 1) is None  # (nothing to pack)
 
 
 def test_a_spec_cma_refuses_stays_with_cma_which_raises_its_error() -> None:

@@ -6,7 +6,7 @@ import inspect
 import operator
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, NoReturn
+from typing import Any, Literal, NamedTuple, NoReturn
 
 import numpy as np
 from mpi4py import MPI
@@ -813,10 +813,12 @@ def _collective(name: str) -> Callable[..., Any]:
     locked = not typed and LOCK_TABLE is not None
     across_nodes = name in HIERARCHICAL
     signature = inspect.signature(through_cma)
-    # the positions and names of the buffers the collective writes ("recvbuf", a Bcast's
-    # "buf"), for a packed copy to be unpacked into after the call
-    received = [(at, parameter) for at, parameter in enumerate(list(signature.parameters)[1:])
-                if parameter in ("recvbuf", "buf")]
+    # each buffer parameter's position and name, whether the collective writes it (for a
+    # packed copy to be unpacked into after the call) and whether its count is a block's
+    buffers = [BufferParameter(at, parameter, parameter in ("recvbuf", "buf"),
+                               (name, parameter) in _BLOCK_COUNTS)
+               for at, parameter in enumerate(list(signature.parameters)[1:])
+               if parameter in ("sendbuf", "recvbuf", "buf")]
 
     def collective(self: Comm, *args: Any, **kwargs: Any) -> Any:
         route = self._routes.get(name)  # (only an all-on-node communicator has routes)
@@ -836,7 +838,8 @@ def _collective(name: str) -> Callable[..., Any]:
         if typed and _derived_datatype(args, kwargs):
             # (a reduction's op needs MPI's datatype: MPICH refuses predefined ops on
             # derived ones, so such a call is MPI's to run or refuse)
-            cma_call = None if op_at is not None else _with_cma_datatypes(args, kwargs, received)
+            cma_call = None if op_at is not None else _with_cma_datatypes(
+                args, kwargs, buffers, MPI.Comm.Get_size(self))
             if cma_call is None:
                 return through_mpi(self, *args, **kwargs)
             args, kwargs, unpacked = cma_call
@@ -916,31 +919,50 @@ def _derived_datatype(args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
     return False
 
 
+class BufferParameter(NamedTuple):
+    """A collective's buffer parameter, as ``_with_cma_datatypes`` reads its spec."""
+
+    at: int  # (its position)
+    name: str
+    written: bool  # (the collective writes it: a recvbuf, a Bcast's buf)
+    per_rank: bool  # (a single count in its spec is a block's, one block a rank)
+
+
+# the buffers whose single count is a block's, a block for each rank (mpi4py's reading)
+_BLOCK_COUNTS = frozenset({("Gather", "recvbuf"), ("Allgather", "recvbuf"),
+                           ("Scatter", "sendbuf"), ("Alltoall", "sendbuf"),
+                           ("Alltoall", "recvbuf")})
+
+
 def _with_cma_datatypes(args: tuple[Any, ...], kwargs: dict[str, Any],
-                        received: list[tuple[int, str]]
+                        buffers: list[BufferParameter], size: int
                         ) -> tuple[tuple[Any, ...], dict[str, Any], list[tuple[Typed, np.ndarray]]] | None:
     """The call as cma's collectives take it: every derived datatype without gaps read as
     bytes (``specs.as_bytes``), one with gaps or its bytes out of order over a packed copy
-    of its elements (``specs.as_packed``), so that a rank passing one takes cma's path as
-    its peers passing arrays do (MPI's would leave them waiting: docs/mpi.md); with the
-    copies to unpack into the buffers the call writes (``received``). None where a spec
-    stays MPI's to lay out (Alltoallw's lists, a displacement with a single count)."""
-    written = {at for at, _ in received} | {name for _, name in received}
+    of the elements it names (``specs.as_packed``), so that a rank passing one takes
+    cma's path as its peers passing arrays do (MPI's would leave them waiting:
+    docs/mpi.md); with the copies to unpack into the buffers the call writes. None where
+    a spec stays MPI's to lay out (``specs._gapped``: Alltoallw's lists, a displacement
+    with a single count, MPI.BOTTOM, a buffer of no whole number of elements...)."""
     unpacked: list[tuple[Typed, np.ndarray]] = []
-    read: dict[int | str, Any] = {}
-    places: list[tuple[int | str, Any]] = [*enumerate(args), *kwargs.items()]
-    for where, spec in places:
-        bytes_read = as_bytes(spec)
-        if bytes_read is None and spec is not None:
-            packed = as_packed(spec)
+    cma_args, cma_kwargs = list(args), dict(kwargs)
+    for buffer in buffers:
+        by_name = buffer.at >= len(args)
+        spec = kwargs.get(buffer.name) if by_name else args[buffer.at]
+        as_cma = as_bytes(spec)
+        if as_cma is None and spec is not None:
+            packed = as_packed(spec, size if buffer.per_rank else 1)
             if packed is None:
                 return None
-            bytes_read, whole = packed
-            if where in written and not whole.readonly:
-                unpacked.append((whole, bytes_read[0]))
-        read[where] = bytes_read
-    return (tuple(read[at] for at in range(len(args))),
-            {name: read[name] for name in kwargs}, unpacked)
+            as_cma, typed_buffer = packed
+            if buffer.written and typed_buffer is not None and not typed_buffer.readonly:
+                unpacked.append((typed_buffer, as_cma[0]))
+        if by_name:
+            if buffer.name in kwargs:
+                cma_kwargs[buffer.name] = as_cma
+        else:
+            cma_args[buffer.at] = as_cma
+    return tuple(cma_args), cma_kwargs, unpacked
 
 
 def _is_derived(item: Any) -> bool:

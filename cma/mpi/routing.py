@@ -27,7 +27,7 @@ from mpi4py import MPI
 
 from ..collectives import IN_PLACE, _dtype, _message, _vmessage, mpi_datatype_constants
 from ..comm import PLAIN_PICKLES
-from .specs import as_bytes, packed_size
+from .specs import as_bytes, as_packed_unfilled
 
 ENV_COLLECTIVES = "CMA_MPI_COLLECTIVES"
 AUTO = "auto"  # by the measured table below
@@ -509,7 +509,7 @@ def spec_bytes(spec: Any, blocks: int = 1) -> int:
         if nbytes >= 0:
             return nbytes // blocks
     try:
-        read = _as_cma_reads(spec)
+        read = _as_cma_reads(spec, blocks)
         if read is None:
             return -1  # (MPI's to lay out, on this rank whatever its size)
         return _message(read, writable=False, blocks=blocks).nbytes // blocks
@@ -517,13 +517,13 @@ def spec_bytes(spec: Any, blocks: int = 1) -> int:
         return -1
 
 
-def _as_cma_reads(spec: Any) -> Any:
+def _as_cma_reads(spec: Any, blocks: int) -> Any:
     """A spec as cma.mpi hands it to cma, for its size: a derived datatype without gaps
-    as bytes (``as_bytes``), one with gaps over a packed copy, left unfilled here
-    (``packed_size``); None where the spec stays MPI's to lay out."""
+    as bytes (``as_bytes``), one with gaps over a packed copy of its ``blocks`` blocks,
+    left unfilled here (``as_packed_unfilled``); None where the spec stays MPI's to lay out."""
     read = as_bytes(spec)
     if read is None and spec is not None:
-        return packed_size(spec)
+        return as_packed_unfilled(spec, blocks)
     return read
 
 
@@ -581,7 +581,7 @@ def _mean_block_gathered(args: tuple[Any, ...], kwargs: dict[str, Any], size: in
     """Allgatherv's mean block: the counts of recvbuf's v-form are every rank's."""
     recvbuf = _arg(args, kwargs, 1, "recvbuf")
     try:
-        read = _as_cma_reads(recvbuf)
+        read = _as_cma_reads(recvbuf, 1)  # (a v-form: its counts are every rank's)
         if read is None:
             return -1  # (MPI's to lay out)
         data, counts, _ = _vmessage(read, writable=False, size=size)

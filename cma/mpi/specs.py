@@ -9,7 +9,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..comm import send_view
-from .datatypes import Layout, Plan, Typed, layout, typed
+from .datatypes import Layout, Typed, layout, typed
 
 _fromcode = getattr(MPI.Datatype, "fromcode", None) or MPI._typedict.__getitem__  # mpi4py 4 / 3
 SPECS = frozenset((list, tuple))  # what an mpi4py buffer spec (not a plain buffer) is
@@ -90,7 +90,7 @@ def as_bytes(spec: Any) -> Any:
         return spec
     try:
         size = _itemsize(datatype, None)
-    except (ValueError, MPI.Exception):
+    except (ValueError, NotImplementedError, MPI.Exception):
         return None
     if not isinstance(size, int) or not size:
         return None
@@ -113,54 +113,77 @@ def _collective_counts(counts: list[Any]) -> bool:
                 and isinstance(counts[0], tuple) and isinstance(counts[0][0], (int, np.integer)))
 
 
-def _gapped(spec: Any) -> tuple[Any, list[Any], Layout, Plan] | None:
+def _gapped(spec: Any, blocks: int) -> tuple[Any, list[Any], Layout, int] | None:
     """A spec ``as_bytes`` leaves to MPI because its datatype has gaps or its bytes out
     of order or repeated, in a form cma's collectives take: its buffer, counts, layout
-    and the Plan of every whole element the buffer holds; None otherwise."""
+    and how many elements it names (``blocks`` of ``count`` where it gives one count;
+    the furthest a v-form's blocks reach; with no count, all the buffer holds, which
+    must be whole, as mpi4py asks); None otherwise (MPI's, to run or refuse)."""
     if spec.__class__ not in SPECS or len(spec) < 2:
         return None
     datatype = spec[-1]
     if not isinstance(datatype, MPI.Datatype) or datatype.is_predefined:
         return None
     buf, *counts = spec[:-1]
-    if buf is None or not _collective_counts(counts):
-        return None
+    if buf is MPI.BOTTOM or not _collective_counts(counts):
+        return None  # (absolute addresses: MPI's)
     try:
         found = layout(datatype)
     except (ValueError, NotImplementedError, MPI.Exception):
         return None
-    if found.contiguous or not found.size or found.extent <= 0 or found.true_lb < 0:
+    if found.contiguous or found.extent <= 0 or found.true_lb < 0:
         return None
-    nbytes = send_view(buf).nbytes
-    elements = (nbytes - found.true_ub) // found.extent + 1 if nbytes >= found.true_ub else 0
-    return buf, counts, found, found.plan(elements, 0)
+    if not counts:
+        nbytes = 0 if buf is None else send_view(buf).nbytes
+        if nbytes % found.extent:
+            return None
+        return buf, counts, found, nbytes // found.extent
+    first = counts[0]
+    if isinstance(first, (int, np.integer)):
+        return buf, counts, found, int(first) * blocks
+    sizes, displs = first if isinstance(first, tuple) else (first, counts[1] if len(counts) > 1 else None)
+    sizes = [int(size) for size in sizes]
+    starts = [int(displ) for displ in displs] if displs is not None else \
+        np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(int).tolist()
+    return buf, counts, found, max((start + size for start, size in zip(starts, sizes, strict=True)
+                                    if size), default=0)
 
 
-def as_packed(spec: Any) -> tuple[list[Any], Typed] | None:
+def as_packed(spec: Any, blocks: int) -> tuple[list[Any], Typed | None] | None:
     """For a spec ``as_bytes`` leaves to MPI (a datatype with gaps, or its bytes out of
-    order): the spec over a packed copy of every whole element its buffer holds, in
-    type-map order as MPI_Pack lays them out, counts and displacements scaled to bytes as
-    ``as_bytes`` scales them; and the Typed that unpacks the copy back into the buffer
-    once a collective has written it. None where cma's collectives cannot take the spec
-    (``_collective_counts``, a None buffer, a datatype cma cannot decode)."""
-    found = _gapped(spec)
+    order), as cma's collectives take it: the spec over a packed copy of the elements it
+    names (``blocks``: how many blocks its count is for), in type-map order as MPI_Pack
+    lays them out, its counts and displacements scaled to bytes as ``as_bytes`` scales
+    them, read-only where the buffer is; and the Typed that unpacks the copy into the
+    buffer once a collective has written it (None for a None buffer, which a rank other
+    than a root passes). None where the spec stays MPI's (``_gapped``)."""
+    found = _gapped(spec, blocks)
     if found is None:
         return None
-    buf, counts, kind, plan = found
-    view = send_view(buf)
-    whole = Typed(plan, buf, np.frombuffer(view, dtype=np.uint8) if view.nbytes else np.zeros(0, np.uint8))
-    packed = np.frombuffer(whole.pack(), dtype=np.uint8) if plan.nbytes else np.zeros(0, np.uint8)
-    return [packed, *(_scaled(count, kind.size) for count in counts), "B"], whole
+    buf, counts, kind, elements = found
+    scaled = [_scaled(count, kind.size) for count in counts]
+    if buf is None:
+        return [None, *scaled, "B"], None
+    whole = typed(buf, elements, 0, kind, send_view)
+    if whole.__class__ is not Typed:  # (the elements are one block: a copy of it)
+        whole = Typed(kind.plan(elements, 0), buf, np.frombuffer(send_view(buf), dtype=np.uint8))
+    assert isinstance(whole, Typed)
+    packed = np.frombuffer(whole.pack(), dtype=np.uint8) if whole.nbytes else np.zeros(0, np.uint8)
+    if whole.readonly:
+        packed.flags.writeable = False  # (a receive into it raises, as into the buffer)
+    return [packed, *scaled, "B"], whole
 
 
-def packed_size(spec: Any) -> list[Any] | None:
-    """What ``as_packed`` makes of ``spec`` to size it (the routing's), its packed copy
-    left unfilled; None where it makes nothing."""
-    found = _gapped(spec)
+def as_packed_unfilled(spec: Any, blocks: int) -> list[Any] | None:
+    """The spec ``as_packed`` makes of ``spec``, over an unfilled array of the packed
+    copy's length, for the routing to size as its peers' arrays (no packing, no Plan);
+    None where ``as_packed`` makes none."""
+    found = _gapped(spec, blocks)
     if found is None:
         return None
-    _, counts, kind, plan = found
-    return [np.empty(plan.nbytes, np.uint8), *(_scaled(count, kind.size) for count in counts), "B"]
+    buf, counts, kind, elements = found
+    stand_in = None if buf is None else np.empty(elements * kind.size, np.uint8)
+    return [stand_in, *(_scaled(count, kind.size) for count in counts), "B"]
 
 
 def convert(spec: Sequence[Any]) -> Any:

@@ -61,19 +61,33 @@ def build(name: str, count: int, rank: int, size: int) -> Callable[[Any], np.nda
             method([buf, pairs, PAIRS] if gapped else buf, root=root)
             return received(buf)
         return run
-    if name in ("Gather", "Allgather", "Allgatherv"):
+    if name == "Gather to the last rank":
+        # (rank 0 sends through PAIRS and passes [None, n, PAIRS] for the buffer mpi4py
+        # ignores at a rank other than the root)
         def run(method: Any) -> np.ndarray:
-            total = np.zeros(count * size, np.int64)
+            root = size - 1
+            out = np.zeros(count * size, np.int64) if rank == root else None
+            method([laid_out(mine), pairs, PAIRS] if gapped else mine,
+                   [None, pairs, PAIRS] if gapped else out, root=root)
+            return out if out is not None else mine
+        return run
+    if name in ("Gather", "Allgather", "Allgather in place", "Allgatherv"):
+        # (Allgatherv's blocks in reverse rank order, a free element between each)
+        def run(method: Any) -> np.ndarray:
+            total = np.zeros((count + 2) * size, np.int64)
+            if name.endswith("in place"):
+                total[rank * count : (rank + 1) * count] = mine
             out = laid_out(total) if gapped else total
             if name == "Allgatherv":
-                recv: Any = [out, ([pairs] * size, [r * pairs for r in range(size)]), PAIRS] \
-                    if gapped else [out, ([count] * size, [r * count for r in range(size)]), INT64]
+                recv: Any = [out, ([pairs] * size, [(size - 1 - r) * (pairs + 1) for r in range(size)]),
+                             PAIRS] if gapped else \
+                    [out, ([count] * size, [(size - 1 - r) * (count + 2) for r in range(size)]), INT64]
             else:
-                recv = [out, pairs, PAIRS] if gapped else out
+                recv = [out, pairs, PAIRS] if gapped else [out, count, INT64]
             if name == "Gather":
                 method(mine, recv if rank == 0 else None, root=0)
                 return received(out) if rank == 0 else mine
-            method(mine, recv)
+            method(MPI.IN_PLACE if name.endswith("in place") else mine, recv)
             return received(out)
         return run
     if name == "Scatter":
@@ -118,7 +132,8 @@ def main() -> None:
     assert os.environ.get(routing.ENV_COLLECTIVES, "auto") == mode, mode
     comm = cma.mpi.Comm(MPI.COMM_WORLD)
     rank, size = comm.Get_rank(), comm.Get_size()
-    names = ["Bcast", "Bcast from the last rank", "Gather", "Allgather", "Scatter", "Alltoall"]
+    names = ["Bcast", "Bcast from the last rank", "Gather", "Gather to the last rank",
+             "Allgather", "Allgather in place", "Scatter", "Alltoall"]
     if mode == routing.CMA:
         # (MPICH 5.0.2's own Allgatherv stops with "Message truncated" where a rank's
         # vector meets its peers' int64s at 256 KiB a rank: the window's sizes)

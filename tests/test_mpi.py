@@ -294,6 +294,17 @@ def test_a_rank_passing_a_datatype_with_gaps_takes_its_peers_path(n: int, mode: 
     expect_ok(n, "gapped.py", mode, env={} if mode == "auto" else {"CMA_MPI_COLLECTIVES": mode})
 
 
+def test_the_gapped_bcast_bench_reports_each_size() -> None:
+    """bench/gapped_bcast.py (docs/figures/gapped-collectives-2026-12-05.txt) runs and
+    prints both libraries' times for each size."""
+    code, out, _ = mpirun(2, str(ROOT / "bench" / "gapped_bcast.py"), "--sizes", "4K,64K",
+                          "--turns", "2")
+    assert code == 0, out
+    lines = [line for line in out.splitlines() if "vector on the root" in line]
+    assert [line.split()[0:2] for line in lines] == [["4", "KiB"], ["64", "KiB"]], out
+    assert all(float(number) > 0 for line in lines for number in re.findall(r"\d+\.\d+", line))
+
+
 def test_the_object_snippets_bench_times_both_libraries_in_both_orders(tmp_path: Path) -> None:
     """bench/object_snippets.py (docs/mpi.md's object-collective figures): every case
     timed for both libraries each round, plain first in even rounds, the plugin in odd."""

@@ -172,6 +172,12 @@ def test_a_datatype_with_gaps_goes_to_cma_packed_and_comes_back_unpacked() -> No
     spec[0].view(np.int64)[:] = -np.arange(1, 7)
     typed_buffer.scatter(spec[0])
     assert buf.tolist() == [-1, 1, -2, -3, 4, -4, -5, 7, -6, 9, 10, 11]
+    # (the last element's trailing gap past the buffer: not rows of the buffer; block by
+    # block, the same layout)
+    spaced = gaps.Create_resized(0, 32).Commit()  # (an int64 free after each element)
+    cut = as_packed([np.arange(15, dtype=np.int64), 4, spaced], blocks=1)
+    assert cut is not None and cut[0][0].view(np.int64).tolist() == [0, 2, 4, 6, 8, 10, 12, 14]
+    assert type(cut[1]).__name__ == "Typed"
     one = as_packed([np.arange(12, dtype=np.int64), 1, gaps], blocks=1)
     assert one is not None and one[0][0].view(np.int64).tolist() == [0, 2]  # (not the rest)
     # a v-form: as far as its blocks reach, its displacements in elements become bytes

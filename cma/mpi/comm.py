@@ -21,7 +21,6 @@ from ..protocol import ANY_SOURCE as CMA_ANY_SOURCE
 from ..transports.xmap import View
 from ..wire import PROC_NULL as CMA_PROC_NULL
 from .bootstrap import BARRIER_CMA, BARRIER_MPI, BARRIER_NONBLOCKING, ENV_DISABLE, bootstrap, env_flag
-from .datatypes import Typed
 from .errors import PeerGoneError, TruncateError
 from .hierarchy import HIERARCHICAL, Hierarchy
 from .mixedio import MixedRank
@@ -66,7 +65,7 @@ from .routing import (
     mode_of,
     routes,
 )
-from .specs import as_bytes, as_packed, snapshot
+from .specs import Unpacker, as_bytes, as_packed, snapshot
 
 # methods an all-on-node Comm takes from its cma communicator (those its class does not
 # override; Sendrecv only if it overrides none)
@@ -812,6 +811,7 @@ def _collective(name: str) -> Callable[..., Any]:
     typed = not name.islower()  # (an object collective's payload may hold datatypes: data)
     locked = not typed and LOCK_TABLE is not None
     across_nodes = name in HIERARCHICAL
+    bcast = name == "Bcast"
     signature = inspect.signature(through_cma)
     # each buffer parameter's position and name, whether the collective writes it (for a
     # packed copy to be unpacked into after the call) and whether its count is a block's
@@ -834,7 +834,7 @@ def _collective(name: str) -> Callable[..., Any]:
         barrier = self._barrier
         if barrier == BARRIER_MPI or barrier == BARRIER_NONBLOCKING and not across_nodes:
             return through_mpi(self, *args, **kwargs)
-        unpacked: list[tuple[Typed, np.ndarray]] = []
+        unpacked: list[tuple[Unpacker, np.ndarray]] = []
         if typed and _derived_datatype(args, kwargs):
             # (a reduction's op needs MPI's datatype: MPICH refuses predefined ops on
             # derived ones, so such a call is MPI's to run or refuse)
@@ -843,6 +843,9 @@ def _collective(name: str) -> Callable[..., Any]:
             if cma_call is None:
                 return through_mpi(self, *args, **kwargs)
             args, kwargs, unpacked = cma_call
+            if bcast and unpacked and (args[1] if len(args) > 1 else kwargs.get("root", 0)) \
+                    == MPI.Comm.Get_rank(self):
+                unpacked = []  # (a Bcast's root sends its buffer: nothing to unpack)
         node_op = None
         if op_at is not None:
             op = args[op_at] if len(args) > op_at else kwargs.get("op", MPI.SUM)
@@ -870,8 +873,8 @@ def _collective(name: str) -> Callable[..., Any]:
                     result = through_cma(node, *args, **kwargs)
             else:
                 result = through_cma(node, *args, **kwargs)
-            for whole, packed in unpacked:  # (what the call wrote into a packed copy)
-                whole.scatter(packed)
+            for unpacker, packed in unpacked:  # (what the call wrote into a packed copy)
+                unpacker.scatter(packed)
             # what this rank still owes a peer (a FIN queued behind a full ring) must move
             # while it waits in MPI's own calls next
             if node is not None:
@@ -936,7 +939,7 @@ _BLOCK_COUNTS = frozenset({("Gather", "recvbuf"), ("Allgather", "recvbuf"),
 
 def _with_cma_datatypes(args: tuple[Any, ...], kwargs: dict[str, Any],
                         buffers: list[BufferParameter], size: int
-                        ) -> tuple[tuple[Any, ...], dict[str, Any], list[tuple[Typed, np.ndarray]]] | None:
+                        ) -> tuple[tuple[Any, ...], dict[str, Any], list[tuple[Unpacker, np.ndarray]]] | None:
     """The call as cma's collectives take it: every derived datatype without gaps read as
     bytes (``specs.as_bytes``), one with gaps or its bytes out of order over a packed copy
     of the elements it names (``specs.as_packed``), so that a rank passing one takes
@@ -944,7 +947,7 @@ def _with_cma_datatypes(args: tuple[Any, ...], kwargs: dict[str, Any],
     docs/mpi.md); with the copies to unpack into the buffers the call writes. None where
     a spec stays MPI's to lay out (``specs._gapped``: Alltoallw's lists, a displacement
     with a single count, MPI.BOTTOM, a buffer of no whole number of elements...)."""
-    unpacked: list[tuple[Typed, np.ndarray]] = []
+    unpacked: list[tuple[Unpacker, np.ndarray]] = []
     cma_args, cma_kwargs = list(args), dict(kwargs)
     for buffer in buffers:
         by_name = buffer.at >= len(args)
@@ -954,9 +957,9 @@ def _with_cma_datatypes(args: tuple[Any, ...], kwargs: dict[str, Any],
             packed = as_packed(spec, size if buffer.per_rank else 1)
             if packed is None:
                 return None
-            as_cma, typed_buffer = packed
-            if buffer.written and typed_buffer is not None and not typed_buffer.readonly:
-                unpacked.append((typed_buffer, as_cma[0]))
+            as_cma, unpacker = packed
+            if buffer.written and unpacker is not None:
+                unpacked.append((unpacker, as_cma[0]))
         if by_name:
             if buffer.name in kwargs:
                 cma_kwargs[buffer.name] = as_cma

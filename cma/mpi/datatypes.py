@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 from mpi4py import MPI
@@ -404,6 +404,61 @@ class Typed:
         if self.staging is not None:
             staging, self.staging = self.staging, None
             self.scatter(staging)
+
+
+class ElementRows:
+    """Whole elements of a datatype, each one row of a buffer's words and its blocks
+    columns of that row: a pack is one NumPy take over the rows, an unpack one
+    assignment. (Typed copies block by block: a 1 MiB vector of int64s, two of every
+    three, packed in 1.3 ms that way, in 0.09 ms so; docs/mpi.md, "Collectives".)"""
+
+    __slots__ = ("rows", "columns")
+
+    def __init__(self, rows: np.ndarray, columns: np.ndarray) -> None:
+        self.rows, self.columns = rows, columns
+
+    @classmethod
+    def of(cls, found: Layout, elements: int, base: np.ndarray) -> ElementRows | None:
+        """The rows of ``elements`` elements from the start of ``base`` (a buffer's
+        bytes); None where they are not rows (an element reaching past its extent, or
+        the last one past the buffer)."""
+        extent = found.extent
+        if not elements or elements * extent > base.nbytes:
+            return None
+        shape = _ROW_SHAPES.get(found)
+        if shape is None:
+            shape = _ROW_SHAPES[found] = _row_shape(found)
+        if shape is False:
+            return None
+        word, columns = shape
+        return cls(base[: elements * extent].view(word).reshape(elements, -1), columns)
+
+    def pack(self) -> np.ndarray:
+        """The elements' bytes in type-map order, a new array."""
+        return np.take(self.rows, self.columns, axis=1).reshape(-1).view(np.uint8)
+
+    def scatter(self, packed: np.ndarray) -> None:
+        """Copy a packed copy's bytes into the elements."""
+        self.rows[:, self.columns] = packed.view(self.rows.dtype).reshape(len(self.rows), -1)
+
+
+def _row_shape(found: Layout) -> tuple[np.dtype[Any], np.ndarray] | Literal[False]:
+    """An element's words (the widest that divides its extent, offsets and lengths) and
+    which of them its blocks are, in type-map order; False where an element's blocks reach
+    past its extent (elements that overlap: not rows)."""
+    extent = found.extent
+    if extent <= 0 or int((found.offsets + found.lengths).max()) > extent:
+        return False
+    word = next(w for w in (8, 4, 2, 1)
+                if not extent % w and not (found.offsets % w).any() and not (found.lengths % w).any())
+    columns = np.concatenate([np.arange(offset // word, (offset + length) // word)
+                              for offset, length in zip(found.offsets.tolist(),
+                                                        found.lengths.tolist(), strict=True)])
+    return np.dtype(f"u{word}"), columns
+
+
+# each Layout's row shape, worked out once (17 us of a 21 us pack of 64 KiB otherwise)
+_ROW_SHAPES: weakref.WeakKeyDictionary[Layout, Any] = weakref.WeakKeyDictionary()
 
 
 # buffers a Typed may keep a reference to (not resizable: a bytearray's export would block

@@ -9,9 +9,10 @@ import numpy as np
 from mpi4py import MPI
 
 from ..comm import send_view
-from .datatypes import Layout, Typed, layout, typed
+from .datatypes import ElementRows, Layout, Typed, layout, typed
 
 _fromcode = getattr(MPI.Datatype, "fromcode", None) or MPI._typedict.__getitem__  # mpi4py 4 / 3
+Unpacker = ElementRows | Typed  # (what copies a packed copy's bytes into a buffer's elements)
 SPECS = frozenset((list, tuple))  # what an mpi4py buffer spec (not a plain buffer) is
 NO_BYTES = memoryview(bytearray())  # [None, ...]: zero bytes, writable (receives take it too)
 
@@ -149,14 +150,15 @@ def _gapped(spec: Any, blocks: int) -> tuple[Any, list[Any], Layout, int] | None
                                     if size), default=0)
 
 
-def as_packed(spec: Any, blocks: int) -> tuple[list[Any], Typed | None] | None:
+def as_packed(spec: Any, blocks: int) -> tuple[list[Any], Unpacker | None] | None:
     """For a spec ``as_bytes`` leaves to MPI (a datatype with gaps, or its bytes out of
     order), as cma's collectives take it: the spec over a packed copy of the elements it
     names (``blocks``: how many blocks its count is for), in type-map order as MPI_Pack
     lays them out, its counts and displacements scaled to bytes as ``as_bytes`` scales
-    them, read-only where the buffer is; and the Typed that unpacks the copy into the
-    buffer once a collective has written it (None for a None buffer, which a rank other
-    than a root passes). None where the spec stays MPI's (``_gapped``)."""
+    them; and what unpacks the copy into the buffer once a collective has written it
+    (None where nothing can be written: a None buffer, which a rank other than a root
+    passes; a read-only buffer, whose copy is read-only too, so that a receive into it
+    raises as into the buffer). None where the spec stays MPI's (``_gapped``)."""
     found = _gapped(spec, blocks)
     if found is None:
         return None
@@ -164,14 +166,23 @@ def as_packed(spec: Any, blocks: int) -> tuple[list[Any], Typed | None] | None:
     scaled = [_scaled(count, kind.size) for count in counts]
     if buf is None:
         return [None, *scaled, "B"], None
-    whole = typed(buf, elements, 0, kind, send_view)
-    if whole.__class__ is not Typed:  # (the elements are one block: a copy of it)
-        whole = Typed(kind.plan(elements, 0), buf, np.frombuffer(send_view(buf), dtype=np.uint8))
-    assert isinstance(whole, Typed)
-    packed = np.frombuffer(whole.pack(), dtype=np.uint8) if whole.nbytes else np.zeros(0, np.uint8)
-    if whole.readonly:
-        packed.flags.writeable = False  # (a receive into it raises, as into the buffer)
-    return [packed, *scaled, "B"], whole
+    view = send_view(buf)
+    base = np.frombuffer(view, dtype=np.uint8) if view.nbytes else np.zeros(0, np.uint8)
+    rows = ElementRows.of(kind, elements, base)
+    unpacker: Unpacker
+    if rows is not None:
+        packed, unpacker = rows.pack(), rows
+    else:
+        plan = kind.plan(elements, 0)
+        plan.check(view.nbytes)
+        blockwise = Typed(plan, buf, base)
+        packed = np.frombuffer(blockwise.pack(), dtype=np.uint8) if plan.nbytes else \
+            np.zeros(0, np.uint8)
+        unpacker = blockwise
+    if view.readonly:
+        packed.flags.writeable = False
+        return [packed, *scaled, "B"], None
+    return [packed, *scaled, "B"], unpacker
 
 
 def as_packed_unfilled(spec: Any, blocks: int) -> list[Any] | None:

@@ -410,7 +410,8 @@ class ElementRows:
     """Whole elements of a datatype, each one row of a buffer's words and its blocks
     columns of that row: a pack is one NumPy take over the rows, an unpack one
     assignment. (Typed copies block by block: a 1 MiB vector of int64s, two of every
-    three, packed in 1.3 ms that way, in 0.09 ms so; docs/mpi.md, "Collectives".)"""
+    three, packed in 1.3 ms that way, in 0.09 ms so; docs/mpi.md, "Semantics and
+    limits", has the runs.)"""
 
     __slots__ = ("rows", "columns")
 
@@ -447,7 +448,7 @@ def _row_shape(found: Layout) -> tuple[np.dtype[Any], np.ndarray] | Literal[Fals
     which of them its blocks are, in type-map order; False where an element's blocks reach
     past its extent (elements that overlap: not rows)."""
     extent = found.extent
-    if extent <= 0 or int((found.offsets + found.lengths).max()) > extent:
+    if extent <= 0 or not len(found.lengths) or int((found.offsets + found.lengths).max()) > extent:
         return False
     word = next(w for w in (8, 4, 2, 1)
                 if not extent % w and not (found.offsets % w).any() and not (found.lengths % w).any())

@@ -186,24 +186,22 @@ class Comm(MPI.Intracomm):
                 f"({self._cma.transport}) to ranks {self._ranks}, MPI to the rest>")
 
     def _objects_from(self, ranks: Sequence[int], root: int) -> list[Any]:
-        """``NodeComm.objects_from``, its errors raised as mpi4py's (the large objects
-        of a gather or reduce, routing.ObjectWindow)."""
-        node = self._cma
-        assert node is not None
-        try:
-            objects = node.objects_from(ranks, root)
-            node._keep_moving()
-            return objects
-        except CmaError as exc:
-            self._fail(exc)
+        """``NodeComm.objects_from`` (the large objects of a gather or reduce,
+        routing.ObjectWindow), its errors raised as mpi4py's."""
+        objects: list[Any] = self._moving_objects(NodeComm.objects_from, ranks, root)
+        return objects
 
     def _object_to(self, obj: Any, root: int) -> None:
         """``NodeComm.object_to``, its errors raised as mpi4py's."""
+        self._moving_objects(NodeComm.object_to, obj, root)
+
+    def _moving_objects(self, move: Callable[..., Any], *args: Any) -> Any:
         node = self._cma
         assert node is not None
         try:
-            node.object_to(obj, root)
-            node._keep_moving()
+            result = move(node, *args)
+            node._keep_moving()  # (as after a collective: a FIN owed moves while in MPI)
+            return result
         except CmaError as exc:
             self._fail(exc)
 

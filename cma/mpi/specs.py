@@ -143,11 +143,10 @@ def _gapped(spec: Any, blocks: int) -> tuple[Any, list[Any], Layout, int] | None
     if isinstance(first, (int, np.integer)):
         return buf, counts, found, int(first) * blocks
     sizes, displs = first if isinstance(first, tuple) else (first, counts[1] if len(counts) > 1 else None)
-    sizes = [int(size) for size in sizes]
-    starts = [int(displ) for displ in displs] if displs is not None else \
-        np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(int).tolist()
-    return buf, counts, found, max((start + size for start, size in zip(starts, sizes, strict=True)
-                                    if size), default=0)
+    if displs is None:  # (blocks back to back)
+        return buf, counts, found, sum(map(int, sizes))
+    return buf, counts, found, max((int(start) + int(size) for start, size
+                                    in zip(displs, sizes, strict=True) if size), default=0)
 
 
 def as_packed(spec: Any, blocks: int) -> tuple[list[Any], Unpacker | None] | None:

@@ -1,4 +1,5 @@
-"""Object collectives as mpi4py programs write them, plain and through cma.mpi, in one job.
+"""Object collectives (and prefix reductions) as mpi4py programs write them, plain and
+through cma.mpi, in one job.
 
 Each case is a one-line call an mpi4py program makes (``comm.allreduce(x)``,
 ``comm.gather(rank, root=0)``, a ``bcast`` of a dict holding an array...), timed over a
@@ -34,6 +35,7 @@ from cma.bench.collective import settle_allocator
 Case = tuple[int, Callable[[Any, int, int], Any]]  # (calls per loop, call(comm, rank, size))
 
 ARRAY_256K, ARRAY_4M = np.ones(32 << 10), np.ones(512 << 10)
+PREFIX = {n: (np.ones(n // 8), np.empty(n // 8)) for n in (8, 64 << 10, 1 << 20)}  # (in, out)
 CASES: dict[str, Case] = {
     "allreduce float": (3000, lambda c, r, n: c.allreduce(1.5)),
     "bcast small dict": (3000, lambda c, r, n: c.bcast({"a": 1, "b": [1, 2]}, root=0)),
@@ -47,6 +49,10 @@ CASES: dict[str, Case] = {
     "gather 4 MiB array from the last rank":
         (20, lambda c, r, n: c.gather(ARRAY_4M if r == n - 1 else r, root=0)),
     "reduce 4 MiB array": (20, lambda c, r, n: c.reduce(ARRAY_4M, root=0)),
+    "Scan 8 B": (3000, lambda c, r, n: c.Scan(*PREFIX[8])),
+    "Scan 64 KiB": (1000, lambda c, r, n: c.Scan(*PREFIX[64 << 10])),
+    "Exscan 64 KiB": (1000, lambda c, r, n: c.Exscan(*PREFIX[64 << 10])),
+    "Scan 1 MiB": (200, lambda c, r, n: c.Scan(*PREFIX[1 << 20])),
 }
 
 

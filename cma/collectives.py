@@ -1360,30 +1360,53 @@ class Collectives:
 
     def _scan(self, sendbuf: Any, recvbuf: Any, op: Any, exclusive: bool) -> None:
         """Recursive doubling (MPICH's scan): ``partial`` combines the ranks of this rank's
-        current group, ``result`` those of them below (Exscan) or up to (Scan) this rank."""
+        current group, ``result`` those of them below (Exscan) or up to (Scan) this rank.
+        Nothing needs ``partial`` after the last round, so there the data goes up only
+        (MPICH's goes both ways): at 2 ranks, the one round, half the bytes (docs/mpi.md,
+        "Which library runs a collective", has the runs)."""
         self._coll_start()
         source, result, ours = self._reduce_inputs(sendbuf, recvbuf, op, result_here=True)
         assert result is not None
         if result.size != source.size:
             raise BufferError(f"recvbuf holds {result.size} elements, sendbuf {source.size}")
-        partial = source.copy()
+        size, rank = self.size, self.rank
         have_result = not exclusive
-        if have_result and result is not source:
-            np.copyto(result, source)
-        tmp = np.empty_like(partial)
+        # (Scan's result starts as this rank's input: copied there with the first
+        # combination, in one pass, or at the end if none comes)
+        uncopied = have_result and result is not source
+        partial, tmp = source, None  # (partial: copied before the first combination into it)
+        last = 1 << ((size - 1).bit_length() - 1) if size > 1 else 0  # (the last round's mask)
         mask = 1
-        while mask < self.size:
-            peer = self.rank ^ mask
-            if peer < self.size:
-                self._sendrecv(partial, peer, tmp, peer)
-                ours.combine(partial, tmp)
-                if peer < self.rank:
-                    if have_result:
+        while mask < size:
+            peer = rank ^ mask
+            if peer < size:
+                if mask == last and peer > rank:
+                    self._coll_wait(self._coll_send(partial, peer))
+                    break
+                if mask == last and not have_result:  # (Exscan's result is the lower group's)
+                    self._coll_take(result, peer)
+                    return
+                if tmp is None:
+                    tmp = np.empty_like(source)
+                if mask == last:
+                    self._coll_take(tmp, peer)
+                else:
+                    if partial is source:
+                        partial = source.copy()
+                    self._sendrecv(partial, peer, tmp, peer)
+                    ours.combine(partial, tmp)
+                if peer < rank:
+                    if uncopied:
+                        ours.combine_into(result, source, tmp)
+                        uncopied = False
+                    elif have_result:
                         ours.combine(result, tmp)
                     else:
                         np.copyto(result, tmp)
                         have_result = True
             mask <<= 1
+        if uncopied:
+            np.copyto(result, source)
 
     def Scan(self, sendbuf: Any, recvbuf: Any, op: Any = SUM) -> None:
         """Inclusive prefix reduction: rank r gets ranks 0..r combined (``MPI_Scan``)."""

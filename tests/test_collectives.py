@@ -604,12 +604,13 @@ def many_world(request: pytest.FixtureRequest) -> Any:
 def test_collectives_over_more_ranks_match_numpy(many_world: World, data: st.DataObject) -> None:
     """Allreduce and Reduce by halving (and, at 5 and 6 ranks, by the ring, which larger
     messages take there), Bcast's allgathers, Allgather(v) and Reduce_scatter(_block)
-    (halving and doubling at 8 ranks, the chain or the rings at 5 and 6), against NumPy,
+    (halving and doubling at 8 ranks, the chain or the rings at 5 and 6), Scan and Exscan
+    (a last round up only, some ranks out of it at 5 and 6), against NumPy,
     thresholds shrunk in half the cases; in half, every buffer in the shared heap (with
     the thresholds shrunk, every hop mapped and combined from views)."""
     case = data.draw(cases(many_world.size, heap=data.draw(st.booleans()),
                            names=["Allreduce", "Reduce", "Bcast", "Allgather", "Allgatherv",
-                                  "Reduce_scatter_block", "Reduce_scatter"]))
+                                  "Reduce_scatter_block", "Reduce_scatter", "Scan", "Exscan"]))
     case["halving"] = data.draw(st.booleans())
     got = many_world.run(run_case, case)
     want = expected(case, many_world.size)
@@ -640,6 +641,11 @@ def sends_of(comm: cma.Comm, name: str, nbytes: int, root: int = 0) -> list[tupl
             everyone = np.empty(nbytes * comm.Get_size(), np.uint8)
             comm.Allgather(np.full(nbytes, comm.Get_rank(), np.uint8), everyone)
             assert np.array_equal(everyone, np.repeat(np.arange(comm.Get_size(), dtype=np.uint8), nbytes))
+        elif name in ("Scan", "Exscan"):
+            mine, result = np.full(nbytes // 8, comm.Get_rank() + 1.0), np.full(nbytes // 8, -1.0)
+            getattr(comm, name)(mine, result)
+            below = sum(range(1, comm.Get_rank() + 1 + (name == "Scan")))
+            assert (result == (below if name == "Scan" or comm.Get_rank() else -1.0)).all()
         elif name == "Reduce_scatter_block":
             block = np.empty(nbytes, np.uint8)
             comm.Reduce_scatter_block(np.full(nbytes * comm.Get_size(), comm.Get_rank(), np.uint8), block)
@@ -677,6 +683,29 @@ def test_allreduce_over_more_ranks_takes_log2_steps_each_way(many_world: World) 
         if rank < 2 * rem:
             want.append((rank - 1, nbytes))
         assert sent == want, f"rank {rank}"
+
+
+def scan_sends(size: int, rank: int, nbytes: int) -> list[tuple[int, int]]:
+    """What a rank of a Scan or Exscan over ``size`` ranks sends: its group's partial
+    result to the rank differing in one bit, from the lowest bit up (MPICH's recursive
+    doubling); in the last round, which no rank's partial result outlives, only upwards."""
+    sent, mask = [], 1
+    last = 1 << max(0, (size - 1).bit_length() - 1)
+    while mask < size:
+        peer = rank ^ mask
+        if peer < size and (mask < last or peer > rank):
+            sent.append((peer, nbytes))
+        mask <<= 1
+    return sent
+
+
+@pytest.mark.parametrize("name", ["Scan", "Exscan"])
+def test_a_scan_sends_its_last_round_up_only(world: World, many_world: World, name: str) -> None:
+    """At 2 ranks, Scan's one round is rank 0's input to rank 1, nothing back (half of
+    MPICH's bytes); at 3-8 ranks every round but the last goes both ways."""
+    for w in (world, many_world):
+        for rank, sent in enumerate(w.run(sends_of, name, 4096)):
+            assert sent == scan_sends(w.size, rank, 4096), f"rank {rank} of {w.size}"
 
 
 @pytest.mark.parametrize("name", ["Allgather", "Reduce_scatter_block"])
@@ -1855,6 +1884,27 @@ def test_bench_times_collectives_of_heap_buffers(tmp_path: Any, kind: str) -> No
     (result,) = series["results"]
     assert report["heap"] and series["name"] == "cma auto heap"
     assert (result["user_copied"] / nbytes, result["kernel_copied"] / nbytes) == (1.0, 0.0)
+
+
+@pytest.mark.parametrize(("kind", "messages"), [("scan", 1), ("exscan", 1), ("reduce_scatter", 2)])
+def test_bench_times_the_prefix_reductions_and_reduce_scatter(tmp_path: Any, kind: str,
+                                                              messages: int) -> None:
+    """``cma-bench scan|exscan|reduce_scatter`` at 2 ranks and 4 KiB (eager: two copies a
+    byte, a third for a message that came before its receive): a Scan's or Exscan's one
+    round goes from rank 0 to rank 1 only; a Reduce_scatter_block's ranks each send the
+    other its block."""
+    from cma.bench.cli import main
+
+    out = tmp_path / "bench.json"
+    nbytes = 4096
+    code = main([kind, "-n", "2", "--min-size", str(nbytes), "--max-size", str(nbytes),
+                 "--iterations", "5", "--warmup", "1", "--json", str(out)])
+    assert code == 0
+    (series,) = json.loads(out.read_text())["series"]
+    (result,) = series["results"]
+    assert result["size"] == nbytes and len(result["rank_means_us"]) == 2
+    assert 2 * messages <= result["user_copied"] / nbytes <= 3 * messages
+    assert result["kernel_copied"] == 0
 
 
 @pytest.mark.parametrize(("kind", "kernel_copies"), [("bcast", 1.0), ("allreduce", 2.0)])

@@ -1,5 +1,6 @@
-"""``cma-bench bcast|allreduce|reduce|allgather|alltoall``: the latency of cma.Comm's
-collectives in a world of N ranks, timed as OSU's osu_bcast, osu_allreduce ... time them.
+"""``cma-bench bcast|allreduce|reduce|allgather|alltoall|scan|exscan|reduce_scatter``: the
+latency of cma.Comm's collectives in a world of N ranks, timed as OSU's osu_bcast,
+osu_allreduce ... time them.
 
 Each iteration is a barrier (not timed) and one collective (timed on every rank); the
 figure of a size is the mean over iterations of each rank, averaged over ranks, with the
@@ -40,6 +41,9 @@ COLLECTIVES = {
     "reduce": "Reduce of SIZE bytes of float32 with SUM to rank 0 (osu_reduce)",
     "allgather": "Allgather of SIZE bytes from every rank (osu_allgather)",
     "alltoall": "Alltoall of SIZE bytes to every rank (osu_alltoall)",
+    "scan": "Scan of SIZE bytes of float32 with SUM",
+    "exscan": "Exscan of SIZE bytes of float32 with SUM",
+    "reduce_scatter": "Reduce_scatter_block of SIZE bytes of float32 a rank with SUM",
 }
 # glibc serves an allocation with a fresh mmap (every page faulted in, ~6 us a page in this
 # VM) until it has freed an mmapped chunk at least as large, which raises its threshold (to
@@ -116,12 +120,21 @@ def operation(comm: Any, kind: str, nbytes: int, objects: bool = False,
     if kind == "bcast":
         buf = _filled(nbytes, np.uint8, 1, heap)
         return _writing(lambda: comm.Bcast(buf, 0), buf, write and root)
-    if kind in ("allreduce", "reduce"):
+    if kind in ("allreduce", "reduce", "scan", "exscan"):
         count = max(1, nbytes // 4)
         send, recv = _filled(count, np.float32, 1, heap), _filled(count, np.float32, 0, heap)
         if kind == "reduce":
             return _writing(lambda: comm.Reduce(send, recv, root=0), send, write)
+        if kind == "scan":
+            return _writing(lambda: comm.Scan(send, recv), send, write)
+        if kind == "exscan":
+            return _writing(lambda: comm.Exscan(send, recv), send, write)
         return _writing(lambda: comm.Allreduce(send, recv), send, write)
+    if kind == "reduce_scatter":
+        count = max(1, nbytes // 4)
+        send = _filled(count * size, np.float32, 1, heap)
+        recv = _filled(count, np.float32, 0, heap)
+        return _writing(lambda: comm.Reduce_scatter_block(send, recv), send, write)
     if kind == "allgather":
         send, recv = _filled(nbytes, np.uint8, 1, heap), _filled(nbytes * size, np.uint8, 0, heap)
         return _writing(lambda: comm.Allgather(send, recv), send, write)

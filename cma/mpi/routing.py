@@ -56,6 +56,9 @@ WINDOWS: dict[str, tuple[tuple[int, tuple[int, int]], ...]] = {
     "Allreduce": ((2, (16 * KIB, EVERY_SIZE[1])),),
     "Allgather": ((2, (512 * KIB, EVERY_SIZE[1])),),
     "Allgatherv": ((2, (512 * KIB, EVERY_SIZE[1])),),  # (Allgather's algorithm, Allgather's window)
+    # (cma's scan sends its last round one way: cma-bench, 2026-12-05, both orders)
+    **dict.fromkeys(("Scan", "Exscan"), ((2, (8 * KIB, EVERY_SIZE[1])), (4, (4 * MIB, EVERY_SIZE[1])),
+                                         (8, (8 * MIB, EVERY_SIZE[1])))),
     # (mpi4py's osu_scatter demo at 8 ranks: 1.3-2.5x faster from 512 KiB; at 2 ranks
     # 2-5x slower at every size)
     "Scatter": ((4, NO_SIZE), (8, (512 * KIB, EVERY_SIZE[1]))),

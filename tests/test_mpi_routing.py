@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 pytest.importorskip("mpi4py", reason="mpi4py is not installed (pip install 'cma-ipc[mpi]')")
 from mpi4py import MPI  # noqa: E402
+from mpi4py.util import dtlib  # noqa: E402
 
 from cma.mpi import routing  # noqa: E402
 from cma.mpi.comm import ON_NODE_COLLECTIVES  # noqa: E402
@@ -557,3 +558,18 @@ def test_auto_routes_by_the_table_row_that_holds_the_rank_count(size: int) -> No
                     assert chosen[name](None, (np.zeros(start - 1, np.uint8),), {}), name
                 if until <= 64 << 20:
                     assert chosen[name](None, (np.zeros(until, np.uint8),), {}), name
+
+
+@pytest.mark.parametrize("name", ["FLOAT_INT", "DOUBLE_INT", "LONG_INT", "TWOINT", "SHORT_INT",
+                                  "LONG_DOUBLE_INT"])
+def test_a_pair_dtype_names_its_predefined_pair_type(name: str) -> None:
+    """The dtype cma's MINLOC and MAXLOC combine, as mpi4py's dtlib gives it for a pair
+    type, names that pair type again (the leaders' MPI step of a reduction over nodes
+    passes it: mpi4py maps no structured dtype); other dtypes name none."""
+    from cma.mpi.datatypes import pair_datatype
+
+    pair = getattr(MPI, name)
+    assert pair_datatype(np.dtype(dtlib.to_numpy_dtype(pair))) == pair
+    assert pair_datatype(np.dtype([("v", "f8"), ("i", "i4")])) is None  # (packed: no C layout)
+    assert pair_datatype(np.dtype([("v", "f8"), ("i", "i8")], align=True)) is None
+    assert pair_datatype(np.dtype(np.float64)) is None

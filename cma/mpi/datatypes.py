@@ -33,6 +33,23 @@ _PAIRS = {"SHORT_INT": "i2", "LONG_DOUBLE_INT": "g", "DOUBLE_INT": "f8", "LONG_I
           "FLOAT_INT": "f4"}
 
 
+def pair_datatype(dtype: np.dtype) -> MPI.Datatype | None:
+    """The predefined pair type (``MPI.DOUBLE_INT``, ...) laid out as ``dtype``, a
+    structured dtype of (value, index) fields in C's layout, as cma's MINLOC and MAXLOC
+    take them; None for any other dtype (mpi4py maps NumPy's own dtypes, not these)."""
+    fields = dtype.fields
+    if fields is None or len(fields) != 2:
+        return None
+    laid_out = [fields[name][:2] for name in dtype.names or ()]
+    for name, code in {**_PAIRS, "TWOINT": "i4"}.items():
+        pair = np.dtype([("value", code), ("index", "i4")], align=True)
+        assert pair.fields is not None
+        if laid_out == [pair.fields["value"][:2], pair.fields["index"][:2]] \
+                and dtype.itemsize == pair.itemsize:
+            return getattr(MPI, name, None)
+    return None
+
+
 class Layout:
     """One element of a datatype: its blocks (byte offset, length) in type-map order,
     adjacent ones merged, and its extent."""

@@ -12,6 +12,7 @@ from mpi4py import MPI
 
 from ..collectives import IN_PLACE, _is_in_place, _message
 from ..comm import Comm as CmaComm
+from .datatypes import pair_datatype
 
 if TYPE_CHECKING:
     from .node import NodeComm
@@ -57,7 +58,7 @@ class Hierarchy:
         if here and node is not None:
             CmaComm.Bcast(node, buf, root=self.local[root])
         if self.leads:
-            MPI.Intracomm.Bcast(self.leaders, _message(buf, writable=root != self.rank),
+            MPI.Intracomm.Bcast(self.leaders, _spec(_message(buf, writable=root != self.rank)),
                                 root=self.leader_index[root])
         if not here and node is not None:
             CmaComm.Bcast(node, buf, root=0)
@@ -70,8 +71,10 @@ class Hierarchy:
         partial = self._node_reduce(source, recvbuf if at_root else None, node_op)
         here = self._holds(root)
         if self.leads:
-            MPI.Intracomm.Reduce(self.leaders, MPI.IN_PLACE if here else partial,
-                                 partial if here else None, op, root=self.leader_index[root])
+            assert partial is not None
+            spec = _spec(partial)
+            MPI.Intracomm.Reduce(self.leaders, MPI.IN_PLACE if here else spec,
+                                 spec if here else None, op, root=self.leader_index[root])
         if here and self.leads != at_root:
             node = self.node  # (the root is not its node's leader: the leader hands it on)
             assert node is not None
@@ -86,7 +89,8 @@ class Hierarchy:
         source = recvbuf if _is_in_place(sendbuf) else sendbuf
         result = self._node_reduce(source, recvbuf if self.leads else None, node_op)
         if self.leads:
-            MPI.Intracomm.Allreduce(self.leaders, MPI.IN_PLACE, result, op)
+            assert result is not None
+            MPI.Intracomm.Allreduce(self.leaders, MPI.IN_PLACE, _spec(result), op)
         if self.node is not None:
             CmaComm.Bcast(self.node, recvbuf, root=0)
 
@@ -207,3 +211,10 @@ class Hierarchy:
         elif not same:
             np.copyto(out, data[: out.size])
         return out
+
+
+def _spec(array: np.ndarray) -> Any:
+    """``array`` as the leaders' MPI call takes it: bare, or with its pair type (mpi4py
+    maps NumPy's own dtypes, not the (value, index) pairs of MINLOC and MAXLOC)."""
+    pair = pair_datatype(array.dtype) if array.dtype.names else None
+    return array if pair is None else [array, pair]

@@ -1369,6 +1369,11 @@ class Collectives:
         assert result is not None
         if result.size != source.size:
             raise BufferError(f"recvbuf holds {result.size} elements, sendbuf {source.size}")
+        if result.dtype != source.dtype:  # (the ranks combine in recvbuf's type: docs/api.md)
+            cast = np.empty_like(result)
+            np.copyto(cast, source)  # (same_kind: a float into an int recvbuf raises here)
+            source = cast
+            ours.check(source.dtype)
         size, rank = self.size, self.rank
         have_result = not exclusive
         # (Scan's result starts as this rank's input: copied there with the first

@@ -272,18 +272,18 @@ def test_interrupts_in_a_mixed_ranks_waits() -> None:
                                         (3, {"CMA_XMAP": "1", "CMA_MPI_RANKS_PER_NODE": "2"}),
                                         (6, {})])
 def test_collectives_agree_with_mpi(n: int, env: dict[str, str]) -> None:
-    """cma.mpi.Comm's collectives give MPI's own results, over cases hypothesis draws
-    alike on every rank (each predefined op over the dtypes MPI defines it on, the pair
-    types of MINLOC and MAXLOC included; counts from 0; roots; the three spec forms;
-    IN_PLACE wherever MPI has it): through cma when every rank is on one node (at 4 and 6 ranks the larger reductions by halving, at 6 with two pairs
-    first); on pretend nodes (one of one rank at 3; at 4, also nodes whose ranks
-    interleave), Bcast, Reduce, Allreduce, Gather, Scatter and Allgather through cma on each node and MPI
-    between (the program checks that cma moved bytes);
-    a user-defined op that commutes through cma, one that does not through MPI. With
-    CMA_XMAP=1 every buffer is in the shared heap and hops are read out of mappings of
-    their senders' pages (the program checks that xmap moved some). Every collective
-    through cma (CMA_MPI_COLLECTIVES=cma): cma's are what is tested; routing.py has
-    which library runs what by default."""
+    """cma.mpi.Comm's collectives give MPI's own results, over cases hypothesis draws alike on
+    every rank (each predefined op over the dtypes MPI defines it on, the pair types of
+    MINLOC and MAXLOC included; counts from 0; roots; the three spec forms; IN_PLACE
+    wherever MPI has it): through cma when every rank is on one node (at 4 and 6 ranks the
+    larger reductions by halving, at 6 with two pairs first); on pretend nodes (one of one
+    rank at 3; at 4, also nodes whose ranks interleave), Bcast, Reduce, Allreduce, Gather,
+    Scatter and Allgather through cma on each node and MPI between (the program checks that
+    cma moved bytes); a user-defined op that commutes through cma, one that does not through
+    MPI. With CMA_XMAP=1 every buffer is in the shared heap and hops are read out of
+    mappings of their senders' pages (the program checks that xmap moved some). Every
+    collective through cma (CMA_MPI_COLLECTIVES=cma): cma's are what is tested; routing.py
+    has which library runs what by default."""
     expect_ok(n, "collectives.py", env={"CMA_MPI_COLLECTIVES": "cma", **env})
 
 

@@ -7,7 +7,9 @@ from __future__ import annotations
 import functools
 import json
 import pickle
+import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -573,3 +575,65 @@ def test_a_pair_dtype_names_its_predefined_pair_type(name: str) -> None:
     assert pair_datatype(np.dtype([("v", "f8"), ("i", "i4")])) is None  # (packed: no C layout)
     assert pair_datatype(np.dtype([("v", "f8"), ("i", "i8")], align=True)) is None
     assert pair_datatype(np.dtype(np.float64)) is None
+
+
+def _documented_window(cell: str) -> tuple[int, int] | None:
+    """The [from, until) bytes a cell of docs/mpi.md's routing table names: "MPI", "cma
+    from 8 KiB", "cma at 32-255 KiB", "cma at 16 KiB-1023 KiB"; None for a cell that
+    refers to another ("same")."""
+    units = {"KiB": routing.KIB, "MiB": routing.MIB}
+    if cell == "MPI":
+        return routing.NO_SIZE
+    found = re.fullmatch(r"cma from (\d+) (KiB|MiB)", cell)
+    if found:
+        return int(found[1]) * units[found[2]], routing.EVERY_SIZE[1]
+    found = re.fullmatch(r"cma at (\d+)(?: (KiB|MiB))?-(\d+) (KiB|MiB)", cell)
+    if found:
+        unit = units[found[4]]
+        return int(found[1]) * units[found[2] or found[4]], (int(found[3]) + 1) * unit
+    return None
+
+
+def test_the_documented_routing_table_is_the_code_s() -> None:
+    """docs/mpi.md's table of which library runs a collective, cell by cell, names the
+    window routes() gives at both ends of each column's rank counts (a change to
+    routing.WINDOWS that the docs do not follow fails here, and the other way round)."""
+    text = (Path(__file__).parent.parent / "docs" / "mpi.md").read_text()
+    section = text.split("## Which library runs a collective", 1)[1].split("\n## ", 1)[0]
+    header = "| collective | 2 ranks | 3-4 ranks | 5-8 ranks | 9-16 ranks | more |"
+    table = section.split(header + "\n", 1)[1].split("\n\n", 1)[0]
+    rows = table.splitlines()[1:]  # (past the |---| line)
+    columns = [(2, 2), (3, 4), (5, 8), (9, 16), (17, 256)]
+    objects = set(routing.OBJECT_HELD)
+    listed: set[str] = set()
+    for row in rows:
+        first, *cells = [cell.strip() for cell in row.strip().strip("|").split("|")]
+        if first == "the others":
+            names = [n for n in ON_NODE_COLLECTIVES if n not in listed]
+        elif first == "other object forms":
+            names = sorted(objects - listed)
+        else:
+            names = [n + v for n, v in re.findall(r"`(\w+)(\(v\))?`", first)]
+            names = [n for name in names for n in
+                     ((name[:-3], name[:-3] + "v") if name.endswith("(v)") else (name,))]
+        assert names and len(cells) == len(columns), row
+        listed.update(names)
+        two_ranks = _documented_window(cells[0])
+        for cell, ranks in zip(cells, columns, strict=True):
+            documented = _documented_window(cell)
+            if documented is None:  # ("the 2-rank window, not measured", "same")
+                documented = two_ranks
+            for name in names:
+                for size in ranks:
+                    route = routing.routes(routing.AUTO, size, [name]).get(name)
+                    if route is None:
+                        got = routing.EVERY_SIZE
+                    elif isinstance(route, routing.ObjectWindow):
+                        got = (route.start, routing.EVERY_SIZE[1])
+                    elif isinstance(route, routing.Window):
+                        got = (route.start, route.until)
+                    else:
+                        got = routing.NO_SIZE
+                    assert got == documented, f"{name} at {size} ranks: {got} in the code, " \
+                                              f"{documented} in docs/mpi.md ({cell!r})"
+    assert listed == set(ON_NODE_COLLECTIVES), set(ON_NODE_COLLECTIVES) ^ listed

@@ -12,6 +12,7 @@ copy), and a receiver with few, large blocks takes them the same way. docs/mpi.m
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable
 from typing import Any, Literal
@@ -33,6 +34,7 @@ _PAIRS = {"SHORT_INT": "i2", "LONG_DOUBLE_INT": "g", "DOUBLE_INT": "f8", "LONG_I
           "FLOAT_INT": "f4"}
 
 
+@functools.lru_cache(maxsize=64)
 def pair_datatype(dtype: np.dtype) -> MPI.Datatype | None:
     """The predefined pair type (``MPI.DOUBLE_INT``, ...) laid out as ``dtype``, a
     structured dtype of (value, index) fields in C's layout, as cma's MINLOC and MAXLOC

@@ -12,6 +12,7 @@ from mpi4py import MPI
 
 from ..collectives import IN_PLACE, _is_in_place, _message
 from ..comm import Comm as CmaComm
+from ..errors import InvalidDatatype
 from .datatypes import pair_datatype
 
 if TYPE_CHECKING:
@@ -57,9 +58,9 @@ class Hierarchy:
         node, here = self.node, self._holds(root)
         if here and node is not None:
             CmaComm.Bcast(node, buf, root=self.local[root])
-        if self.leads:
-            MPI.Intracomm.Bcast(self.leaders, _spec(_message(buf, writable=root != self.rank)),
-                                root=self.leader_index[root])
+        if self.leads:  # (as bytes: a Bcast combines nothing, and mpi4py maps few dtypes)
+            data = _message(buf, writable=root != self.rank).view(np.uint8)
+            MPI.Intracomm.Bcast(self.leaders, [data, MPI.BYTE], root=self.leader_index[root])
         if not here and node is not None:
             CmaComm.Bcast(node, buf, root=0)
 
@@ -198,8 +199,14 @@ class Hierarchy:
 
     def _node_reduce(self, source: Any, result: Any, node_op: Any) -> np.ndarray | None:
         """Combine the node's inputs at its leader, into ``result`` if given there, else
-        into a new array: the leader's array; None elsewhere."""
+        into a new array: the leader's array; None elsewhere. Every rank first checks that
+        the leaders' MPI step can name the type (so that every rank raises, before any node
+        step, where it cannot)."""
         data = _message(source, writable=False)
+        if _spec(data[:0]) is None:
+            raise InvalidDatatype(f"MPI's step between nodes cannot reduce arrays of dtype "
+                                  f"{data.dtype} (a native number, bool or MINLOC/MAXLOC pair "
+                                  "can be)")
         if not self.leads:
             assert self.node is not None  # (a rank alone on its node leads it)
             CmaComm.Reduce(self.node, data, None, op=node_op, root=0)
@@ -214,7 +221,11 @@ class Hierarchy:
 
 
 def _spec(array: np.ndarray) -> Any:
-    """``array`` as the leaders' MPI call takes it: bare, or with its pair type (mpi4py
-    maps NumPy's own dtypes, not the (value, index) pairs of MINLOC and MAXLOC)."""
-    pair = pair_datatype(array.dtype) if array.dtype.names else None
-    return array if pair is None else [array, pair]
+    """``array`` as the leaders' MPI reduction takes it: bare where mpi4py maps its dtype
+    (a native number or bool), with its pair type for the (value, index) pairs of MINLOC
+    and MAXLOC; None for any other dtype."""
+    dtype = array.dtype
+    if dtype.names:
+        pair = pair_datatype(dtype)
+        return None if pair is None else [array, pair]
+    return array if dtype.isnative and dtype.kind in "biufc" else None

@@ -7,8 +7,8 @@ choice rests only on what every rank knows the same: the rank count, the mode (c
 equal when the communicator is made) and the size a collective's type signatures agree
 on (``AGREED_BYTES``). The object forms have no such size: each rank measures the object
 it holds, and MPI's own call carries a mark in place of a large one to the ranks that
-must follow it into cma (``ObjectWindow``). The v-forms but Allgatherv choose by rank
-count alone.
+must follow it into cma (``ObjectWindow``). The v-forms but Allgatherv have no window
+(MPI's in auto).
 """
 
 from __future__ import annotations

@@ -45,16 +45,14 @@ __all__ = [
 ]
 
 # Thresholds in bytes of the whole message (the same on every rank, so every rank picks
-# the same algorithm). Not yet tuned here: MPICH's bcast switch, and first guesses for the
-# others (docs/guide.md section 7; measure with cma-bench bcast/allreduce/reduce).
+# the same algorithm), measured on this 2-CPU machine kind (docs/guide.md section 7, "The
+# switch points"). MPICH's bcast switch and the first guess for Reduce's: kept, though at
+# 3-8 ranks here the trees won most sizes, since those ranks were oversubscribed.
 BCAST_SCATTER_FROM = 512 << 10  # and 3 ranks or more: van de Geijn instead of a binomial tree
 # a reduce-scatter + allgather (by halving and doubling, or by the ring) instead of recursive
-# doubling
-ALLREDUCE_SCATTER_FROM = 64 << 10
-# ... and with 2 ranks, where both move n bytes a rank: the ring halves the combine but takes
-# two steps to doubling's one, which won at 64 and 128 KiB (25-35 against 29-40 us at
-# 64 KiB) and tied at 256 KiB (docs/guide.md section 7)
-ALLREDUCE_SCATTER_FROM_PAIR = 256 << 10
+# doubling, whose fewer steps won below it at 2, 3, 4 and 8 ranks (at 8 ranks the
+# reduce-scatter took 1.75-2.04x doubling's time at 16-64 KiB, 0.63-0.71x at 256 KiB)
+ALLREDUCE_SCATTER_FROM = 256 << 10
 # Over 5 or more ranks that are no power of two, a reduce-scatter by halving below this
 # size, by the ring from it: at 6 ranks the two tied at 4 MiB and the ring won at 16 MiB,
 # where the odd rank of each of halving's pairs moves 2 n more (docs/guide.md section 7,
@@ -1099,9 +1097,8 @@ class Collectives:
         source, result, ours = self._reduce_inputs(sendbuf, recvbuf, op, result_here=True)
         assert result is not None
         size = self.size
-        scatter_from = ALLREDUCE_SCATTER_FROM_PAIR if size == 2 else ALLREDUCE_SCATTER_FROM
         # (a reduce-scatter and an allgather, by halving and doubling or by the ring)
-        scatter = size > 1 and result.nbytes >= scatter_from and result.size >= size
+        scatter = size > 1 and result.nbytes >= ALLREDUCE_SCATTER_FROM and result.size >= size
         halving = scatter and self._halves(result.nbytes)
         # These read the input where it lies (the first step sends it, and combines it with
         # what comes into the result), and so does doubling over a power of two of ranks,

@@ -358,6 +358,12 @@ class Progress:
         cma: packets queued behind a full ring, pipelines, background pulls."""
         return bool(self.txq_pending or self.out_streams or self.in_streams or self.pulls)
 
+    def owes(self) -> bool:
+        """``in_flight``, or xmap's news its peers wait for: views of their pages released,
+        segments given back, not yet announced."""
+        xmap = self.xmap
+        return self.in_flight() or xmap is not None and bool(xmap.released or xmap.given_back)
+
     # -- the engine's actions
 
     def run(self, actions: list[Action]) -> None:

@@ -322,6 +322,19 @@ def test_the_object_snippets_bench_times_both_libraries_in_both_orders(tmp_path:
     assert len(re.findall(r"speed +\d", out)) == 4, out
 
 
+def test_the_switch_points_bench_times_both_settings_in_turns() -> None:
+    """bench/switch_points.py (docs/guide.md's "The switch points"): each size timed with
+    the algorithm forced on and off, two turns each, and their ratios printed."""
+    code, out, _ = mpirun(2, str(ROOT / "bench" / "switch_points.py"), "allreduce",
+                          "ALLREDUCE_SCATTER_FROM", "--sizes", "4K,64K",
+                          env={"CMA_MPI_COLLECTIVES": "cma"})
+    assert code == 0, out
+    rows = re.findall(r"^ +(\d+) KiB  on (.*)  off (.*)  on/off mean ([\d.]+)-([\d.]+) ", out, re.M)
+    assert [int(r[0]) for r in rows] == [4, 64], out
+    for _, on, off, low, high in rows:
+        assert on.count("/") == off.count("/") == 2 and 0 < float(low) <= float(high), out
+
+
 @pytest.mark.parametrize(("n", "mode", "datatype"), [
     (2, "auto", "int64"), (3, "auto", "int64"), (4, "auto", "int64"), (8, "auto", "int64"),
     (2, "cma", "int64"), (3, "mpi", "int64"), (3, "mismatch", "int64"),

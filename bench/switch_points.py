@@ -20,7 +20,7 @@ from mpi4py import MPI
 import cma.collectives
 import cma.mpi
 from cma.bench.collective import measure, operation, settle_allocator
-from cma.bench.sizes import parse_size
+from cma.bench.sizes import format_size, parse_size
 
 SETTINGS = {"on": 0, "off": 1 << 40}
 SIZES = "16K,64K,256K,512K,1M,2M,4M,8M,16M"
@@ -56,7 +56,7 @@ def main() -> None:
             on, off = got["on"], got["off"]
             by_mean = [a[0] / b[0] for a in on for b in off]
             by_slowest = [a[1] / b[1] for a in on for b in off]
-            print(f"{nbytes >> 10:>6} KiB  on {' '.join(f'{m:9.1f}/{s:9.1f}' for m, s in on)}  "
+            print(f"{format_size(nbytes):>8}  on {' '.join(f'{m:9.1f}/{s:9.1f}' for m, s in on)}  "
                   f"off {' '.join(f'{m:9.1f}/{s:9.1f}' for m, s in off)}  on/off mean "
                   f"{min(by_mean):.2f}-{max(by_mean):.2f} slowest "
                   f"{min(by_slowest):.2f}-{max(by_slowest):.2f}", flush=True)

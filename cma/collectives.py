@@ -246,6 +246,17 @@ def _array_op(op: Any) -> Op:
                     f"cma.{', cma.'.join(OPS)} (or mpi4py's ops of those names)")
 
 
+def _in_type_of(result: np.ndarray, source: np.ndarray) -> np.ndarray:
+    """``source`` in ``result``'s dtype, as a reduction whose every rank has a recvbuf
+    combines (docs/api.md): ``source`` itself, or a copy cast by NumPy's same_kind rule (a
+    float into an int recvbuf raises TypeError here, before any message moves)."""
+    if result.dtype == source.dtype:
+        return source
+    cast = np.empty(source.shape, result.dtype)
+    np.copyto(cast, source)
+    return cast
+
+
 def _object_op(op: Any) -> Callable[[Any, Any], Any]:
     if callable(op):
         return op
@@ -1308,7 +1319,7 @@ class Collectives:
             source = _message(sendbuf, writable=False, blocks=self.size)
             if source.size < count * self.size:
                 raise BufferError(f"sendbuf holds {source.size} elements, needs {count * self.size}")
-            source = source[: count * self.size]
+            source = _in_type_of(result, source[: count * self.size])
         ours.check(source.dtype)
         cut = [i * count for i in range(self.size + 1)]
         acc = self._reduce_scattered(source, ours, cut)
@@ -1349,6 +1360,7 @@ class Collectives:
             source = _message(sendbuf, writable=False)
             if source.size != total:
                 raise BufferError(f"sendbuf holds {source.size} elements, sum(recvcounts) is {total}")
+            source = _in_type_of(result, source)
         ours.check(source.dtype)
         cut = [sum(counts[:i]) for i in range(self.size + 1)]
         acc = self._reduce_scattered(source, ours, cut)
@@ -1366,10 +1378,8 @@ class Collectives:
         assert result is not None
         if result.size != source.size:
             raise BufferError(f"recvbuf holds {result.size} elements, sendbuf {source.size}")
-        if result.dtype != source.dtype:  # (the ranks combine in recvbuf's type: docs/api.md)
-            cast = np.empty_like(result)
-            np.copyto(cast, source)  # (same_kind: a float into an int recvbuf raises here)
-            source = cast
+        if result.dtype != source.dtype:
+            source = _in_type_of(result, source)
             ours.check(source.dtype)
         size, rank = self.size, self.rank
         have_result = not exclusive

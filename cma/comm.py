@@ -1192,7 +1192,7 @@ class Comm(Collectives):
         its peers anything (queued packets, a heap segment's announcement), it starts with
         a pass of progress, so that it is on its way before they leave the barrier; only
         then: a pass also drains the rings, and a peer's barrier message taken so went the
-        slow way (8.6 us a 2-rank barrier against 3.4: docs/guide.md section 7)."""
+        slow way (docs/guide.md section 7, "Barrier", has the times)."""
         progress = self._progress or self._attach()
         if progress.owes():
             progress.poll()

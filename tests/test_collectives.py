@@ -639,34 +639,38 @@ def test_a_barrier_runs_progress_only_when_its_rank_owes_something(world: World,
     """A pass of progress before the barrier's messages sends what a rank owes (queued
     packets, xmap's announcements) before its peers leave; but it also drained a peer's
     barrier message that had come already into the unexpected queue, whose slow path
-    took a 2-rank Barrier from ~3 to 8.6 us. So the pass runs only where something is owed."""
+    made a 2-rank Barrier ~3x slower (docs/guide.md section 7, "Barrier"). So the pass
+    runs only where something is owed."""
     passes = world.run(barrier_passes, owing)
     assert passes == [20 if owing else 0] * world.size, passes
 
 
-def prefix_into_wider(comm: cma.Comm, name: str, send_dtype: str, recv_dtype: str) -> Any:
-    mine = np.full(3, 2**31 - 1 if send_dtype == "int32" else 0.1, send_dtype)
+def into_wider(comm: cma.Comm, name: str, send_dtype: str, recv_dtype: str) -> Any:
+    blocks = comm.Get_size() if name.startswith("Reduce_scatter") else 1
+    mine = np.full(3 * blocks, 2**31 - 1 if send_dtype == "int32" else 0.1, send_dtype)
     out = np.full(3, -1, recv_dtype)
     getattr(comm, name)(mine, out)
     return out
 
 
-@pytest.mark.parametrize("name", ["Scan", "Exscan"])
+@pytest.mark.parametrize("name", ["Scan", "Exscan", "Reduce_scatter_block", "Reduce_scatter"])
 @pytest.mark.parametrize(("send_dtype", "recv_dtype"), [("int32", "int64"), ("float32", "float64")])
-def test_a_scan_combines_in_recvbuf_s_dtype(world: World, name: str, send_dtype: str,
-                                            recv_dtype: str) -> None:
-    """A Scan or Exscan into a wider ``recvbuf`` casts each rank's input first and combines
-    in ``recvbuf``'s dtype (docs/api.md): int32 maxima sum past 2**31 without wrapping,
-    and the last round's receive, straight into ``recvbuf`` for an Exscan, is of that
-    dtype (a raw copy of int32s into int64s gave garbage and half the buffer)."""
-    got = world.run(prefix_into_wider, name, send_dtype, recv_dtype)
+def test_a_reduction_into_a_wider_recvbuf_combines_in_its_dtype(world: World, name: str,
+                                                                send_dtype: str,
+                                                                recv_dtype: str) -> None:
+    """Where every rank has a ``recvbuf`` of another dtype than ``sendbuf``'s, each casts
+    its input first and the ranks combine in ``recvbuf``'s dtype (docs/api.md): int32
+    maxima sum past 2**31 without wrapping, and an Exscan's last-round receive, straight
+    into ``recvbuf``, is of that dtype (a raw copy of int32s into int64s gave garbage and
+    half the buffer; the Reduce_scatters wrapped)."""
+    got = world.run(into_wider, name, send_dtype, recv_dtype)
     one = np.asarray(np.array(2**31 - 1 if send_dtype == "int32" else 0.1, send_dtype), recv_dtype)
     for rank, out in enumerate(got):
-        below = rank + (name == "Scan")
+        terms = {"Scan": rank + 1, "Exscan": rank}.get(name, world.size)
         if name == "Exscan" and rank == 0:
             assert (out == -1).all(), out  # (rank 0's recvbuf is left as it was)
             continue
-        want = np.full(3, sum([one] * below, np.zeros((), recv_dtype)), recv_dtype)
+        want = np.full(3, sum([one] * terms, np.zeros((), recv_dtype)), recv_dtype)
         assert out.dtype == np.dtype(recv_dtype) and np.allclose(out, want, rtol=1e-12), \
             f"rank {rank}: {out} != {want}"
 
@@ -755,7 +759,7 @@ def sends_of(comm: cma.Comm, name: str, nbytes: int, root: int = 0) -> list[tupl
 
 
 def test_allreduce_over_more_ranks_takes_log2_steps_each_way(many_world: World) -> None:
-    """From 64 KiB over 5-8 ranks an Allreduce goes by halving and doubling: over 2^k
+    """From 256 KiB over 5-8 ranks an Allreduce goes by halving and doubling: over 2^k
     ranks each rank sends 2 k messages, to the ranks whose rank differs from its own in
     one bit (from the highest bit down, then back up), of n/2, n/4, ... then the same
     back; the ring sent 2 (p - 1) to its right neighbour. Over 2^k + rem ranks the first

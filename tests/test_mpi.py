@@ -322,6 +322,19 @@ def test_the_object_snippets_bench_times_both_libraries_in_both_orders(tmp_path:
     assert len(re.findall(r"speed +\d", out)) == 4, out
 
 
+def test_the_barrier_bench_times_both_barriers_and_the_call_after_each() -> None:
+    """bench/barrier.py (docs/guide.md's "Barrier"): each round times both barriers and
+    an Alltoall after each, in alternating order."""
+    code, out, _ = mpirun(2, str(ROOT / "bench" / "barrier.py"), "--rounds", "2", "--calls", "200")
+    assert code == 0, out
+    rounds = re.findall(r"^round (\d): (.*)$", out, re.M)
+    assert [r[0] for r in rounds] == ["0", "1"], out
+    for _, line in rounds:
+        times = re.findall(r"(MPI Barrier|cma.mpi Barrier|Alltoall after MPI's|"
+                           r"Alltoall after cma.mpi's) ([\d.]+)", line)
+        assert len(times) == 4 and all(float(t) > 0 for _, t in times), line
+
+
 def test_the_switch_points_bench_times_both_settings_in_turns() -> None:
     """bench/switch_points.py (docs/guide.md's "The switch points"): each size timed with
     the algorithm forced on and off, two turns each, and their ratios printed."""
@@ -329,8 +342,8 @@ def test_the_switch_points_bench_times_both_settings_in_turns() -> None:
                           "ALLREDUCE_SCATTER_FROM", "--sizes", "4K,64K",
                           env={"CMA_MPI_COLLECTIVES": "cma"})
     assert code == 0, out
-    rows = re.findall(r"^ +(\d+) KiB  on (.*)  off (.*)  on/off mean ([\d.]+)-([\d.]+) ", out, re.M)
-    assert [int(r[0]) for r in rows] == [4, 64], out
+    rows = re.findall(r"^ *(\d+ \w+)  on (.*)  off (.*)  on/off mean ([\d.]+)-([\d.]+) ", out, re.M)
+    assert [r[0] for r in rows] == ["4 KiB", "64 KiB"], out
     for _, on, off, low, high in rows:
         assert on.count("/") == off.count("/") == 2 and 0 < float(low) <= float(high), out
 

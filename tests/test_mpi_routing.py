@@ -580,7 +580,8 @@ def test_a_pair_dtype_names_its_predefined_pair_type(name: str) -> None:
 def _documented_window(cell: str) -> tuple[int, int] | None:
     """The [from, until) bytes a cell of docs/mpi.md's routing table names: "MPI", "cma
     from 8 KiB", "cma at 32-255 KiB", "cma at 16 KiB-1023 KiB"; None for a cell that
-    refers to another ("same")."""
+    refers to the 2-rank one ("same", "the 2-rank window, not measured"); any other cell
+    fails."""
     units = {"KiB": routing.KIB, "MiB": routing.MIB}
     if cell == "MPI":
         return routing.NO_SIZE
@@ -591,6 +592,7 @@ def _documented_window(cell: str) -> tuple[int, int] | None:
     if found:
         unit = units[found[4]]
         return int(found[1]) * units[found[2] or found[4]], (int(found[3]) + 1) * unit
+    assert cell in ("same", "the 2-rank window, not measured"), f"a cell not understood: {cell!r}"
     return None
 
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from mpi4py import MPI
 
-from ..collectives import IN_PLACE, _is_in_place, _message
+from ..collectives import IN_PLACE, _in_type_of, _is_in_place, _message
 from ..comm import Comm as CmaComm
 from ..errors import InvalidDatatype
 from .datatypes import pair_datatype
@@ -66,10 +66,20 @@ class Hierarchy:
 
     def Reduce(self, sendbuf: Any, recvbuf: Any, op: Any, root: int, node_op: Any) -> None:
         """``MPI.Comm.Reduce`` over nodes: cma reduces each node at its leader, MPI reduces the leaders'
-        results at the root's leader, which hands it to the root if needed."""
+        results at the root's leader, which hands it to the root if needed. Every rank
+        combines in sendbuf's type and the root casts the result into its recvbuf last, as
+        cma's Reduce does on one node."""
         at_root = root == self.rank
-        source = recvbuf if at_root and _is_in_place(sendbuf) else sendbuf
-        partial = self._node_reduce(source, recvbuf if at_root else None, node_op)
+        data = _message(recvbuf if at_root and _is_in_place(sendbuf) else sendbuf, writable=False)
+        _check_reducible(data.dtype, op)
+        result = None
+        if at_root:  # (read and checked before any step, as cma's Reduce's root does)
+            result = _message(recvbuf, writable=True)
+            if result.size != data.size or not np.can_cast(data.dtype, result.dtype, "same_kind"):
+                raise BufferError(f"recvbuf holds {result.size} elements of {result.dtype}, the "
+                                  f"result is {data.size} of {data.dtype}")
+        into = result if result is not None and result.dtype == data.dtype else None
+        partial = self._node_reduce(data, into, node_op)
         here = self._holds(root)
         if self.leads:
             assert partial is not None
@@ -82,18 +92,27 @@ class Hierarchy:
             if self.leads:
                 node._coll_wait(node._coll_send(partial, self.local[root]))
             else:
-                node._coll_wait(node._coll_recv(_message(recvbuf, writable=True), 0))
+                partial = np.empty_like(data) if into is None else into
+                node._coll_wait(node._coll_recv(partial, 0))
+        if result is not None and partial is not result:  # (the root's cast, last)
+            assert partial is not None
+            np.copyto(result, partial)
 
     def Allreduce(self, sendbuf: Any, recvbuf: Any, op: Any, node_op: Any) -> None:
         """``MPI.Comm.Allreduce`` over nodes: cma reduces each node, MPI allreduces the leaders, cma
-        broadcasts."""
-        source = recvbuf if _is_in_place(sendbuf) else sendbuf
-        result = self._node_reduce(source, recvbuf if self.leads else None, node_op)
+        broadcasts. Every rank combines in recvbuf's type, casting its input first, as
+        cma's Allreduce does on one node."""
+        result = _message(recvbuf, writable=True)
+        data = result if _is_in_place(sendbuf) else _message(sendbuf, writable=False)
+        if data.size != result.size:
+            raise BufferError(f"recvbuf holds {result.size} elements, sendbuf {data.size}")
+        data = _in_type_of(result, data)
+        _check_reducible(result.dtype, op)
+        self._node_reduce(data, result if self.leads else None, node_op)
         if self.leads:
-            assert result is not None
             MPI.Intracomm.Allreduce(self.leaders, MPI.IN_PLACE, _spec(result), op)
         if self.node is not None:
-            CmaComm.Bcast(self.node, recvbuf, root=0)
+            CmaComm.Bcast(self.node, result, root=0)
 
     def Gather(self, sendbuf: Any, recvbuf: Any, root: int = 0) -> None:
         """``MPI.Comm.Gather`` over nodes: cma gathers each node's blocks at its leader, MPI
@@ -197,27 +216,49 @@ class Hierarchy:
             np.copyto(pieces, mine)
         return pieces
 
-    def _node_reduce(self, source: Any, result: Any, node_op: Any) -> np.ndarray | None:
-        """Combine the node's inputs at its leader, into ``result`` if given there, else
-        into a new array: the leader's array; None elsewhere. Every rank first checks that
-        the leaders' MPI step can name the type (so that every rank raises, before any node
-        step, where it cannot)."""
-        data = _message(source, writable=False)
-        if _spec(data[:0]) is None:
-            raise InvalidDatatype(f"MPI's step between nodes cannot reduce arrays of dtype "
-                                  f"{data.dtype} (a native number, bool or MINLOC/MAXLOC pair "
-                                  "can be)")
+    def _node_reduce(self, data: np.ndarray, result: np.ndarray | None, node_op: Any
+                     ) -> np.ndarray | None:
+        """Combine the node's inputs at its leader, into ``result`` if given there (of
+        ``data``'s dtype), else into a new array: the leader's array; None elsewhere."""
         if not self.leads:
             assert self.node is not None  # (a rank alone on its node leads it)
             CmaComm.Reduce(self.node, data, None, op=node_op, root=0)
             return None
-        out = np.empty_like(data) if result is None else _message(result, writable=True)
+        out = np.empty_like(data) if result is None else result
         same = out.ctypes.data == data.ctypes.data
         if self.node is not None:
             CmaComm.Reduce(self.node, IN_PLACE if same else data, out, op=node_op, root=0)
         elif not same:
             np.copyto(out, data[: out.size])
         return out
+
+
+# The dtype kinds MPI defines each predefined op on (MPI 4.1, section 6.9.2: MAX and MIN on
+# integers and floats, SUM and PROD on complex too, the logical ops on integers and C's
+# bool, the bitwise ones on integers; MINLOC and MAXLOC on the pairs); cma's ops take more
+# (SUM of bools, LAND of floats), which MPI's step between nodes would refuse.
+_MPI_OP_KINDS = ((MPI.MAX, "iuf"), (MPI.MIN, "iuf"), (MPI.SUM, "iufc"), (MPI.PROD, "iufc"),
+                 (MPI.LAND, "iub"), (MPI.LOR, "iub"), (MPI.LXOR, "iub"), (MPI.BAND, "iu"),
+                 (MPI.BOR, "iu"), (MPI.BXOR, "iu"), (MPI.MINLOC, "pair"), (MPI.MAXLOC, "pair"))
+
+
+def _check_reducible(dtype: np.dtype, op: Any) -> None:
+    """Raise InvalidDatatype where MPI's step between nodes could not reduce ``dtype`` with
+    ``op``: a dtype mpi4py cannot name, or a predefined op MPI does not define on it. Every
+    rank calls it before any step, with the same dtype and op, so every rank raises (a
+    leader raising in MPI's step would leave its node waiting)."""
+    kinds = next((kinds for known, kinds in _MPI_OP_KINDS if op == known), None)  # (None: a
+    # user's op, which MPI applies to any datatype)
+    if kinds is None:
+        defined = True
+    elif kinds == "pair":
+        defined = dtype.names is not None
+    else:
+        defined = dtype.names is None and dtype.kind in kinds
+    if _spec(np.empty(0, dtype)) is None or not defined:
+        raise InvalidDatatype(f"MPI's step between nodes cannot reduce arrays of dtype {dtype} "
+                              f"with {op!r} (MPI defines its predefined ops on native numbers, "
+                              "C's bool and the MINLOC/MAXLOC pairs, each on some of them)")
 
 
 def _spec(array: np.ndarray) -> Any:

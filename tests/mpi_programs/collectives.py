@@ -382,6 +382,34 @@ def unnamed_dtypes(comm: cma.mpi.Comm) -> None:
         assert out.tolist() == [comm.Get_size() * v for v in range(5)], out
 
 
+def beyond_mpi(comm: cma.mpi.Comm) -> None:
+    """What cma takes and mpi4py's own methods do not: a SUM over bools (MPI defines SUM on
+    numbers only) combines on one node and, between nodes, raises InvalidDatatype on every
+    rank before any node step; a recvbuf of a wider dtype than sendbuf's gives what it
+    gives on one node, an Allreduce cast first (int32 maxima sum past 2**31), a Reduce
+    cast at the root last, also at a root that does not lead its node."""
+    if comm._barrier == BARRIER_MPI:  # (no cma anywhere: MPI's calls, mpi4py's refusals)
+        return
+    rank, size = comm.Get_rank(), comm.Get_size()
+    over_nodes = comm._barrier == BARRIER_NONBLOCKING
+    flags = np.zeros(4, bool)
+    try:
+        comm.Allreduce(np.full(4, rank == 0), flags, op=MPI.SUM)
+        raised = False
+    except cma.errors.InvalidDatatype:
+        raised = True
+    assert raised == over_nodes, (raised, over_nodes)
+    assert raised or flags.all(), flags
+    wide = np.zeros(3, np.int64)
+    comm.Allreduce(np.full(3, 2**31 - 1, np.int32), wide, op=MPI.SUM)
+    assert (wide == size * (2**31 - 1)).all(), wide
+    root = size - 1
+    total = np.full(3, -1.0)
+    comm.Reduce(np.full(3, rank + 1, np.int32), total if rank == root else None, op=MPI.SUM,
+                root=root)
+    assert rank != root or (total == size * (size + 1) // 2).all(), total
+
+
 def main() -> None:
     comm = cma.mpi.Comm(MPI.COMM_WORLD)
     rank = comm.Get_rank()
@@ -428,6 +456,7 @@ def main() -> None:
     MPI.Intracomm.Barrier(comm)
     inline_specs(comm)
     unnamed_dtypes(comm)
+    beyond_mpi(comm)
     comm.Barrier()
     print(f"OK {rank}", flush=True)
 

@@ -21,6 +21,7 @@ pytest.importorskip("mpi4py", reason="mpi4py is not installed (pip install 'cma-
 from mpi4py import MPI  # noqa: E402
 from mpi4py.util import dtlib  # noqa: E402
 
+import cma  # noqa: E402
 from cma.mpi import routing  # noqa: E402
 from cma.mpi.comm import ON_NODE_COLLECTIVES  # noqa: E402
 
@@ -639,3 +640,47 @@ def test_the_documented_routing_table_is_the_code_s() -> None:
                     assert got == documented, f"{name} at {size} ranks: {got} in the code, " \
                                               f"{documented} in docs/mpi.md ({cell!r})"
     assert listed == set(ON_NODE_COLLECTIVES), set(ON_NODE_COLLECTIVES) ^ listed
+
+
+REDUCED_DTYPES = [np.dtype(c) for c in "?bBhHiIlLqQefdgFD"] + [
+    np.dtype([("value", v), ("index", "i4")], align=True) for v in ("f4", "f8", "i4")]
+
+
+@pytest.mark.parametrize("name", ["SUM", "PROD", "MIN", "MAX", "LAND", "LOR", "LXOR", "BAND",
+                                  "BOR", "BXOR", "MINLOC", "MAXLOC"])
+def test_a_reduction_over_nodes_refuses_first_what_mpi_s_step_would(name: str) -> None:
+    """Over nodes, every rank checks before any step what the leaders' MPI call would
+    refuse (a leader raising there left its node waiting for ever): each predefined op
+    with each dtype is refused exactly where this MPI's own Allreduce refuses it; cma's
+    own op (``cma.SUM``) goes to MPI as mpi4py's; a user's op on a dtype the node step
+    cannot combine is refused too, also for a rank alone on its node, which has no node
+    step to raise in."""
+    from cma.errors import InvalidDatatype
+    from cma.mpi.comm import _node_op
+    from cma.mpi.hierarchy import _checked_op, _spec
+
+    op = getattr(MPI, name)
+    for dtype in REDUCED_DTYPES:
+        spec = _spec(np.zeros(2, dtype))
+        try:
+            if spec is None:
+                raise KeyError(dtype)  # (mpi4py cannot name it at all)
+            out = np.zeros(2, dtype) if isinstance(spec, np.ndarray) else [np.zeros(2, dtype), spec[1]]
+            MPI.COMM_SELF.Allreduce(spec, out, op)
+            refused = False
+        except (MPI.Exception, KeyError, ValueError):
+            refused = True
+        try:
+            assert _checked_op(dtype, op, _node_op(op)) == op
+            checked = False
+        except InvalidDatatype:
+            checked = True
+        assert checked == refused, (name, dtype, refused)
+    defined = REDUCED_DTYPES[-1] if name.endswith("LOC") else np.dtype("i4")
+    assert _checked_op(defined, getattr(cma, name), getattr(cma, name)) == op
+    user = MPI.Op.Create(lambda a, b, t: None, commute=True)
+    try:
+        with pytest.raises(InvalidDatatype):
+            _checked_op(REDUCED_DTYPES[-1], user, _node_op(user))
+    finally:
+        user.Free()

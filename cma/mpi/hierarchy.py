@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from mpi4py import MPI
 
-from ..collectives import IN_PLACE, _in_type_of, _is_in_place, _message
+from ..collectives import IN_PLACE, Op, _array_op, _in_type_of, _is_in_place, _message
 from ..comm import Comm as CmaComm
 from ..errors import InvalidDatatype
 from .datatypes import pair_datatype
@@ -71,13 +71,13 @@ class Hierarchy:
         cma's Reduce does on one node."""
         at_root = root == self.rank
         data = _message(recvbuf if at_root and _is_in_place(sendbuf) else sendbuf, writable=False)
-        _check_reducible(data.dtype, op)
+        op = _checked_op(data.dtype, op, node_op)
         result = None
-        if at_root:  # (read and checked before any step, as cma's Reduce's root does)
+        if at_root:  # (read and its size checked before any step, as cma's Reduce's root does;
+            # its dtype, as there, by the cast at the end)
             result = _message(recvbuf, writable=True)
-            if result.size != data.size or not np.can_cast(data.dtype, result.dtype, "same_kind"):
-                raise BufferError(f"recvbuf holds {result.size} elements of {result.dtype}, the "
-                                  f"result is {data.size} of {data.dtype}")
+            if result.size != data.size:
+                raise BufferError(f"recvbuf holds {result.size} elements, sendbuf {data.size}")
         into = result if result is not None and result.dtype == data.dtype else None
         partial = self._node_reduce(data, into, node_op)
         here = self._holds(root)
@@ -107,7 +107,7 @@ class Hierarchy:
         if data.size != result.size:
             raise BufferError(f"recvbuf holds {result.size} elements, sendbuf {data.size}")
         data = _in_type_of(result, data)
-        _check_reducible(result.dtype, op)
+        op = _checked_op(result.dtype, op, node_op)
         self._node_reduce(data, result if self.leads else None, node_op)
         if self.leads:
             MPI.Intracomm.Allreduce(self.leaders, MPI.IN_PLACE, _spec(result), op)
@@ -242,11 +242,16 @@ _MPI_OP_KINDS = ((MPI.MAX, "iuf"), (MPI.MIN, "iuf"), (MPI.SUM, "iufc"), (MPI.PRO
                  (MPI.BOR, "iu"), (MPI.BXOR, "iu"), (MPI.MINLOC, "pair"), (MPI.MAXLOC, "pair"))
 
 
-def _check_reducible(dtype: np.dtype, op: Any) -> None:
-    """Raise InvalidDatatype where MPI's step between nodes could not reduce ``dtype`` with
-    ``op``: a dtype mpi4py cannot name, or a predefined op MPI does not define on it. Every
-    rank calls it before any step, with the same dtype and op, so every rank raises (a
-    leader raising in MPI's step would leave its node waiting)."""
+def _checked_op(dtype: np.dtype, op: Any, node_op: Any) -> Any:
+    """The MPI op for the leaders' step (mpi4py's for one of cma's own), after raising
+    InvalidDatatype where either step could not reduce ``dtype``: the node's op refuses
+    it (as the node step would, which a rank alone on its node has not), mpi4py cannot
+    name it, or MPI does not define the predefined op on it. Every rank calls it before
+    any step, with the same dtype and op, so every rank raises (a leader raising in MPI's
+    step would leave its node waiting)."""
+    _array_op(node_op).check(dtype)
+    if isinstance(op, Op):
+        op = getattr(MPI, op.name)
     kinds = next((kinds for known, kinds in _MPI_OP_KINDS if op == known), None)  # (None: a
     # user's op, which MPI applies to any datatype)
     if kinds is None:
@@ -259,6 +264,7 @@ def _check_reducible(dtype: np.dtype, op: Any) -> None:
         raise InvalidDatatype(f"MPI's step between nodes cannot reduce arrays of dtype {dtype} "
                               f"with {op!r} (MPI defines its predefined ops on native numbers, "
                               "C's bool and the MINLOC/MAXLOC pairs, each on some of them)")
+    return op
 
 
 def _spec(array: np.ndarray) -> Any:

@@ -387,7 +387,8 @@ def beyond_mpi(comm: cma.mpi.Comm) -> None:
     numbers only) combines on one node and, between nodes, raises InvalidDatatype on every
     rank before any node step; a recvbuf of a wider dtype than sendbuf's gives what it
     gives on one node, an Allreduce cast first (int32 maxima sum past 2**31), a Reduce
-    cast at the root last, also at a root that does not lead its node."""
+    cast at the root last, also at a root that does not lead its node; cma's own op
+    (``cma.SUM``) is taken as mpi4py's."""
     if comm._barrier == BARRIER_MPI:  # (no cma anywhere: MPI's calls, mpi4py's refusals)
         return
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -403,11 +404,18 @@ def beyond_mpi(comm: cma.mpi.Comm) -> None:
     wide = np.zeros(3, np.int64)
     comm.Allreduce(np.full(3, 2**31 - 1, np.int32), wide, op=MPI.SUM)
     assert (wide == size * (2**31 - 1)).all(), wide
-    root = size - 1
-    total = np.full(3, -1.0)
-    comm.Reduce(np.full(3, rank + 1, np.int32), total if rank == root else None, op=MPI.SUM,
-                root=root)
-    assert rank != root or (total == size * (size + 1) // 2).all(), total
+    # (a Reduce combines in sendbuf's type, int32 maxima wrapping as NumPy's int32 sum
+    # does, and the root casts last: at the last rank, which does not lead its node over
+    # pretend nodes of two, and at rank 0, which does)
+    wrapped = np.full(size, 2**31 - 1, np.int32).sum(dtype=np.int32)
+    for root in {size - 1, 0}:
+        total = np.full(3, -1, np.int64)
+        comm.Reduce(np.full(3, 2**31 - 1, np.int32), total if rank == root else None,
+                    op=MPI.SUM, root=root)
+        assert rank != root or (total == wrapped).all(), (root, total, wrapped)
+    mean = np.zeros(3)
+    comm.Allreduce(np.full(3, 1.5), mean, op=cma.SUM)  # (cma's own op, mpi4py's between nodes)
+    assert (mean == 1.5 * size).all(), mean
 
 
 def main() -> None:

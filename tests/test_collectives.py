@@ -1900,15 +1900,9 @@ def test_rank_that_dies_inside_a_collective_makes_the_others_raise(nbytes: int) 
 
 # ------------------------------------------------------------------ cma-bench
 
-@pytest.mark.parametrize(("kind", "nbytes"), [("allreduce", 8), ("bcast", 4 << 20)])
-def test_bench_times_collectives_and_counts_their_copies(tmp_path: Any, kind: str,
-                                                          nbytes: int) -> None:
-    """``cma-bench bcast|allreduce`` at 2 ranks: one result per size, and the copies
-    comm.stats() saw: an eager message is copied into the ring and out of it (a third
-    time when it arrives before its receive is posted); from 4 MiB auto uses cma,
-    one kernel copy, where both ranks may read each other."""
-    from conftest import TWO_WAY_PTRACE
-
+def one_size(tmp_path: Any, kind: str, nbytes: int) -> dict[str, Any]:
+    """``cma-bench KIND`` at 2 ranks and one size (5 iterations): its one result, checked
+    to be of that size and both ranks."""
     from cma.bench.cli import main
 
     out = tmp_path / "bench.json"
@@ -1918,6 +1912,19 @@ def test_bench_times_collectives_and_counts_their_copies(tmp_path: Any, kind: st
     (series,) = json.loads(out.read_text())["series"]
     (result,) = series["results"]
     assert result["size"] == nbytes and len(result["rank_means_us"]) == 2
+    return result
+
+
+@pytest.mark.parametrize(("kind", "nbytes"), [("allreduce", 8), ("bcast", 4 << 20)])
+def test_bench_times_collectives_and_counts_their_copies(tmp_path: Any, kind: str,
+                                                          nbytes: int) -> None:
+    """``cma-bench bcast|allreduce`` at 2 ranks: one result per size, and the copies
+    comm.stats() saw: an eager message is copied into the ring and out of it (a third
+    time when it arrives before its receive is posted); from 4 MiB auto uses cma,
+    one kernel copy, where both ranks may read each other."""
+    from conftest import TWO_WAY_PTRACE
+
+    result = one_size(tmp_path, kind, nbytes)
     user, kernel = result["user_copied"] / nbytes, result["kernel_copied"] / nbytes
     if nbytes > cma.ChannelConfig().eager_limit:
         if TWO_WAY_PTRACE:
@@ -1992,16 +1999,8 @@ def test_bench_times_the_prefix_reductions_and_reduce_scatter(tmp_path: Any, kin
     byte, a third for a message that came before its receive): a Scan's or Exscan's one
     round goes from rank 0 to rank 1 only; a Reduce_scatter_block's ranks each send the
     other its block."""
-    from cma.bench.cli import main
-
-    out = tmp_path / "bench.json"
     nbytes = 4096
-    code = main([kind, "-n", "2", "--min-size", str(nbytes), "--max-size", str(nbytes),
-                 "--iterations", "5", "--warmup", "1", "--json", str(out)])
-    assert code == 0
-    (series,) = json.loads(out.read_text())["series"]
-    (result,) = series["results"]
-    assert result["size"] == nbytes and len(result["rank_means_us"]) == 2
+    result = one_size(tmp_path, kind, nbytes)
     assert 2 * messages <= result["user_copied"] / nbytes <= 3 * messages
     assert result["kernel_copied"] == 0
 

@@ -252,9 +252,7 @@ def _in_type_of(result: np.ndarray, source: np.ndarray) -> np.ndarray:
     float into an int recvbuf raises TypeError here, before any message moves)."""
     if result.dtype == source.dtype:
         return source
-    cast = np.empty(source.shape, result.dtype)
-    np.copyto(cast, source)
-    return cast
+    return source.astype(result.dtype, casting="same_kind")
 
 
 def _object_op(op: Any) -> Callable[[Any, Any], Any]:

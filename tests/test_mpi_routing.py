@@ -657,14 +657,14 @@ def test_a_reduction_over_nodes_refuses_first_what_mpi_s_step_would(name: str) -
     step to raise in."""
     from cma.errors import InvalidDatatype
     from cma.mpi.comm import _node_op
-    from cma.mpi.hierarchy import _checked_op, _spec
+    from cma.mpi.hierarchy import _checked_op, _named, _spec
 
     op = getattr(MPI, name)
     for dtype in REDUCED_DTYPES:
-        spec = _spec(np.zeros(2, dtype))
         try:
-            if spec is None:
+            if not _named(dtype):
                 raise KeyError(dtype)  # (mpi4py cannot name it at all)
+            spec = _spec(np.zeros(2, dtype))
             out = np.zeros(2, dtype) if isinstance(spec, np.ndarray) else [np.zeros(2, dtype), spec[1]]
             MPI.COMM_SELF.Allreduce(spec, out, op)
             refused = False

@@ -34,6 +34,12 @@ _PAIRS = {"SHORT_INT": "i2", "LONG_DOUBLE_INT": "g", "DOUBLE_INT": "f8", "LONG_I
           "FLOAT_INT": "f4"}
 
 
+def byte_array(data: Any) -> np.ndarray:
+    """``data``'s bytes as a uint8 array, no copy (an empty array for no bytes)."""
+    view = memoryview(data)
+    return np.frombuffer(view, dtype=np.uint8) if view.nbytes else np.zeros(0, np.uint8)
+
+
 @functools.lru_cache(maxsize=64)
 def pair_datatype(dtype: np.dtype) -> MPI.Datatype | None:
     """The predefined pair type (``MPI.DOUBLE_INT``, ...) laid out as ``dtype``, a
@@ -506,8 +512,7 @@ def typed(buf: Any, count: int | None, displ: int, found: Layout,
     if plan.single:  # (one block: a subarray's face in one piece, say)
         start = int(plan.starts[0])
         return view[start : start + plan.nbytes]
-    base = np.frombuffer(view, dtype=np.uint8) if view.nbytes else np.zeros(0, np.uint8)
-    made = Typed(plan, buf, base)
+    made = Typed(plan, buf, byte_array(view))
     if made.kept:
         plan.last = made
     return made

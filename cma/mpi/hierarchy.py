@@ -260,19 +260,22 @@ def _checked_op(dtype: np.dtype, op: Any, node_op: Any) -> Any:
         defined = dtype.names is not None
     else:
         defined = dtype.names is None and dtype.kind in kinds
-    if _spec(np.empty(0, dtype)) is None or not defined:
+    if not _named(dtype) or not defined:
         raise InvalidDatatype(f"MPI's step between nodes cannot reduce arrays of dtype {dtype} "
                               f"with {op!r} (MPI defines its predefined ops on native numbers, "
                               "C's bool and the MINLOC/MAXLOC pairs, each on some of them)")
     return op
 
 
-def _spec(array: np.ndarray) -> Any:
-    """``array`` as the leaders' MPI reduction takes it: bare where mpi4py maps its dtype
-    (a native number or bool), with its pair type for the (value, index) pairs of MINLOC
-    and MAXLOC; None for any other dtype."""
-    dtype = array.dtype
+def _named(dtype: np.dtype) -> bool:
+    """Whether the leaders' MPI step can name ``dtype``: mpi4py maps a native number or
+    bool itself, and a (value, index) pair of MINLOC and MAXLOC is its pair type."""
     if dtype.names:
-        pair = pair_datatype(dtype)
-        return None if pair is None else [array, pair]
-    return array if dtype.isnative and dtype.kind in "biufc" else None
+        return pair_datatype(dtype) is not None
+    return dtype.isnative and dtype.kind in "biufc"
+
+
+def _spec(array: np.ndarray) -> Any:
+    """``array`` as the leaders' MPI reduction takes it (its dtype ``_named``): bare, or a
+    pair with its pair type."""
+    return [array, pair_datatype(array.dtype)] if array.dtype.names else array

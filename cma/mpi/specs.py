@@ -9,7 +9,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..comm import send_view
-from .datatypes import ElementRows, Layout, Typed, layout, typed
+from .datatypes import ElementRows, Layout, Typed, byte_array, layout, typed
 
 _fromcode = getattr(MPI.Datatype, "fromcode", None) or MPI._typedict.__getitem__  # mpi4py 4 / 3
 Unpacker = ElementRows | Typed  # (what copies a packed copy's bytes into a buffer's elements)
@@ -166,7 +166,7 @@ def as_packed(spec: Any, blocks: int) -> tuple[list[Any], Unpacker | None] | Non
     if buf is None:
         return [None, *scaled, "B"], None
     view = send_view(buf)
-    base = np.frombuffer(view, dtype=np.uint8) if view.nbytes else np.zeros(0, np.uint8)
+    base = byte_array(view)
     rows = ElementRows.of(kind, elements, base)
     unpacker: Unpacker
     if rows is not None:
@@ -175,9 +175,7 @@ def as_packed(spec: Any, blocks: int) -> tuple[list[Any], Unpacker | None] | Non
         plan = kind.plan(elements, 0)
         plan.check(view.nbytes)
         blockwise = Typed(plan, buf, base)
-        packed = np.frombuffer(blockwise.pack(), dtype=np.uint8) if plan.nbytes else \
-            np.zeros(0, np.uint8)
-        unpacker = blockwise
+        packed, unpacker = byte_array(blockwise.pack()), blockwise
     if view.readonly:
         packed.flags.writeable = False
         return [packed, *scaled, "B"], None

@@ -37,6 +37,7 @@ Run (from the repository root; about 4 minutes with the defaults on a 2-CPU mach
     mpiexec -n 2 python bench/external_clients.py --json external-clients.json
     mpiexec -n 2 python bench/external_clients.py --max-size 2M --no-demos --rounds 8 --each-round
     mpiexec -n 16 python bench/external_clients.py --no-pingpong --demos osu_bcast,osu_allgather --rounds 2
+    mpiexec -n 2 python bench/external_clients.py --no-pingpong --demos osu_bcast --demo-max-size 16M
 """
 
 from __future__ import annotations
@@ -304,16 +305,18 @@ def parse_demo_output(text: str) -> dict[int, float]:
     return table
 
 
-def run_demo(name: str, code: CodeType, stand_in: PluginStandIn | None) -> dict[int, float]:
+def run_demo(name: str, code: CodeType, stand_in: PluginStandIn | None,
+             max_size: int | None) -> dict[int, float]:
     """Execute the demo's module code in a fresh namespace and call its function
-    (the module's ``if __name__ == "__main__"`` does not fire)."""
+    (the module's ``if __name__ == "__main__"`` does not fire), with its own parameter
+    ``MAX_MSG_SIZE`` set to ``max_size`` if given."""
     namespace: dict[str, Any] = {"__name__": f"mpi4py_demo_{name}"}
     if stand_in is not None:
         namespace["cma"] = stand_in
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         exec(code, namespace)
-        namespace[name]()
+        namespace[name](**({} if max_size is None else {"MAX_MSG_SIZE": max_size}))
     return parse_demo_output(out.getvalue())
 
 
@@ -379,7 +382,7 @@ def pkl5_as_shipped(wanted: bool) -> Iterator[None]:
         pkl5.MPI = routed
 
 
-def demo_case(name: str, path: str, source: str) -> Case:
+def demo_case(name: str, path: str, source: str, max_size: int | None) -> Case:
     # compiled once with the real path, so a traceback points into the cached demo
     codes = {"plain": compile(source, path, "exec"),
              "plugin": compile(one_line_change(source), path, "exec")}
@@ -387,7 +390,7 @@ def demo_case(name: str, path: str, source: str) -> Case:
     def prepare(series: str) -> tuple[Callable[[], dict[int, float]], Callable[[], None]]:
         stand_in = PluginStandIn() if series == "plugin" else None
         cleanup = stand_in.free if stand_in is not None else (lambda: None)
-        return (lambda: run_demo(name, codes[series], stand_in)), cleanup
+        return (lambda: run_demo(name, codes[series], stand_in, max_size)), cleanup
 
     return Case("demo", name, "MB/s" if name in BANDWIDTH_DEMOS else "us", prepare)
 
@@ -612,6 +615,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="demos of the mpi4py sdist, comma-separated (default the three "
                              f"point-to-point ones; also {', '.join(COLLECTIVE_DEMOS)})")
     parser.add_argument("--no-demos", action="store_true")
+    parser.add_argument("--demo-max-size", type=parse_size, default=None,
+                        help="the demos' own MAX_MSG_SIZE parameter (default theirs: 1 MiB for "
+                             "the collectives, 4 MiB for the point-to-point ones)")
     parser.add_argument("--timeout", type=float, default=120.0,
                         help="seconds a series may take before it is stopped as failed (default 120)")
     parser.add_argument("--no-probe", dest="probe", action="store_false",
@@ -648,7 +654,8 @@ def make_cases(run: Run) -> list[Case]:
         sources, why_not = demo_sources(run.ctl, args.demos)
         if why_not:
             run.notes.append(f"demos not run: {why_not}")
-        cases += [demo_case(name, *sources[name]) for name in args.demos if name in sources]
+        cases += [demo_case(name, *sources[name], args.demo_max_size)
+                  for name in args.demos if name in sources]
     return cases
 
 

@@ -31,15 +31,27 @@ def main() -> None:
     parser.add_argument("kind", choices=["bcast", "allreduce", "reduce"])
     parser.add_argument("threshold", help="the constant of cma.collectives, e.g. BCAST_SCATTER_FROM")
     parser.add_argument("--sizes", default=SIZES, help=f"comma-separated (default {SIZES})")
+    parser.add_argument("--set", action="append", default=[], metavar="NAME=BYTES",
+                        help="hold another constant of cma.collectives at a size (repeatable)")
+    parser.add_argument("--heap", action="store_true",
+                        help="arrays from the shared heap (with CMA_XMAP=1, hops of them mapped)")
+    parser.add_argument("--write", action="store_true",
+                        help="a rank that sends data of its own writes new values before each call")
     args = parser.parse_args()
-    if not hasattr(cma.collectives, args.threshold):
-        parser.error(f"cma.collectives has no {args.threshold}")
+    for name in [args.threshold] + [held.partition("=")[0] for held in args.set]:
+        if not hasattr(cma.collectives, name):
+            parser.error(f"cma.collectives has no {name}")
+    for held in args.set:
+        name, _, value = held.partition("=")
+        setattr(cma.collectives, name, parse_size(value))
     settle_allocator()
     world = MPI.COMM_WORLD
     comm = cma.mpi.Comm(world)
     rank, size = world.Get_rank(), world.Get_size()
     if rank == 0:
-        print(f"# {args.kind} at {size} ranks, {args.threshold} forced on (0) and off (2**40); "
+        print(f"# {args.kind} at {size} ranks, {args.threshold} forced on (0) and off (2**40)"
+              f"{''.join(', ' + held for held in args.set)}{', heap arrays' if args.heap else ''}"
+              f"{', written before each call' if args.write else ''}; "
               "cma.mpi's time, us (mean over ranks / slowest rank), two turns each; on/off < 1: "
               "the algorithm above the switch is faster", flush=True)
     for nbytes in map(parse_size, args.sizes.split(",")):
@@ -48,7 +60,7 @@ def main() -> None:
         for turn in range(2):
             for name in ("on", "off") if turn == 0 else ("off", "on"):
                 setattr(cma.collectives, args.threshold, SETTINGS[name])
-                run = operation(comm, args.kind, nbytes)
+                run = operation(comm, args.kind, nbytes, heap=args.heap, write=args.write)
                 measure(comm, run, 0, 3)
                 means = world.allgather(float(np.mean(measure(comm, run, iterations, 0))) / 1e3)
                 got[name].append((sum(means) / size, max(means)))

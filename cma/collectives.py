@@ -49,6 +49,14 @@ __all__ = [
 # switch points"). MPICH's bcast switch and the first guess for Reduce's: kept, though at
 # 3-8 ranks here the trees won most sizes, since those ranks were oversubscribed.
 BCAST_SCATTER_FROM = 512 << 10  # and 3 ranks or more: van de Geijn instead of a binomial tree
+# A binomial Bcast of BCAST_PIPELINE_FROM to BCAST_PIPELINE_UNTIL bytes goes in eager pieces
+# of BCAST_PIECE, so that a reader copies one out of its ring while its parent copies the
+# next in. At 2 ranks that took 0.44-0.87x the time of one message at 2-8 MiB and was
+# level or mixed at 1 MiB and 12-16 MiB; from 512 KiB at 3 ranks or more van de Geijn beat
+# it (docs/guide.md section 7, "Bcast in pieces").
+BCAST_PIPELINE_FROM = 2 << 20
+BCAST_PIPELINE_UNTIL = 8 << 20
+BCAST_PIECE = 1 << 20
 # a reduce-scatter + allgather (by halving and doubling, or by the ring) instead of recursive
 # doubling, whose fewer steps won below it at 2, 3, 4 and 8 ranks (at 8 ranks the
 # reduce-scatter took 1.75-2.04x doubling's time at 16-64 KiB, 0.63-0.71x at 256 KiB)
@@ -860,19 +868,32 @@ class Collectives:
             self._bcast_binomial(raw, root)
 
     def _bcast_binomial(self, data: np.ndarray, root: int) -> None:
+        """Down a binomial tree from the root: a rank forwards each piece (the whole
+        message, or BCAST_PIECE's) to its subtree once it has it."""
         size, vr = self.size, (self.rank - root) % self.size
+        parent = None
         mask = 1
         while mask < size:
             if vr & mask:
-                self._coll_take(data, (vr - mask + root) % size)
+                parent = (vr - mask + root) % size
                 break
             mask <<= 1
-        sends = []
+        children = []
         mask >>= 1
         while mask:
             if vr + mask < size:
-                sends.append(self._coll_send(data, (vr + mask + root) % size))
+                children.append((vr + mask + root) % size)
             mask >>= 1
+        n = data.size
+        pieces: Sequence[np.ndarray] = (data,)
+        if BCAST_PIPELINE_FROM <= n <= BCAST_PIPELINE_UNTIL and BCAST_PIECE <= self._eager_limit:
+            pieces = [data[start : start + BCAST_PIECE] for start in range(0, n, BCAST_PIECE)]
+        sends = []
+        for piece in pieces:
+            if parent is not None:
+                self._coll_take(piece, parent)
+            for child in children:
+                sends.append(self._coll_send(piece, child))
         self._coll_wait(*sends)
 
     def _bcast_scatter_allgather(self, data: np.ndarray, root: int) -> None:

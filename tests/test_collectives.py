@@ -56,8 +56,10 @@ MOVES = ["Bcast", "Gather", "Gatherv", "Scatter", "Scatterv", "Allgather", "Allg
          "Alltoall", "Alltoallv", "Alltoallw"]
 WTYPES = [np.dtype(t) for t in ("u1", "i4", "f8", "c16")]
 THRESHOLDS = ("BCAST_SCATTER_FROM", "ALLREDUCE_SCATTER_FROM",
-              "XMAP_HOP_FROM", "REDUCE_SCATTER_FROM", "HALVING_UNTIL")
-DEFAULTS = {name: getattr(collectives, name) for name in THRESHOLDS}
+              "XMAP_HOP_FROM", "REDUCE_SCATTER_FROM", "HALVING_UNTIL", "BCAST_PIPELINE_FROM")
+DEFAULTS = {name: getattr(collectives, name) for name in THRESHOLDS + ("BCAST_PIECE",)}
+# small: a binomial Bcast (2 ranks) goes in pieces of this many bytes, which split elements
+SMALL_PIECE = 1000
 FIXTURE_HC = [HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
 
 
@@ -299,6 +301,7 @@ def vwrap(form: str, array: np.ndarray, counts: list[int], displs: list[int]) ->
 def _set_thresholds(small: bool) -> None:
     for name in THRESHOLDS:
         setattr(collectives, name, 0 if small else DEFAULTS[name])
+    collectives.BCAST_PIECE = SMALL_PIECE if small else DEFAULTS["BCAST_PIECE"]
 
 
 def run_case(comm: cma.Comm, case: dict[str, Any]) -> Any:
@@ -825,6 +828,18 @@ def test_allgather_and_reduce_scatter_over_a_power_of_two_take_log2_steps(many_w
         else:
             want = [((rank + 1) % size, nbytes)] * (size - 1)
         assert sent == want, f"rank {rank}"
+
+
+def test_a_bcast_of_2_to_8_mib_between_two_ranks_goes_in_pieces(pair: World) -> None:
+    """At 2 ranks a Bcast of 2-8 MiB goes as eager 1 MiB pieces (the reader copies one out
+    while the root copies the next in); 1 MiB and 16 MiB ones as one message. The values
+    arrive in order (sends_of checks every byte)."""
+    for nbytes, pieces in [(1 << 20, [1 << 20]), (2 << 20, [1 << 20] * 2),
+                           ((5 << 20) + 3, [1 << 20] * 5 + [3]), (16 << 20, [16 << 20])]:
+        for root in (0, 1):
+            sends = pair.run(sends_of, "Bcast", nbytes, root)
+            assert sends[root] == [(1 - root, n) for n in pieces], (nbytes, root)
+            assert sends[1 - root] == [], (nbytes, root)
 
 
 def test_a_large_bcast_gathers_its_blocks_by_doubling_or_along_the_chain(many_world: World
@@ -1915,20 +1930,24 @@ def one_size(tmp_path: Any, kind: str, nbytes: int) -> dict[str, Any]:
     return result
 
 
-@pytest.mark.parametrize(("kind", "nbytes"), [("allreduce", 8), ("bcast", 4 << 20)])
+@pytest.mark.parametrize(("kind", "nbytes"), [("allreduce", 8), ("bcast", 4 << 20),
+                                              ("bcast", 16 << 20)])
 def test_bench_times_collectives_and_counts_their_copies(tmp_path: Any, kind: str,
                                                           nbytes: int) -> None:
     """``cma-bench bcast|allreduce`` at 2 ranks: one result per size, and the copies
     comm.stats() saw: an eager message is copied into the ring and out of it (a third
-    time when it arrives before its receive is posted); from 4 MiB auto uses cma,
-    one kernel copy, where both ranks may read each other."""
+    time when it arrives before its receive is posted), and so is each eager piece of a
+    4 MiB Bcast; beyond the pieces (16 MiB) auto uses cma, one kernel copy, where both
+    ranks may read each other."""
     from conftest import TWO_WAY_PTRACE
 
     result = one_size(tmp_path, kind, nbytes)
     user, kernel = result["user_copied"] / nbytes, result["kernel_copied"] / nbytes
-    if nbytes > cma.ChannelConfig().eager_limit:
+    if nbytes > collectives.BCAST_PIPELINE_UNTIL:
         if TWO_WAY_PTRACE:
             assert (user, kernel) == (0.0, 1.0)
+    elif kind == "bcast":
+        assert 2 <= user <= 3 and kernel == 0
     else:
         # allreduce at 2 ranks: each rank sends its vector once (recursive doubling)
         assert 2 * 2 <= user <= 3 * 2 and kernel == 0
@@ -1970,18 +1989,18 @@ def test_bench_write_gives_each_call_new_data(kind: str, rank: int, writes: bool
         assert (len(set(comm.sent)) == 4) == (write and writes), (write, comm.sent)
 
 
-@pytest.mark.parametrize("kind", ["bcast", "allreduce"])
-def test_bench_times_collectives_of_heap_buffers(tmp_path: Any, kind: str) -> None:
-    """``cma-bench bcast|allreduce --heap`` at 2 ranks and 4 MiB: xmap on and every array in
-    the shared heap, so each byte is copied once in all, in user space: a Bcast's reader
-    copies the root's buffer out of its mapping; an Allreduce's ring combines the peer's
-    half of the input from a view (no copy) and copies the other half of the result out
-    of its mapping (each rank half, 2 x 1/2). Without --heap the same sizes move 2 copies
-    per byte (Allreduce: 4) or go through the kernel."""
+@pytest.mark.parametrize(("kind", "nbytes"), [("bcast", 16 << 20), ("allreduce", 4 << 20)])
+def test_bench_times_collectives_of_heap_buffers(tmp_path: Any, kind: str, nbytes: int) -> None:
+    """``cma-bench bcast|allreduce --heap`` at 2 ranks: xmap on and every array in the
+    shared heap, so each byte is copied once in all, in user space: a 16 MiB Bcast's reader
+    copies the root's buffer out of its mapping (one of 2-8 MiB goes in eager pieces,
+    faster, heap or not: docs/guide.md section 7, "Bcast in pieces"); a 4 MiB Allreduce's
+    ring combines the peer's half of the input from a view (no copy) and copies the other
+    half of the result out of its mapping (each rank half, 2 x 1/2). Without --heap the
+    same sizes move 2 copies per byte (Allreduce: 4) or go through the kernel."""
     from cma.bench.cli import main
 
     out = tmp_path / "bench.json"
-    nbytes = 4 << 20
     code = main([kind, "--heap", "-n", "2", "--min-size", str(nbytes), "--max-size", str(nbytes),
                  "--iterations", "3", "--warmup", "1", "--json", str(out)])
     assert code == 0

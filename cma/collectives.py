@@ -54,6 +54,12 @@ BCAST_SCATTER_FROM = 512 << 10  # and 3 ranks or more: van de Geijn instead of a
 # next in. At 2 ranks that took 0.44-0.87x the time of one message at 2-8 MiB and was
 # level or mixed at 1 MiB and 12-16 MiB; from 512 KiB at 3 ranks or more van de Geijn beat
 # it (docs/guide.md section 7, "Bcast in pieces").
+# From 3 ranks, a Bcast of this many bytes or more, where it is a rendezvous whose readers
+# pull, goes flat (XHC's shape): every reader takes the whole message from the root's
+# memory, all at once, one copy each. Against van de Geijn at 3-8 ranks it took 0.19-0.59
+# of the time at 1-4 MiB by the mean over ranks, and 0.70-1.07 at 512 KiB at 3-4 ranks
+# (docs/guide.md section 7, "A flat Bcast").
+BCAST_FLAT_FROM = 1 << 20
 BCAST_PIPELINE_FROM = 2 << 20
 BCAST_PIPELINE_UNTIL = 8 << 20
 BCAST_PIECE = 1 << 20
@@ -863,9 +869,22 @@ class Collectives:
         if self.size == 1 or not raw.size:  # (the count is every rank's: nothing to move)
             return
         if raw.size >= BCAST_SCATTER_FROM and self.size >= 3:
-            self._bcast_scatter_allgather(raw, root)
+            if raw.size >= BCAST_FLAT_FROM and raw.size > self._eager_limit \
+                    and (self._progress or self._attach()).connection.pulls():
+                self._bcast_flat(raw, root)
+            else:
+                self._bcast_scatter_allgather(raw, root)
         else:
             self._bcast_binomial(raw, root)
+
+    def _bcast_flat(self, data: np.ndarray, root: int) -> None:
+        """XHC's flat shape: the root offers the whole message to every reader at once, and
+        each takes it out of the root's memory (or mapping) itself."""
+        if self.rank == root:
+            self._coll_wait(*[self._coll_send(data, (root + i) % self.size)
+                              for i in range(1, self.size)])
+        else:
+            self._coll_take(data, root)
 
     def _bcast_binomial(self, data: np.ndarray, root: int) -> None:
         """Down a binomial tree from the root: a rank forwards each piece (the whole

@@ -56,7 +56,8 @@ MOVES = ["Bcast", "Gather", "Gatherv", "Scatter", "Scatterv", "Allgather", "Allg
          "Alltoall", "Alltoallv", "Alltoallw"]
 WTYPES = [np.dtype(t) for t in ("u1", "i4", "f8", "c16")]
 THRESHOLDS = ("BCAST_SCATTER_FROM", "ALLREDUCE_SCATTER_FROM",
-              "XMAP_HOP_FROM", "REDUCE_SCATTER_FROM", "HALVING_UNTIL", "BCAST_PIPELINE_FROM")
+              "XMAP_HOP_FROM", "REDUCE_SCATTER_FROM", "HALVING_UNTIL", "BCAST_PIPELINE_FROM",
+              "BCAST_FLAT_FROM")
 DEFAULTS = {name: getattr(collectives, name) for name in THRESHOLDS + ("BCAST_PIECE",)}
 # small: a binomial Bcast (2 ranks) goes in pieces of this many bytes, which split elements
 SMALL_PIECE = 1000
@@ -842,13 +843,38 @@ def test_a_bcast_of_2_to_8_mib_between_two_ranks_goes_in_pieces(pair: World) -> 
             assert sends[1 - root] == [], (nbytes, root)
 
 
+def test_a_bcast_from_1_mib_goes_flat_where_readers_pull(many_world: World) -> None:
+    """From 1 MiB, over 3 ranks or more whose transports pull, the root offers the whole
+    message to every other rank (relative rank 1 first), each takes it from the root, and
+    no reader sends anything (XHC's flat shape); at 512 KiB van de Geijn still runs."""
+    size, root = many_world.size, 3
+    for nbytes in (1 << 20, (4 << 20) + 1):
+        sends = many_world.run(sends_of, "Bcast", nbytes, root)
+        assert sends[root] == [((root + i) % size, nbytes) for i in range(1, size)], nbytes
+        assert all(sends[r] == [] for r in range(size) if r != root), nbytes
+    assert any(many_world.run(sends_of, "Bcast", 512 << 10, root)[r] for r in range(size) if r != root)
+
+
+def test_a_bcast_stays_van_de_geijn_where_readers_cannot_pull() -> None:
+    """Under transport="shm" a reader cannot take data out of the root's memory (the root
+    would copy every reader's message itself), so a 1 MiB Bcast at 3 ranks keeps van de
+    Geijn: the root sends a third to each, then the thirds pass along the chain
+    root -> 1 -> 2."""
+    with World(3, transport="shm", config=cma.ChannelConfig.for_ranks(3)) as w:
+        sends = w.run(sends_of, "Bcast", 1 << 20, 0)
+    third = [(1 << 20) // 3 + (i < (1 << 20) % 3) for i in range(3)]
+    assert sends[0] == [(1, third[1]), (2, third[2]), (1, third[0]), (1, third[2])]
+    assert sends[1] == [(2, third[1]), (2, third[0])] and sends[2] == []
+
+
 def test_a_large_bcast_gathers_its_blocks_by_doubling_or_along_the_chain(many_world: World
                                                                          ) -> None:
-    """From 512 KiB the root sends block i of p to relative rank i; then, over 2^k ranks,
-    the ranks swap what they hold with the rank whose relative rank differs in one bit
-    (k steps; the root only sends, and nothing goes back to it), and over other counts
-    the blocks pass along the chain root -> root + 1 -> ... (p - 1 steps)."""
-    size, nbytes, root = many_world.size, 1 << 20, 3
+    """From 512 KiB (to BCAST_FLAT_FROM) the root sends block i of p to relative rank i;
+    then, over 2^k ranks, the ranks swap what they hold with the rank whose relative rank
+    differs in one bit (k steps; the root only sends, and nothing goes back to it), and
+    over other counts the blocks pass along the chain root -> root + 1 -> ... (p - 1
+    steps)."""
+    size, nbytes, root = many_world.size, 512 << 10, 3
     cut = [sum(nbytes // size + (i < nbytes % size) for i in range(j)) for j in range(size + 1)]
 
     def block(i: int) -> int:
@@ -1884,30 +1910,38 @@ def _die_soon() -> None:
 RAISED_PEERGONE = 17
 
 
-def allreduce_until_someone_dies(comm: cma.Comm, victim: int, nbytes: int) -> None:
-    """Allreduce in a loop; the victim is killed in the middle of one. A survivor that
-    raises PeerGone exits as an uncaught exception would end it (and as cma-run ends a
-    world), which is what lets the ranks still waiting on it raise in turn."""
+def until_someone_dies(comm: cma.Comm, name: str, victim: int, nbytes: int) -> None:
+    """Allreduce (or Bcast from rank 0) in a loop; the victim is killed in the middle of
+    one. A survivor that raises PeerGone exits as an uncaught exception would end it (and
+    as cma-run ends a world), which is what lets the ranks still waiting on it raise in
+    turn."""
     buf = np.ones(nbytes // 8)
     if comm.Get_rank() == victim:
         _die_soon()
     try:
         while True:
-            comm.Allreduce(cma.IN_PLACE, buf, op=cma.MAX)
+            if name == "Bcast":
+                comm.Bcast(buf, root=0)
+            else:
+                comm.Allreduce(cma.IN_PLACE, buf, op=cma.MAX)
     except PeerGone:
         os._exit(RAISED_PEERGONE)
 
 
-@pytest.mark.parametrize("nbytes", [64, 8 << 20])
-def test_rank_that_dies_inside_a_collective_makes_the_others_raise(nbytes: int) -> None:
+@pytest.mark.parametrize(("name", "victim", "nbytes"), [
+    ("Allreduce", 1, 64), ("Allreduce", 1, 8 << 20),
+    # a flat Bcast: every reader pulls from the root at once
+    ("Bcast", 0, 8 << 20), ("Bcast", 1, 8 << 20)])
+def test_rank_that_dies_inside_a_collective_makes_the_others_raise(name: str, victim: int,
+                                                                    nbytes: int) -> None:
     world = World(3)
     try:
         for conn in world.conns:
-            conn.send((allreduce_until_someone_dies, (1, nbytes)))
+            conn.send((until_someone_dies, (name, victim, nbytes)))
         for proc in world.procs:
             proc.join(RESULT_TIMEOUT)
         codes = [proc.exitcode for proc in world.procs]
-        assert codes == [RAISED_PEERGONE, -signal.SIGKILL, RAISED_PEERGONE]
+        assert codes == [-signal.SIGKILL if r == victim else RAISED_PEERGONE for r in range(3)]
     finally:
         world.close()
 

@@ -232,11 +232,14 @@ def test_a_spec_cma_refuses_stays_with_cma_which_raises_its_error() -> None:
                        ("Gather", (fortran, None)), ("Allgather", (fortran, np.zeros(512))),
                        ("Scatter", (None, fortran)), ("Alltoall", (fortran, np.zeros(256)))):
         assert agreed[name](args, {}, 2) == -1, name
-    route = routing.Window(routing.AGREED_BYTES["Bcast"], 2, 100, 200)
+    route = routing.Window(routing.AGREED_BYTES["Bcast"], 2, (100, 200))
     assert route(None, ([np.zeros(3), 1, 2, 3, 4],), {}) is False
     assert route(None, (np.zeros(10, np.uint8),), {}) is True
     assert route(None, (np.zeros(150, np.uint8),), {}) is False
     assert route(None, (np.zeros(200, np.uint8),), {}) is True
+    gapped = routing.Window(routing.AGREED_BYTES["Bcast"], 8, (100, 200, 300, routing.EVERY_SIZE[1]))
+    assert [gapped(None, (np.zeros(n, np.uint8),), {}) for n in (99, 100, 199, 200, 299, 300, 1 << 30)] \
+        == [True, False, False, True, True, False, False]
 
 
 def test_a_routed_method_calls_the_library_its_route_names() -> None:
@@ -250,13 +253,18 @@ def test_a_routed_method_calls_the_library_its_route_names() -> None:
 
     assert routing.method(routing.always_mpi, through_mpi, through_cma, MPI.COMM_SELF) \
         is through_mpi
-    bcast = routing.method(routing.Window(routing.AGREED_BYTES["Bcast"], 2, 100, 200),
+    bcast = routing.method(routing.Window(routing.AGREED_BYTES["Bcast"], 2, (100, 200)),
                            through_mpi, through_cma, MPI.COMM_SELF)
     assert bcast(np.zeros(99, np.uint8), 0) == "mpi"
     assert bcast(np.zeros(100, np.uint8), root=1) == "cma"
     assert bcast(buf=[np.zeros(300, np.uint8), 150, MPI.BYTE]) == "cma"
     assert bcast([np.zeros(300, np.uint8), 200, MPI.BYTE]) == "mpi"
     assert bcast([np.zeros(3), 1, 2, 3, 4]) == "cma"  # (refused: cma raises its error)
+    # a window of two ranges (Bcast at 5-16 ranks): MPI in the gap between them
+    gapped = routing.method(routing.Window(routing.AGREED_BYTES["Bcast"], 8, (100, 200, 300, 400)),
+                            through_mpi, through_cma, MPI.COMM_SELF)
+    assert [gapped(np.zeros(n, np.uint8)) for n in (99, 100, 199, 200, 299, 300, 399, 400)] \
+        == ["mpi", "cma", "cma", "mpi", "mpi", "cma", "cma", "mpi"]
 
 
 def test_an_object_collective_routes_by_the_pickle_a_rank_holds() -> None:
@@ -529,17 +537,19 @@ def test_modes_route_every_collective_alike() -> None:
 
 def test_the_table_sizes_only_collectives_every_rank_can_size() -> None:
     """A window that is neither every size nor none needs a size every rank agrees on;
-    rows go up in ranks; every name is a collective the wrapper runs."""
+    its bounds come in (from, until) pairs that go up; rows go up in ranks; every name is
+    a collective the wrapper runs."""
     for name, rows in routing.WINDOWS.items():
         assert name in ON_NODE_COLLECTIVES, name
-        bounds = [ranks for ranks, _ in rows]
-        assert bounds == sorted(bounds) and len(set(bounds)) == len(bounds), name
-        for _, (start, until) in rows:
-            assert 0 <= start <= until, name
-            if (start, until) not in (routing.EVERY_SIZE, routing.NO_SIZE):
+        ranks = [r for r, _ in rows]
+        assert ranks == sorted(ranks) and len(set(ranks)) == len(ranks), name
+        for _, window in rows:
+            assert len(window) % 2 == 0 and 0 <= window[0], name
+            assert list(window) == sorted(window), name
+            if window not in (routing.EVERY_SIZE, routing.NO_SIZE):
                 assert name in routing.AGREED_BYTES or name in routing.OBJECT_HELD, name
             if name in routing.OBJECT_HELD:  # (one rank's large object decides: no end)
-                assert until == routing.EVERY_SIZE[1], name
+                assert window[1:] == routing.EVERY_SIZE[1:], name
 
 
 @pytest.mark.parametrize("size", [2, 3, 4, 8, 16, 64, 256])
@@ -552,11 +562,9 @@ def test_auto_routes_by_the_table_row_that_holds_the_rank_count(size: int) -> No
             assert name not in chosen, name
         elif window == routing.NO_SIZE:
             assert chosen[name](None, (), {}), name
-        else:
-            start, until = window
-            args = (np.zeros(start, np.uint8),) if name == "Bcast" else None
-            if args is not None:
-                assert not chosen[name](None, args, {}), name
+        elif name == "Bcast":  # (every range: MPI just below its start and at its end)
+            for start, until in zip(window[::2], window[1::2], strict=True):
+                assert not chosen[name](None, (np.zeros(start, np.uint8),), {}), name
                 if start:
                     assert chosen[name](None, (np.zeros(start - 1, np.uint8),), {}), name
                 if until <= 64 << 20:
@@ -578,21 +586,23 @@ def test_a_pair_dtype_names_its_predefined_pair_type(name: str) -> None:
     assert pair_datatype(np.dtype(np.float64)) is None
 
 
-def _documented_window(cell: str) -> tuple[int, int] | None:
-    """The [from, until) bytes a cell of docs/mpi.md's routing table names: "MPI", "cma
-    from 8 KiB", "cma at 32-255 KiB", "cma at 16 KiB-1023 KiB"; None for a cell that
-    refers to the 2-rank one ("same", "the 2-rank window, not measured"); any other cell
-    fails."""
+def _documented_window(cell: str) -> tuple[int, ...] | None:
+    """The bounds (from, until[, from, until]) a cell of docs/mpi.md's routing table
+    names: "MPI", "cma from 8 KiB", "cma at 32-255 KiB", "cma at 16 KiB-1023 KiB", "cma
+    at 32-255 KiB and from 1 MiB"; None for a cell that refers to the 2-rank one ("same",
+    "the 2-rank window, not measured"); any other cell fails."""
     units = {"KiB": routing.KIB, "MiB": routing.MIB}
     if cell == "MPI":
         return routing.NO_SIZE
-    found = re.fullmatch(r"cma from (\d+) (KiB|MiB)", cell)
-    if found:
-        return int(found[1]) * units[found[2]], routing.EVERY_SIZE[1]
-    found = re.fullmatch(r"cma at (\d+)(?: (KiB|MiB))?-(\d+) (KiB|MiB)", cell)
-    if found:
-        unit = units[found[4]]
-        return int(found[1]) * units[found[2] or found[4]], (int(found[3]) + 1) * unit
+    found = re.fullmatch(r"cma (?:at (\d+)(?: (KiB|MiB))?-(\d+) (KiB|MiB))?(?: and )?"
+                         r"(?:from (\d+) (KiB|MiB))?", cell)
+    if found and (found[1] or found[5]):
+        bounds: tuple[int, ...] = ()
+        if found[1]:
+            bounds = (int(found[1]) * units[found[2] or found[4]], (int(found[3]) + 1) * units[found[4]])
+        if found[5]:
+            bounds += (int(found[5]) * units[found[6]], routing.EVERY_SIZE[1])
+        return bounds
     assert cell in ("same", "the 2-rank window, not measured"), f"a cell not understood: {cell!r}"
     return None
 
@@ -634,7 +644,7 @@ def test_the_documented_routing_table_is_the_code_s() -> None:
                     elif isinstance(route, routing.ObjectWindow):
                         got = (route.start, routing.EVERY_SIZE[1])
                     elif isinstance(route, routing.Window):
-                        got = (route.start, route.until)
+                        got = route.bounds
                     else:
                         got = routing.NO_SIZE
                     assert got == documented, f"{name} at {size} ranks: {got} in the code, " \

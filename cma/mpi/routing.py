@@ -13,6 +13,7 @@ must follow it into cma (``ObjectWindow``). The v-forms but Allgatherv have no w
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import mmap
 import operator
@@ -35,7 +36,9 @@ CMA = "cma"  # every collective cma has through cma (tests, and measuring cma's 
 MPI_ONLY = "mpi"  # every collective through MPI; point-to-point still through cma
 MODES = (AUTO, CMA, MPI_ONLY)
 
-EVERY_SIZE = (0, 1 << 62)  # [from, until) in bytes: cma runs sizes in the window
+# A window: bounds in bytes, from, until[, from, until ...]: cma runs the sizes in each
+# [from, until), MPI the others.
+EVERY_SIZE = (0, 1 << 62)
 NO_SIZE = (0, 0)
 
 KIB, MIB = 1 << 10, 1 << 20
@@ -48,9 +51,11 @@ KIB, MIB = 1 << 10, 1 << 20
 # Allgather's or Alltoall's block per rank. Measured with cma-bench (each size median of
 # 3 runs, both orders) and mpi4py's OSU demos; where they disagreed, the later start
 # (docs/mpi.md, "Which library runs a collective"; docs/figures/routing-2026-12-04.txt).
-WINDOWS: dict[str, tuple[tuple[int, tuple[int, int]], ...]] = {
-    "Bcast": ((2, (32 * KIB, EVERY_SIZE[1])), (4, NO_SIZE), (8, (32 * KIB, 256 * KIB)),
-              (16, (64 * KIB, 256 * KIB))),
+WINDOWS: dict[str, tuple[tuple[int, tuple[int, ...]], ...]] = {
+    # (from 1 MiB cma's flat Bcast: cma-bench, 2026-12-05, both orders)
+    "Bcast": ((2, (32 * KIB, EVERY_SIZE[1])), (4, (4 * MIB, EVERY_SIZE[1])),
+              (8, (32 * KIB, 256 * KIB, MIB, EVERY_SIZE[1])),
+              (16, (64 * KIB, 256 * KIB, MIB, EVERY_SIZE[1]))),
     "Reduce": ((2, (16 * KIB, EVERY_SIZE[1])), (4, (16 * KIB, MIB)), (8, (16 * KIB, 256 * KIB)),
                (16, (32 * KIB, 256 * KIB))),
     "Allreduce": ((2, (16 * KIB, EVERY_SIZE[1])),),
@@ -105,10 +110,10 @@ def routes(mode: str, size: int, names: Sequence[str]) -> dict[str, Route]:
             continue
         if name in OBJECT_HELD:
             # (open-ended: one rank's object past the start sends the call to cma)
-            assert window[1] == EVERY_SIZE[1], f"{name}: an object window has no end"
+            assert window[1:] == EVERY_SIZE[1:], f"{name}: an object window has no end"
             chosen[name] = ObjectWindow(name, window[0])
         else:
-            chosen[name] = Window(AGREED_BYTES[name], size, *window)  # (a size every rank agrees on)
+            chosen[name] = Window(AGREED_BYTES[name], size, window)  # (a size every rank agrees on)
     return chosen
 
 
@@ -118,18 +123,23 @@ def always_mpi(comm: MPI.Intracomm, args: tuple[Any, ...], kwargs: dict[str, Any
 
 
 class Window:
-    """The route of a collective that cma runs at sizes in [start, until), MPI elsewhere."""
+    """The route of a collective that cma runs at the sizes in its ``bounds`` (from,
+    until[, from, until ...]), MPI elsewhere."""
 
-    __slots__ = ("agreed", "size", "start", "until")
+    __slots__ = ("agreed", "size", "bounds")
 
     def __init__(self, agreed: Callable[[tuple[Any, ...], dict[str, Any], int], int], size: int,
-                 start: int, until: int) -> None:
-        self.agreed, self.size, self.start, self.until = agreed, size, start, until
+                 bounds: tuple[int, ...]) -> None:
+        self.agreed, self.size, self.bounds = agreed, size, bounds
 
     def __call__(self, comm: MPI.Intracomm, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         nbytes = self.agreed(args, kwargs, self.size)
         # (a spec cma refuses: cma's collective raises its error, as it did before routes)
-        return nbytes >= 0 and not self.start <= nbytes < self.until
+        return nbytes >= 0 and not self.holds(nbytes)
+
+    def holds(self, nbytes: int) -> bool:
+        """Whether cma runs a message of ``nbytes``: it lies in one of the [from, until)."""
+        return bisect.bisect_right(self.bounds, nbytes) & 1 == 1
 
 
 class _ThroughCma:
@@ -471,11 +481,13 @@ def method(route: Route, through_mpi: Callable[..., Any], through_cma: Callable[
         return routed_object
     if not isinstance(route, Window):
         return through_mpi
-    agreed, size, start, until = route.agreed, route.size, route.start, route.until
+    agreed, size, holds = route.agreed, route.size, route.holds
+    # (the outer bounds compared inline: a window of one range, most of them, costs no call)
+    start, until, gaps = route.bounds[0], route.bounds[-1], len(route.bounds) > 2
 
     def routed(*args: Any, **kwargs: Any) -> Any:
         nbytes = agreed(args, kwargs, size)
-        if nbytes >= 0 and not start <= nbytes < until:
+        if nbytes >= 0 and not (start <= nbytes < until and (not gaps or holds(nbytes))):
             return through_mpi(*args, **kwargs)
         return through_cma(*args, **kwargs)
     return routed

@@ -35,6 +35,7 @@ def main() -> None:
                         help="hold another constant of cma.collectives at a size (repeatable)")
     parser.add_argument("--heap", action="store_true",
                         help="arrays from the shared heap (with CMA_XMAP=1, hops of them mapped)")
+    parser.add_argument("--transport", default="auto", help="cma.mpi.Comm's transport (default auto)")
     parser.add_argument("--write", action="store_true",
                         help="a rank that sends data of its own writes new values before each call")
     args = parser.parse_args()
@@ -46,11 +47,12 @@ def main() -> None:
         setattr(cma.collectives, name, parse_size(value))
     settle_allocator()
     world = MPI.COMM_WORLD
-    comm = cma.mpi.Comm(world)
+    comm = cma.mpi.Comm(world, args.transport)
     rank, size = world.Get_rank(), world.Get_size()
     if rank == 0:
         print(f"# {args.kind} at {size} ranks, {args.threshold} forced on (0) and off (2**40)"
               f"{''.join(', ' + held for held in args.set)}{', heap arrays' if args.heap else ''}"
+              f"{', transport ' + args.transport if args.transport != 'auto' else ''}"
               f"{', written before each call' if args.write else ''}; "
               "cma.mpi's time, us (mean over ranks / slowest rank), two turns each; on/off < 1: "
               "the algorithm above the switch is faster", flush=True)

@@ -49,17 +49,18 @@ __all__ = [
 # switch points"). MPICH's bcast switch and the first guess for Reduce's: kept, though at
 # 3-8 ranks here the trees won most sizes, since those ranks were oversubscribed.
 BCAST_SCATTER_FROM = 512 << 10  # and 3 ranks or more: van de Geijn instead of a binomial tree
+# From 3 ranks, a Bcast of this many bytes or more, where it is a rendezvous (above the
+# eager limit), goes flat (XHC's shape): every reader takes the whole message out of the
+# root's memory, all at once, one copy each. Against van de Geijn at 3-8 ranks it took
+# 0.19-0.59 of the time at 1-4 MiB by the mean over ranks, and 0.70-1.07 at 512 KiB at 3-4
+# ranks (docs/guide.md section 7, "A flat Bcast").
+BCAST_FLAT_FROM = 1 << 20
 # A binomial Bcast of BCAST_PIPELINE_FROM to BCAST_PIPELINE_UNTIL bytes goes in eager pieces
 # of BCAST_PIECE, so that a reader copies one out of its ring while its parent copies the
-# next in. At 2 ranks that took 0.44-0.87x the time of one message at 2-8 MiB and was
-# level or mixed at 1 MiB and 12-16 MiB; from 512 KiB at 3 ranks or more van de Geijn beat
-# it (docs/guide.md section 7, "Bcast in pieces").
-# From 3 ranks, a Bcast of this many bytes or more, where it is a rendezvous whose readers
-# pull, goes flat (XHC's shape): every reader takes the whole message from the root's
-# memory, all at once, one copy each. Against van de Geijn at 3-8 ranks it took 0.19-0.59
-# of the time at 1-4 MiB by the mean over ranks, and 0.70-1.07 at 512 KiB at 3-4 ranks
-# (docs/guide.md section 7, "A flat Bcast").
-BCAST_FLAT_FROM = 1 << 20
+# next in. At 2 ranks that took 0.41-0.81x the time of one message at 2-8 MiB by the mean
+# in three jobs (one turn of 8 MiB: 1.06) and was level or mixed at 1 MiB and 12-16 MiB;
+# from 512 KiB at 3 ranks or more van de Geijn beat it, and such sizes go flat or van de
+# Geijn there, so pieces run at 2 ranks (docs/guide.md section 7, "Bcast in pieces").
 BCAST_PIPELINE_FROM = 2 << 20
 BCAST_PIPELINE_UNTIL = 8 << 20
 BCAST_PIECE = 1 << 20
@@ -606,9 +607,12 @@ class Collectives:
     # -- the primitives: private point-to-point under COLLECTIVE_TAG (or Barrier's tag)
 
     def _coll_send(self, data: np.ndarray | None, dest: int, obj: Any = None,
-                   tag: int = COLLECTIVE_TAG) -> SendOp | None:
+                   tag: int = COLLECTIVE_TAG, pulled: bool = False) -> SendOp | None:
         """Start sending ``data`` (an array) or, if None, the object ``obj`` to ``dest``;
-        None when it is complete already (an eager message written into the ring)."""
+        None when it is complete already (an eager message written into the ring).
+        ``pulled``: a rendezvous is offered PULL_FIRST, for ``dest`` to take out of this
+        rank's memory itself wherever a transport can, whatever would be chosen for one
+        message (SPLIT, a push: this rank's copies), as a flat Bcast's root offers it."""
         if data is None:
             stream = self._pickle(obj)
             n = sum(segment.nbytes for segment in stream)
@@ -621,8 +625,9 @@ class Collectives:
         n = view.nbytes
         if (n >= XMAP_HOP_FROM or n > self._eager_limit) and n:
             direct = self._direct
-            if direct is not None and direct.xmap is not None and direct.can_map(dest, view):
-                return self._offer_heap(direct, view, dest, tag)
+            if direct is not None and (direct.xmap is not None and direct.can_map(dest, view)
+                                       or pulled and n > self._eager_limit):
+                return self._offer(direct, view, dest, tag, pulled)
         box = self._fast_outboxes[dest]
         if box is not None and n <= self._eager_limit and not self._busy:
             # Send's fast path: straight into the ring. The engine's path would first copy
@@ -653,16 +658,17 @@ class Collectives:
                     self._queued_to = {}
                 self._queued_to[dest] = packet
 
-    def _offer_heap(self, direct: DirectRendezvous, view: memoryview, dest: int, tag: int
-                    ) -> SendOp:
-        """Send ``view``, which lies in this rank's heap, to ``dest``, which maps it, as a
-        rendezvous: its RTS straight into the ring where it can (the direct rendezvous's
-        offer: the engine's path cost ~20 us more a hop), else through the engine."""
+    def _offer(self, direct: DirectRendezvous, view: memoryview, dest: int, tag: int,
+               pull_first: bool = False) -> SendOp:
+        """Send ``view`` to ``dest`` as a rendezvous whose RTS offers its region (and, where
+        it lies in this rank's heap and ``dest`` maps it, where it lies): straight into the
+        ring where it can (the direct rendezvous's offer: the engine's path cost ~20 us more
+        a hop), else through the engine; ``pull_first``: offered PULL_FIRST."""
         box = self._fast_outboxes[dest]
         if box is not None and not self._busy:
             self._busy = 1
             try:
-                op, _ = direct.offer(box, view, view.nbytes, dest, tag)
+                op, _ = direct.offer(box, view, view.nbytes, dest, tag, pull_first)
             finally:
                 self._busy = 0
             return op
@@ -869,8 +875,7 @@ class Collectives:
         if self.size == 1 or not raw.size:  # (the count is every rank's: nothing to move)
             return
         if raw.size >= BCAST_SCATTER_FROM and self.size >= 3:
-            if raw.size >= BCAST_FLAT_FROM and raw.size > self._eager_limit \
-                    and (self._progress or self._attach()).connection.pulls():
+            if raw.size >= BCAST_FLAT_FROM and raw.size > self._eager_limit:
                 self._bcast_flat(raw, root)
             else:
                 self._bcast_scatter_allgather(raw, root)
@@ -879,9 +884,10 @@ class Collectives:
 
     def _bcast_flat(self, data: np.ndarray, root: int) -> None:
         """XHC's flat shape: the root offers the whole message to every reader at once, and
-        each takes it out of the root's memory (or mapping) itself."""
+        each takes it out of the root's memory (or mapping) itself where it can; where it
+        cannot (transport="shm"), the root's copies carry it, one reader after another."""
         if self.rank == root:
-            self._coll_wait(*[self._coll_send(data, (root + i) % self.size)
+            self._coll_wait(*[self._coll_send(data, (root + i) % self.size, pulled=True)
                               for i in range(1, self.size)])
         else:
             self._coll_take(data, root)

@@ -150,12 +150,6 @@ class Connection:
         if check and self.forced is not None and not world.has_closed(peer):
             self._check_forced(peer, self.rank, mask)
 
-    def pulls(self) -> bool:
-        """Whether a rendezvous's reader may take the data out of the sender's memory: under
-        ``auto`` (where the kernel lets it), or with a named transport that pulls. The same
-        on every rank of a world, unlike what each peer has published so far."""
-        return self.forced is None or "pull" in REGISTRY.classes[self.forced].styles
-
     def learned(self, peer: int) -> bool:
         """Whether the policy knows what ``peer`` reaches this rank with (``learn``)."""
         if peer not in self.policy.pushable:

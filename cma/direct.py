@@ -35,6 +35,7 @@ from .protocol import (
     ONE_HEAP_RTS_WORDS,
     ONE_REGION_RTS,
     PULL,
+    PULL_FIRST,
     XMAP,
     SendOp,
     decode_one_heap_rts,
@@ -149,10 +150,11 @@ class DirectRendezvous:
         op, in_ring = self.offer(outbox, mv, n, dest, tag)
         return None if in_ring and self.fin_came(op, dest) else op
 
-    def offer(self, outbox: Outbox | None, mv: memoryview, n: int, dest: int, tag: int
-              ) -> tuple[SendOp, bool]:
+    def offer(self, outbox: Outbox | None, mv: memoryview, n: int, dest: int, tag: int,
+              pull_first: bool = False) -> tuple[SendOp, bool]:
         """Offer ``mv`` to ``dest``: the send, the engine's, and whether its RTS went into
-        the ring (else it is queued behind a full ring, and the engine sends it)."""
+        the ring (else it is queued behind a full ring, and the engine sends it);
+        ``pull_first``: offered PULL_FIRST (protocol.py)."""
         progress = self.progress
         ref = None
         xmap, heap_of = self.xmap, self.heap_of
@@ -162,10 +164,11 @@ class DirectRendezvous:
                 outbox = self.fast_outboxes[dest]  # (None if an UNMAP waits for room: after it)
             ref = heap_of(dest, mv)
         op = progress.engine.direct_send(dest, tag, mv)
+        offers = self.offers | PULL_FIRST if pull_first else self.offers
         if ref is None:
-            rts = encode_one_region_rts(op.msgid, self.offers, _linux.local_address(mv), n)
+            rts = encode_one_region_rts(op.msgid, offers, _linux.local_address(mv), n)
         else:
-            rts = encode_one_heap_rts(op.msgid, self.offers, _linux.local_address(mv), n, ref)
+            rts = encode_one_heap_rts(op.msgid, offers, _linux.local_address(mv), n, ref)
         if outbox is None or not outbox.put(RTS, tag, n, rts):
             progress.transmit(dest, RTS, tag, n, rts)
             return op, False

@@ -62,6 +62,11 @@ SPLIT = 8  # a receiver's choice only: needs PULL and PUSH offered
 # carries a HeapRef per buffer, and a receiver that can map the sender's heap (xmap)
 # copies from its own mapping, or hands out a view of it (recv_view)
 XMAP = 16
+# offered with PULL by a sender that offers one buffer to several readers at once (a flat
+# Bcast's root): a receiver pulls it with any transport that can, whatever auto's choice
+# for one message would be (SPLIT or a push would have the sender copy for every reader)
+PULL_FIRST = 32
+OFFER_BITS = PULL | PUSH | PIPELINE | XMAP | PULL_FIRST
 PROTOCOL_NAMES = {PULL: "RGET", PUSH: "RPUT", PIPELINE: "PIPELINE", SPLIT: "SPLIT", XMAP: "XMAP"}
 # No Linux user address space reaches 2**56 (x86-64's 5-level paging stops just below):
 # a region a peer names beyond it, or wrapping round, is a forgery, not a buffer.
@@ -143,7 +148,7 @@ def decode_one_region_rts(words: Sequence[int], nbytes: int) -> tuple[int, int, 
     one buffer of ``nbytes`` by a region of some user address space, for a pull; else None
     (``decode_rts`` reads it, and names what is wrong with it)."""
     msgid, offers, nseg, size, addr = words
-    if nseg != 1 or size != nbytes or not offers & PULL or offers & ~(PULL | PUSH | PIPELINE) \
+    if nseg != 1 or size != nbytes or not offers & PULL or offers & ~(OFFER_BITS & ~XMAP) \
             or size < 0 or not 0 <= addr <= ADDRESS_LIMIT - size:
         return None
     return msgid, offers, Region(addr, size)
@@ -168,7 +173,7 @@ def decode_one_heap_rts(words: Sequence[int], nbytes: int) -> tuple[int, int, Re
     msgid, offers, nseg, size, addr = words[:5]
     ref = HeapRef(*words[5:])
     if nseg != 1 or size != nbytes or offers & (PULL | XMAP) != PULL | XMAP \
-            or offers & ~(PULL | PUSH | PIPELINE | XMAP) \
+            or offers & ~OFFER_BITS \
             or size < 0 or not 0 <= addr <= ADDRESS_LIMIT - size \
             or not _places(ref, size):
         return None
@@ -214,8 +219,8 @@ def decode_rts(payload: bytes | memoryview, peer: int = -1) -> RtsInfo:
     msgid, offers, nseg = words[0], words[1], words[2]
     mapped = bool(offers & XMAP)
     lengths = (3 + (2 + HEAP_REF_WORDS) * nseg,) if mapped else (3 + nseg, 3 + 2 * nseg)
-    if not (0 <= nseg and len(words) in lengths) or offers & ~(PULL | PUSH | PIPELINE | XMAP) \
-            or mapped and not offers & PULL:
+    if not (0 <= nseg and len(words) in lengths) or offers & ~OFFER_BITS \
+            or (mapped or offers & PULL_FIRST) and not offers & PULL:
         raise ProtocolError(f"rank {peer} broke the protocol: an RTS of {len(words)} words "
                             f"claims {nseg} buffers, offers {offers:#x}", peer=peer)
     sizes = list(words[3 : 3 + nseg])
@@ -772,13 +777,14 @@ class Policy:
         we take them (an osu_bw window). It is pulled if any transport can, whatever its
         threshold: a pull needs nothing more from the sender, whereas a pipeline or a
         push waits for a sender still busy posting, and a window of them ran at a fifth
-        of the eager rate (1 MiB: ~400 against ~35 us per message, ~40 pulled)."""
+        of the eager rate (1 MiB: ~400 against ~35 us per message, ~40 pulled). So is a
+        message offered PULL_FIRST, by the transport named if one is (push or not)."""
         if peer not in self.pushable and self.learn is not None:
             self.learn(peer)
         pull = self.pullable.get(peer, set())
         push = self.pushable.get(peer, set())
-        if ring_full and self.forced is None and offers & PULL:
-            for name in self.order:
+        if offers & PULL and (offers & PULL_FIRST or ring_full and self.forced is None):
+            for name in [self.forced] if self.forced else self.order:
                 if name in pull:
                     return PULL, name
         for name in [self.forced] if self.forced else self.order:

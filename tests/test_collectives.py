@@ -87,12 +87,15 @@ class World:
     """``size`` forked ranks of one fresh cma world, each serving commands. A rank that
     raises or hangs fails the call and ends the world; the next call starts a new one."""
 
-    def __init__(self, size: int, transport: str = "auto", xmap: bool = False,
-                 config: cma.ChannelConfig | None = None) -> None:
+    def __init__(self, size: int, transport: str | list[str] = "auto", xmap: bool = False,
+                 config: cma.ChannelConfig | None = None, **options: Any) -> None:
+        """``transport``: every rank's, or a list of each rank's; ``options``: the
+        transport options every rank passes (push, split...)."""
         self.size = size
-        self.transport = transport
+        self.transports = [transport] * size if isinstance(transport, str) else transport
         self.xmap = xmap
         self.config = config or cma.ChannelConfig()
+        self.options = options
         self.procs: list[Any] = []
         self.conns: list[Any] = []
         self._start()
@@ -100,7 +103,8 @@ class World:
     def _start(self) -> None:
         ctx = mp.get_context("fork")
         fds = WorldFds.create(self.size, self.config)
-        comms = [cma.Comm(_shared_fds(fds), rank, self.transport, xmap=self.xmap)
+        comms = [cma.Comm(_shared_fds(fds), rank, self.transports[rank], xmap=self.xmap,
+                          **self.options)
                  for rank in range(self.size)]
         fds.close()
         self.procs, self.conns = [], []
@@ -721,23 +725,25 @@ def test_collectives_over_more_ranks_match_numpy(many_world: World, data: st.Dat
         assert_same(got[rank], want[rank], f"rank {rank} of {many_world.size}, {case}")
 
 
-def sends_of(comm: cma.Comm, name: str, nbytes: int, root: int = 0) -> list[tuple[int, int]]:
+def sends_of(comm: cma.Comm, name: str, nbytes: int, root: int = 0,
+             heap: bool = False) -> list[tuple[int, int]]:
     """(dest, bytes) of every message this rank sends in one Allreduce or Bcast (from
-    ``root``) of ``nbytes``, or one Allgather or Reduce_scatter_block of ``nbytes`` a
-    block (the default thresholds), in order."""
+    ``root``; ``heap``: of a shared-heap array) of ``nbytes``, or one Allgather or
+    Reduce_scatter_block of ``nbytes`` a block (the default thresholds), in order."""
     _set_thresholds(False)
     sent: list[tuple[int, int]] = []
     send = comm._coll_send
 
-    def recording(data: Any, dest: int, *rest: Any) -> Any:
+    def recording(data: Any, dest: int, *rest: Any, **options: Any) -> Any:
         sent.append((dest, data.nbytes))
-        return send(data, dest, *rest)
+        return send(data, dest, *rest, **options)
 
     comm._coll_send = recording  # type: ignore[method-assign]
     try:
         if name == "Bcast":
-            buf = np.arange(nbytes, dtype=np.uint8) if comm.Get_rank() == root \
-                else np.zeros(nbytes, np.uint8)
+            buf = cma.zeros(nbytes, np.uint8) if heap else np.zeros(nbytes, np.uint8)
+            if comm.Get_rank() == root:
+                buf[:] = np.arange(nbytes, dtype=np.uint8)
             comm.Bcast(buf, root=root)
             assert np.array_equal(buf, np.arange(nbytes, dtype=np.uint8))
         elif name == "Allgather":
@@ -832,39 +838,102 @@ def test_allgather_and_reduce_scatter_over_a_power_of_two_take_log2_steps(many_w
 
 
 def test_a_bcast_of_2_to_8_mib_between_two_ranks_goes_in_pieces(pair: World) -> None:
-    """At 2 ranks a Bcast of 2-8 MiB goes as eager 1 MiB pieces (the reader copies one out
-    while the root copies the next in); 1 MiB and 16 MiB ones as one message. The values
-    arrive in order (sends_of checks every byte)."""
+    """At 2 ranks a Bcast of 2-8 MiB goes as 1 MiB pieces (the reader copies one out
+    while the root copies the next in); 1 MiB, 8 MiB + 1 and 16 MiB ones as one message.
+    The values arrive in order (sends_of checks every byte)."""
     for nbytes, pieces in [(1 << 20, [1 << 20]), (2 << 20, [1 << 20] * 2),
-                           ((5 << 20) + 3, [1 << 20] * 5 + [3]), (16 << 20, [16 << 20])]:
+                           ((5 << 20) + 3, [1 << 20] * 5 + [3]), (8 << 20, [1 << 20] * 8),
+                           ((8 << 20) + 1, [(8 << 20) + 1]), (16 << 20, [16 << 20])]:
         for root in (0, 1):
             sends = pair.run(sends_of, "Bcast", nbytes, root)
             assert sends[root] == [(1 - root, n) for n in pieces], (nbytes, root)
             assert sends[1 - root] == [], (nbytes, root)
 
 
-def test_a_bcast_from_1_mib_goes_flat_where_readers_pull(many_world: World) -> None:
-    """From 1 MiB, over 3 ranks or more whose transports pull, the root offers the whole
-    message to every other rank (relative rank 1 first), each takes it from the root, and
-    no reader sends anything (XHC's flat shape); at 512 KiB van de Geijn still runs."""
+def flat_sends(size: int, root: int, nbytes: int) -> list[list[tuple[int, int]]]:
+    """Every rank's sends in a flat Bcast: the whole message from the root to each other
+    rank, relative rank 1 first; nothing from the readers."""
+    return [[((root + i) % size, nbytes) for i in range(1, size)] if r == root else []
+            for r in range(size)]
+
+
+def test_a_bcast_from_1_mib_goes_flat(many_world: World) -> None:
+    """From 1 MiB, over 3 ranks or more, where the message is a rendezvous, the root offers
+    the whole message to every other rank and each takes it from the root (XHC's flat
+    shape); at 512 KiB van de Geijn still runs (a reader sends)."""
     size, root = many_world.size, 3
     for nbytes in (1 << 20, (4 << 20) + 1):
-        sends = many_world.run(sends_of, "Bcast", nbytes, root)
-        assert sends[root] == [((root + i) % size, nbytes) for i in range(1, size)], nbytes
-        assert all(sends[r] == [] for r in range(size) if r != root), nbytes
-    assert any(many_world.run(sends_of, "Bcast", 512 << 10, root)[r] for r in range(size) if r != root)
+        assert many_world.run(sends_of, "Bcast", nbytes, root) == flat_sends(size, root, nbytes)
+    sends = many_world.run(sends_of, "Bcast", 512 << 10, root)
+    assert any(sends[r] for r in range(size) if r != root)
 
 
-def test_a_bcast_stays_van_de_geijn_where_readers_cannot_pull() -> None:
-    """Under transport="shm" a reader cannot take data out of the root's memory (the root
-    would copy every reader's message itself), so a 1 MiB Bcast at 3 ranks keeps van de
-    Geijn: the root sends a third to each, then the thirds pass along the chain
-    root -> 1 -> 2."""
-    with World(3, transport="shm", config=cma.ChannelConfig.for_ranks(3)) as w:
-        sends = w.run(sends_of, "Bcast", 1 << 20, 0)
-    third = [(1 << 20) // 3 + (i < (1 << 20) % 3) for i in range(3)]
-    assert sends[0] == [(1, third[1]), (2, third[2]), (1, third[0]), (1, third[2])]
-    assert sends[1] == [(2, third[1]), (2, third[0])] and sends[2] == []
+@pytest.mark.parametrize("heap", [False, True])
+def test_a_bcast_goes_flat_at_3_and_4_ranks(xmap_world: World, heap: bool) -> None:
+    """The same at 3 and 4 ranks (a 256 KiB eager limit), of NumPy arrays and of heap
+    arrays that the readers copy out of their mapping of the root's pages."""
+    if xmap_world.size < 3:
+        pytest.skip("a pair has a binomial tree only")
+    size = xmap_world.size
+    for root in (0, size - 1):
+        got = xmap_world.run(sends_of, "Bcast", 1 << 20, root, heap)
+        assert got == flat_sends(size, root, 1 << 20), root
+
+
+def test_an_eager_bcast_stays_van_de_geijn(world: World) -> None:
+    """With the default 2 MiB eager limit, a 1-2 MiB Bcast is eager: flat, the root would
+    copy every reader's message into its ring, so van de Geijn runs (readers send); a
+    4 MiB one goes flat."""
+    if world.size < 3:
+        pytest.skip("a pair has a binomial tree only")
+    for nbytes in (1 << 20, 2 << 20):
+        sends = world.run(sends_of, "Bcast", nbytes, 0)
+        assert sends != flat_sends(world.size, 0, nbytes) and sends[1], nbytes
+    assert world.run(sends_of, "Bcast", 4 << 20, 0) == flat_sends(world.size, 0, 4 << 20)
+
+
+def bcast_copies(comm: cma.Comm, nbytes: int, crowded: bool | None) -> tuple[int, int]:
+    """(bytes this rank copied in all, user and kernel, through transports; system calls
+    it made) in one Bcast from rank 0; ``crowded``, if given, set as if ranks did (not)
+    outnumber CPUs (False: auto would SPLIT a message, the sender copying half)."""
+    comm._coll_start()
+    progress = comm._progress
+    assert progress is not None
+    if crowded is not None:
+        progress.connection.policy.crowded = progress.oversubscribed = crowded
+    buf = np.full(nbytes, 7 if comm.Get_rank() == 0 else 0, np.uint8)
+    comm.Barrier()
+    comm.reset_stats()
+    comm.Bcast(buf, root=0)
+    assert (buf == 7).all()
+    moved = [s for name, s in comm.stats().items() if name != "eager"]
+    return (int(sum((s["user_copies"] + s["kernel_copies"]) * s["bytes"] for s in moved)),
+            int(sum(s["syscalls"] for s in moved)))
+
+
+@pytest.mark.parametrize(("transport", "options", "crowded"), [
+    ("auto", {}, False),  # auto's choice for one message here: SPLIT
+    ("cma", {"push": True}, None),  # RPUT: the root would write every reader's copy
+    ("auto", {}, None)])
+def test_a_flat_bcast_s_readers_copy_it_themselves(transport: str, options: dict[str, Any],
+                                                   crowded: bool | None) -> None:
+    """A flat Bcast's root offers the message to all its readers at once, so each reader
+    takes its copy itself wherever it can, whatever auto or the options would pick for one
+    message: the root copies nothing and makes no system call, each reader copies n."""
+    nbytes = 8 << 20
+    with World(4, transport, config=cma.ChannelConfig.for_ranks(4), **options) as w:
+        copies = w.run(bcast_copies, nbytes, crowded)
+    assert copies[0] == (0, 0)
+    assert all(copied == nbytes and calls for copied, calls in copies[1:]), copies
+
+
+def test_a_bcast_s_shape_does_not_hang_on_the_ranks_transports() -> None:
+    """Ranks may name different transports (rank 0 "shm", the others auto): every rank
+    still picks the same shape, and the bytes arrive (sends_of checks them); the readers
+    that cannot pull from rank 0 take what it pushes."""
+    with World(3, ["shm", "auto", "auto"], config=cma.ChannelConfig.for_ranks(3)) as w:
+        for root in (0, 1):
+            assert w.run(sends_of, "Bcast", 1 << 20, root) == flat_sends(3, root, 1 << 20)
 
 
 def test_a_large_bcast_gathers_its_blocks_by_doubling_or_along_the_chain(many_world: World
@@ -1558,20 +1627,21 @@ def traffic(comm: cma.Comm, nbytes: int) -> tuple[dict[str, dict[str, float]], b
     return comm.stats(), comm._progress.oversubscribed
 
 
-@pytest.mark.parametrize("nbytes", [1 << 10, 16 << 20])
+@pytest.mark.parametrize("nbytes", [1 << 10, 1 << 20, 16 << 20])
 def test_stats_count_collective_traffic(world: World, nbytes: int) -> None:
-    """Every non-root rank receives the whole message once (a binomial tree, or the
-    root's scatter and the chain or, at 4 ranks, recursive doubling), so the bytes
-    counted across ranks are (size-1) x n received, plus as many sent where the sender
-    copies too: eager, and SPLIT above the eager limit, unless ranks outnumber CPUs,
-    where the receiver pulls all of it and only it counts (the barrier's messages carry
-    no bytes)."""
+    """Every non-root rank receives the whole message once (a binomial tree; at 1 MiB
+    from 3 ranks the root's scatter and the chain or, at 4 ranks, recursive doubling; at
+    16 MiB from 3 ranks the flat shape), so the bytes counted across ranks are (size-1) x
+    n received, plus as many sent where the sender copies too: eager, and SPLIT above the
+    eager limit at 2 ranks unless they outnumber CPUs; otherwise the receiver pulls all of
+    it (a flat Bcast's reader always) and only it counts (the barrier's messages carry no
+    bytes)."""
     if world.size == 1:
         pytest.skip("one rank moves nothing")
     results = world.run(traffic, nbytes)
     stats = [per_rank for per_rank, _ in results]
     moved = sum(s["bytes"] for per_rank in stats for s in per_rank.values())
-    pulled = nbytes > cma.ChannelConfig.for_ranks(world.size).eager_limit and results[0][1]
+    pulled = nbytes > cma.ChannelConfig().eager_limit and (world.size >= 3 or results[0][1])
     assert moved == (1 if pulled else 2) * (world.size - 1) * nbytes
     if nbytes > cma.ChannelConfig().eager_limit:
         # no eager bytes: each block rode a rendezvous through a transport
@@ -1970,9 +2040,10 @@ def test_bench_times_collectives_and_counts_their_copies(tmp_path: Any, kind: st
                                                           nbytes: int) -> None:
     """``cma-bench bcast|allreduce`` at 2 ranks: one result per size, and the copies
     comm.stats() saw: an eager message is copied into the ring and out of it (a third
-    time when it arrives before its receive is posted), and so is each eager piece of a
-    4 MiB Bcast; beyond the pieces (16 MiB) auto uses cma, one kernel copy, where both
-    ranks may read each other."""
+    time when it arrives before its receive is posted), and so is each piece of a 4 MiB
+    Bcast, but for a piece that finds the ring full (behind the skip of a jump back to
+    its start), a rendezvous the reader pulls (one kernel copy); beyond the pieces
+    (16 MiB) auto uses cma, one kernel copy, where both ranks may read each other."""
     from conftest import TWO_WAY_PTRACE
 
     result = one_size(tmp_path, kind, nbytes)
@@ -1980,8 +2051,8 @@ def test_bench_times_collectives_and_counts_their_copies(tmp_path: Any, kind: st
     if nbytes > collectives.BCAST_PIPELINE_UNTIL:
         if TWO_WAY_PTRACE:
             assert (user, kernel) == (0.0, 1.0)
-    elif kind == "bcast":
-        assert 2 <= user <= 3 and kernel == 0
+    elif kind == "bcast":  # (of each byte: eager, 2-3 user copies, or pulled, 1 kernel copy)
+        assert 2 * (1 - kernel) <= user <= 3 * (1 - kernel) and 0 <= kernel < 1
     else:
         # allreduce at 2 ranks: each rank sends its vector once (recursive doubling)
         assert 2 * 2 <= user <= 3 * 2 and kernel == 0

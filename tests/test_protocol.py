@@ -31,6 +31,7 @@ from cma.protocol import (
     OBJECT,
     PIPELINE,
     PULL,
+    PULL_FIRST,
     PUSH,
     RTS,
     SPLIT,
@@ -1065,6 +1066,31 @@ def test_split_only_transports_are_skipped_where_split_cannot_work():
     assert p.choose(1, 1 << 30, PULL | PIPELINE) == (PULL, "vmfd")
     p.forced = "cma"  # a named transport is used one-sided all the same
     assert p.choose(2, 1 << 30, ALL) == (PULL, "cma")
+
+
+def test_a_message_offered_pull_first_is_pulled_wherever_a_transport_can():
+    """A flat Bcast's root offers its buffer to every reader at once, PULL_FIRST: a reader
+    pulls it where it would split it with the root (auto, CPUs to spare: cma split-only)
+    or have the root push it (push=True, cma named), and only where no transport can
+    pull does the usual choice stand (shm's pipeline)."""
+    p = Policy(order=["cma", "vmfd", "shm"], pullable={1: {"cma"}, 2: set()},
+               pushable={1: {"cma"}, 2: set()}, staged={"shm"}, split=True,
+               split_only={"cma"}, crowded=False)
+    assert p.choose(1, 1 << 30, ALL) == (SPLIT, "cma")
+    assert p.choose(1, 1 << 30, ALL | PULL_FIRST) == (PULL, "cma")
+    assert p.choose(2, 1 << 30, ALL | PULL_FIRST) == (PIPELINE, "shm")
+    p.forced, p.push = "cma", True
+    assert p.choose(1, 1 << 30, ALL) == (PUSH, "cma")
+    assert p.choose(1, 1 << 30, ALL | PULL_FIRST) == (PULL, "cma")
+
+
+def test_pull_first_comes_with_pull_or_not_at_all():
+    """An RTS may offer PULL_FIRST only with PULL (the regions to pull from)."""
+    good = encode_rts(7, PULL | PUSH | PULL_FIRST, [4096], [Region(4096, 4096)])
+    assert decode_rts(good, 1).offers & PULL_FIRST
+    with pytest.raises(ProtocolError):
+        decode_rts(encode_rts(7, PUSH | PULL_FIRST, [4096], [Region(4096, 4096)]), 1)
+    assert decode_one_region_rts([7, PULL | PULL_FIRST, 1, 4096, 4096], 4096) is not None
 
 
 @given(st.lists(st.integers(0, 50), max_size=6), st.integers(0, 300), st.integers(0, 300))

@@ -123,7 +123,7 @@ def through_cma(mode: str, name: str, size: int, nbytes: int) -> bool:
     if route is None:
         return True
     if isinstance(route, routing.Window):
-        return route.start <= nbytes < route.until
+        return route.holds(nbytes)
     return False
 
 
@@ -141,7 +141,7 @@ def main() -> None:
     for label in names:
         name = label.split()[0]
         start = routing.routes(routing.AUTO, size, [name]).get(name)
-        at = start.start if isinstance(start, routing.Window) else 4096
+        at = start.bounds[0] if isinstance(start, routing.Window) else 4096
         counts = {max(at // 8, 2), max(at // 16, 2)} if mode == routing.AUTO else {512}
         for count in sorted(counts):
             count += count % 2

@@ -225,27 +225,24 @@ def main() -> None:
             window = routing.EVERY_SIZE
         elif mode == routing.MPI_ONLY:
             window = routing.NO_SIZE
-        start, until = window
         if window in (routing.EVERY_SIZE, routing.NO_SIZE):
             check(comm, name, 4096, window == routing.EVERY_SIZE)
             tried += 1
             continue
         unit = 8 * (size if name.startswith("Reduce_scatter") else PER)
-        at = max(-(-start // unit) * unit, unit)
-        if name in routing.OBJECT_HELD:  # (by the pickle: an array of about that many bytes)
-            sizes = [(at, True), (at // 2, False)]
-            if until <= LARGEST:
-                sizes.append((until, False))
+        for start, until in zip(window[::2], window[1::2], strict=True):  # (each range)
+            at = max(-(-start // unit) * unit, unit)
+            if name in routing.OBJECT_HELD:  # (by the pickle: an array of about that many bytes)
+                sizes = [(at, True), (at // 2, False)]
+                if until <= LARGEST:
+                    sizes.append((until, False))
+            else:
+                sizes = [(at, True)] + ([(at - unit, False)] if start >= unit else [])
+                if until <= LARGEST:
+                    sizes.append((-(-until // unit) * unit, False))
             for nbytes, inside in sizes:
                 check(comm, name, nbytes, inside)
                 tried += 1
-            continue
-        sizes = [(at, True)] + ([(at - unit, False)] if start >= unit else [])
-        if until <= LARGEST:
-            sizes.append((-(-until // unit) * unit, False))
-        for nbytes, inside in sizes:
-            check(comm, name, nbytes, inside)
-            tried += 1
     assert tried, "the table routes nothing"
     # an object collective's payload is data, whatever datatypes it holds
     got = comm.allgather(("label", rank, DATATYPE))

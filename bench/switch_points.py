@@ -22,19 +22,21 @@ import cma.mpi
 from cma.bench.collective import measure, operation, settle_allocator
 from cma.bench.sizes import format_size, parse_size
 
-SETTINGS = {"on": 0, "off": 1 << 40}
+OFF = 1 << 40
 SIZES = "16K,64K,256K,512K,1M,2M,4M,8M,16M"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("kind", choices=["bcast", "allreduce", "reduce"])
+    parser.add_argument("kind", choices=["bcast", "allreduce", "reduce", "reduce_scatter"])
     parser.add_argument("threshold", help="the constant of cma.collectives, e.g. BCAST_SCATTER_FROM")
     parser.add_argument("--sizes", default=SIZES, help=f"comma-separated (default {SIZES})")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=BYTES",
                         help="hold another constant of cma.collectives at a size (repeatable)")
     parser.add_argument("--heap", action="store_true",
                         help="arrays from the shared heap (with CMA_XMAP=1, hops of them mapped)")
+    parser.add_argument("--on", type=parse_size, default=0, metavar="BYTES",
+                        help="the constant's value for 'on' (default 0; 'off' is 2**40)")
     parser.add_argument("--transport", default="auto", help="cma.mpi.Comm's transport (default auto)")
     parser.add_argument("--write", action="store_true",
                         help="a rank that sends data of its own writes new values before each call")
@@ -50,7 +52,7 @@ def main() -> None:
     comm = cma.mpi.Comm(world, args.transport)
     rank, size = world.Get_rank(), world.Get_size()
     if rank == 0:
-        print(f"# {args.kind} at {size} ranks, {args.threshold} forced on (0) and off (2**40)"
+        print(f"# {args.kind} at {size} ranks, {args.threshold} forced on ({args.on}) and off (2**40)"
               f"{''.join(', ' + held for held in args.set)}{', heap arrays' if args.heap else ''}"
               f"{', transport ' + args.transport if args.transport != 'auto' else ''}"
               f"{', written before each call' if args.write else ''}; "
@@ -61,7 +63,7 @@ def main() -> None:
         got: dict[str, list[tuple[float, float]]] = {"on": [], "off": []}
         for turn in range(2):
             for name in ("on", "off") if turn == 0 else ("off", "on"):
-                setattr(cma.collectives, args.threshold, SETTINGS[name])
+                setattr(cma.collectives, args.threshold, args.on if name == "on" else OFF)
                 run = operation(comm, args.kind, nbytes, heap=args.heap, write=args.write)
                 measure(comm, run, 0, 3)
                 means = world.allgather(float(np.mean(measure(comm, run, iterations, 0))) / 1e3)

@@ -64,6 +64,17 @@ BCAST_FLAT_FROM = 1 << 20
 BCAST_PIPELINE_FROM = 2 << 20
 BCAST_PIPELINE_UNTIL = 8 << 20
 BCAST_PIECE = 1 << 20
+# At 2 ranks, an Allreduce's ring steps (reduce-scatter, allgather) whose blocks are above
+# the eager limit and at most RING_PIECES_UNTIL go in eager pieces of RING_PIECE bytes, each
+# combined as it comes while the peer copies the next in: 0.74-0.89 of the time of whole
+# blocks at 6-16 MiB in one job, 0.54-0.96 in another; at 32 MiB 0.89-0.94 in one job and
+# 1.49-1.88 in another, and a Reduce's reduce-scatter was mixed (0.81-1.26), so neither
+# goes in pieces. 1 MiB pieces took 1.7-3.2x at 12-32 MiB: after a jump back to the ring's
+# start, whose skip counts as in flight, a piece found the ring full and went the slow way.
+# A block the peer maps (xmap) goes whole: combined from the mapping, it took 0.4-0.6 of
+# the pieces' time (docs/guide.md section 7, "Allreduce in pieces").
+RING_PIECE = 512 << 10
+RING_PIECES_UNTIL = 8 << 20
 # a reduce-scatter + allgather (by halving and doubling, or by the ring) instead of recursive
 # doubling, whose fewer steps won below it at 2, 3, 4 and 8 ranks (at 8 ranks the
 # reduce-scatter took 1.75-2.04x doubling's time at 16-64 KiB, 0.63-0.71x at 256 KiB)
@@ -596,7 +607,8 @@ class Collectives:
         def _ring(self, peer: int) -> None: ...
         def _attach(self) -> Progress: ...
         def start_send(self, segments: list[memoryview], dest: int, tag: int, is_object: bool,
-                       eager: bool = True, sync: bool = False) -> SendOp: ...
+                       eager: bool = True, sync: bool = False, pull_first: bool = False
+                       ) -> SendOp: ...
         def _pickle(self, obj: Any) -> list[memoryview]: ...
         def _queues(self, n: int, outbox: Outbox | None) -> bool: ...
         def _view_from_ring(self, direct: DirectRendezvous, inbox: Inbox | None, tag: int,
@@ -607,12 +619,12 @@ class Collectives:
     # -- the primitives: private point-to-point under COLLECTIVE_TAG (or Barrier's tag)
 
     def _coll_send(self, data: np.ndarray | None, dest: int, obj: Any = None,
-                   tag: int = COLLECTIVE_TAG, pulled: bool = False) -> SendOp | None:
+                   tag: int = COLLECTIVE_TAG, pull_first: bool = False) -> SendOp | None:
         """Start sending ``data`` (an array) or, if None, the object ``obj`` to ``dest``;
         None when it is complete already (an eager message written into the ring).
-        ``pulled``: a rendezvous is offered PULL_FIRST, for ``dest`` to take out of this
-        rank's memory itself wherever a transport can, whatever would be chosen for one
-        message (SPLIT, a push: this rank's copies), as a flat Bcast's root offers it."""
+        ``pull_first``: a rendezvous is offered PULL_FIRST, for ``dest`` to take out of
+        this rank's memory itself wherever a transport can, whatever would be chosen for
+        one message (SPLIT, a push: this rank's copies), as a flat Bcast's root offers it."""
         if data is None:
             stream = self._pickle(obj)
             n = sum(segment.nbytes for segment in stream)
@@ -625,9 +637,9 @@ class Collectives:
         n = view.nbytes
         if (n >= XMAP_HOP_FROM or n > self._eager_limit) and n:
             direct = self._direct
-            if direct is not None and (direct.xmap is not None and direct.can_map(dest, view)
-                                       or pulled and n > self._eager_limit):
-                return self._offer(direct, view, dest, tag, pulled)
+            if direct is not None and (pull_first or direct.xmap is not None
+                                       and direct.can_map(dest, view)):
+                return self._offer(direct, view, dest, tag, pull_first)
         box = self._fast_outboxes[dest]
         if box is not None and n <= self._eager_limit and not self._busy:
             # Send's fast path: straight into the ring. The engine's path would first copy
@@ -642,7 +654,7 @@ class Collectives:
                     self._ring(dest)
                 return None
         if n > self._eager_limit or self._may_queue(n):
-            op = self.start_send([view], dest, tag, False)
+            op = self.start_send([view], dest, tag, False, pull_first=pull_first)
             self._mark_queued(dest)
             return op
         return self.start_send([view], dest, tag, False, eager=False)
@@ -660,19 +672,21 @@ class Collectives:
 
     def _offer(self, direct: DirectRendezvous, view: memoryview, dest: int, tag: int,
                pull_first: bool = False) -> SendOp:
-        """Send ``view`` to ``dest`` as a rendezvous whose RTS offers its region (and, where
-        it lies in this rank's heap and ``dest`` maps it, where it lies): straight into the
-        ring where it can (the direct rendezvous's offer: the engine's path cost ~20 us more
-        a hop), else through the engine; ``pull_first``: offered PULL_FIRST."""
-        box = self._fast_outboxes[dest]
-        if box is not None and not self._busy:
-            self._busy = 1
-            try:
-                op, _ = direct.offer(box, view, view.nbytes, dest, tag, pull_first)
-            finally:
-                self._busy = 0
-            return op
-        return self.start_send([view], dest, tag, False, eager=False)
+        """Send ``view`` to ``dest`` as the direct rendezvous's offer (its region, and its
+        place in this rank's heap if it lies there): its RTS straight into the ring (the
+        engine's path cost ~20 us more a hop), or queued behind packets waiting for
+        ``dest``; ``pull_first``: offered PULL_FIRST."""
+        if self._busy:  # (another thread's call: the general path raises ConcurrentUse)
+            return self.start_send([view], dest, tag, False, eager=False, pull_first=pull_first)
+        progress = self._progress or self._attach()
+        if dest not in progress.outboxes:
+            progress.connect(dest)  # (a peer not met yet: lazily connected from 3 ranks)
+        self._busy = 1
+        try:  # (no fast outbox while packets to dest wait queued: the RTS queues behind them)
+            op, _ = direct.offer(self._fast_outboxes[dest], view, view.nbytes, dest, tag, pull_first)
+        finally:
+            self._busy = 0
+        return op
 
     def _may_queue(self, n: int) -> bool:
         """Whether a message of ``n`` bytes that the ring cannot take now may wait in a
@@ -887,7 +901,7 @@ class Collectives:
         each takes it out of the root's memory (or mapping) itself where it can; where it
         cannot (transport="shm"), the root's copies carry it, one reader after another."""
         if self.rank == root:
-            self._coll_wait(*[self._coll_send(data, (root + i) % self.size, pulled=True)
+            self._coll_wait(*[self._coll_send(data, (root + i) % self.size, pull_first=True)
                               for i in range(1, self.size)])
         else:
             self._coll_take(data, root)
@@ -1084,15 +1098,21 @@ class Collectives:
             mask <<= 1
 
     def _reduce_scatter_ring(self, acc: np.ndarray, op: Op, cut: list[int],
-                             source: np.ndarray | None = None) -> None:
+                             source: np.ndarray | None = None, pieces: bool = False) -> None:
         """Ring reduce-scatter: afterwards block ``rank`` of ``acc`` (elements
         cut[rank]:cut[rank+1]) holds the combination of every rank's block. The input is
         ``acc`` itself, or ``source``: then ``acc`` needs no copy of it first, since each
         block of the input is read once, sent or combined into ``acc`` (a copy of 16 MiB
         took about a fifth of a 2-rank Allreduce's time: docs/guide.md section 7); the
-        other blocks of ``acc`` are left partial or untouched."""
+        other blocks of ``acc`` are left partial or untouched. ``pieces``: at 2 ranks,
+        blocks in RING_PIECE pieces where ``_in_pieces`` (an Allreduce's)."""
         size, rank = self.size, self.rank
         right, left = (rank + 1) % size, (rank - 1) % size
+        if pieces and size == 2 and self._in_pieces(acc, cut):
+            kept = slice(cut[rank], cut[rank + 1])
+            self._exchange_pieces((acc if source is None else source)[cut[left] : cut[left + 1]],
+                                  acc[kept], left, op, None if source is None else source[kept])
+            return
         tmp = np.empty(max(cut[i + 1] - cut[i] for i in range(size)), acc.dtype)
         for step in range(size - 1):
             out, into = (rank - step - 1) % size, (rank - step - 2) % size
@@ -1126,13 +1146,62 @@ class Collectives:
         return acc
 
     def _allgather_ring(self, data: np.ndarray, cut: list[int]) -> None:
-        """Ring allgather in place: each rank starts with block ``rank`` (cut[rank]:
-        cut[rank+1]) and ends with all; each block received goes straight to its place."""
+        """Ring allgather in place (an Allreduce's second half): each rank starts with block
+        ``rank`` (cut[rank]:cut[rank+1]) and ends with all; each block received goes
+        straight to its place (at 2 ranks in pieces where ``_in_pieces``)."""
         size, rank = self.size, self.rank
         right, left = (rank + 1) % size, (rank - 1) % size
+        if size == 2 and self._in_pieces(data, cut):
+            self._exchange_pieces(data[cut[rank] : cut[rank + 1]], data[cut[left] : cut[left + 1]], left)
+            return
         for step in range(size - 1):
             out, into = (rank - step) % size, (rank - step - 1) % size
             self._sendrecv(data[cut[out] : cut[out + 1]], right, data[cut[into] : cut[into + 1]], left)
+
+    def _in_pieces(self, data: np.ndarray, cut: list[int]) -> bool:
+        """Whether a 2-rank Allreduce's ring steps over ``data``'s blocks go by
+        ``_exchange_pieces``: a block above the eager limit and at most RING_PIECES_UNTIL,
+        pieces within the eager limit (the same on both ranks)."""
+        block = max(cut[1] - cut[0], cut[2] - cut[1]) * data.itemsize
+        return self._eager_limit < block <= RING_PIECES_UNTIL and RING_PIECE <= self._eager_limit
+
+    def _exchange_pieces(self, out: np.ndarray, into: np.ndarray, peer: int, op: Op | None = None,
+                         source: np.ndarray | None = None) -> None:
+        """Send ``out`` to ``peer`` and receive its block into ``into`` (combined into it with
+        ``op``, from ``source`` if given), each way in RING_PIECE pieces, piece i sent before
+        piece i is taken, so that one rank copies out or combines a piece while the other
+        copies the next in; except a way whose sender's block ``peer`` maps (xmap): whole,
+        as a view. The two ranks first swap which of their blocks go whole (a byte each)."""
+        direct = self._direct
+        whole = direct is not None and direct.xmap is not None and direct.can_map(peer, _bytes(out))
+        flags = np.array([whole], np.uint8)
+        theirs = np.empty(1, np.uint8)
+        self._sendrecv(flags, peer, theirs, peer)
+        per = max(1, RING_PIECE // out.itemsize)
+        outs = [out] if whole else [out[i : i + per] for i in range(0, out.size, per)]
+        intos = [into] if theirs[0] else [into[i : i + per] for i in range(0, into.size, per)]
+        tmp = None if op is None else np.empty(max(len(piece) for piece in intos), into.dtype)
+        sends = []
+        for i in range(max(len(outs), len(intos))):
+            if i < len(outs):
+                sends.append(self._coll_send(outs[i], peer))
+            if i >= len(intos):
+                continue
+            piece = intos[i]
+            if op is None:
+                self._coll_take(piece, peer)
+                continue
+            assert tmp is not None
+            incoming = self._coll_take_view(tmp[: piece.size], peer)
+            try:
+                if source is None:
+                    op.combine(piece, incoming)
+                else:
+                    at = i * per if not theirs[0] else 0
+                    op.combine_into(piece, source[at : at + piece.size], incoming)
+            finally:
+                self._done_with(incoming, peer)
+        self._coll_wait(*sends)
 
     def _gather_blocks(self, data: np.ndarray, cut: list[int], root: int, owners: Sequence[int],
                        mine: int | None) -> None:
@@ -1171,7 +1240,8 @@ class Collectives:
             self._allreduce_halving(result, ours, source if read_in_place else None)
         elif scatter:
             cut = _cuts(result.size, size)
-            self._reduce_scatter_ring(result, ours, cut, source if read_in_place else None)
+            self._reduce_scatter_ring(result, ours, cut, source if read_in_place else None,
+                                      pieces=True)
             self._allgather_ring(result, cut)
         else:
             self._allreduce_doubling(result, ours, source if read_in_place else None)

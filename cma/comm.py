@@ -1350,10 +1350,11 @@ class Comm(Collectives):
     # -- the general path
 
     def start_send(self, segments: list[memoryview], dest: int, tag: int, is_object: bool,
-                    eager: bool = True, sync: bool = False) -> SendOp:
+                    eager: bool = True, sync: bool = False, pull_first: bool = False) -> SendOp:
         """Hook: start a send of ``segments`` in the engine and return its operation (every send that
         reaches the engine comes here). Overrides must pass plain memoryviews on."""
-        return (self._progress or self._attach()).send(segments, dest, tag, is_object, eager, sync)
+        return (self._progress or self._attach()).send(segments, dest, tag, is_object, eager, sync,
+                                                       pull_first)
 
     def operation_completed(self, op: SendOp | RecvOp) -> None:
         """Told of every operation the engine completes (after its transport's stats

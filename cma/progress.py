@@ -326,14 +326,16 @@ class Progress:
     # -- operations the communicator starts
 
     def send(self, segments: list[memoryview], dest: int, tag: int, is_object: bool,
-             eager: bool = True, sync: bool = False) -> SendOp:
-        """Start a send in the engine (connecting ``dest`` first if need be) and run its actions."""
+             eager: bool = True, sync: bool = False, pull_first: bool = False) -> SendOp:
+        """Start a send in the engine (connecting ``dest`` first if need be) and run its
+        actions; ``pull_first``: a rendezvous is offered PULL_FIRST (protocol.py)."""
         owner = self.owner
         held = claim(owner)
         try:
             if dest not in self.outboxes:
                 self._connect(dest)
-            op, actions = self.engine.send(dest, tag, segments, is_object, eager=eager, sync=sync)
+            op, actions = self.engine.send(dest, tag, segments, is_object, eager=eager, sync=sync,
+                                           pull_first=pull_first)
             self.run(actions)
             return op
         finally:

@@ -67,6 +67,7 @@ XMAP = 16
 # for one message would be (SPLIT or a push would have the sender copy for every reader)
 PULL_FIRST = 32
 OFFER_BITS = PULL | PUSH | PIPELINE | XMAP | PULL_FIRST
+REGION_OFFER_BITS = OFFER_BITS & ~XMAP  # (an RTS of a region alone)
 PROTOCOL_NAMES = {PULL: "RGET", PUSH: "RPUT", PIPELINE: "PIPELINE", SPLIT: "SPLIT", XMAP: "XMAP"}
 # No Linux user address space reaches 2**56 (x86-64's 5-level paging stops just below):
 # a region a peer names beyond it, or wrapping round, is a forgery, not a buffer.
@@ -148,7 +149,7 @@ def decode_one_region_rts(words: Sequence[int], nbytes: int) -> tuple[int, int, 
     one buffer of ``nbytes`` by a region of some user address space, for a pull; else None
     (``decode_rts`` reads it, and names what is wrong with it)."""
     msgid, offers, nseg, size, addr = words
-    if nseg != 1 or size != nbytes or not offers & PULL or offers & ~(OFFER_BITS & ~XMAP) \
+    if nseg != 1 or size != nbytes or not offers & PULL or offers & ~REGION_OFFER_BITS \
             or size < 0 or not 0 <= addr <= ADDRESS_LIMIT - size:
         return None
     return msgid, offers, Region(addr, size)
@@ -778,13 +779,14 @@ class Policy:
         threshold: a pull needs nothing more from the sender, whereas a pipeline or a
         push waits for a sender still busy posting, and a window of them ran at a fifth
         of the eager rate (1 MiB: ~400 against ~35 us per message, ~40 pulled). So is a
-        message offered PULL_FIRST, by the transport named if one is (push or not)."""
+        message offered PULL_FIRST, push=True or not (a named transport is the one in
+        ``order``: connect.py)."""
         if peer not in self.pushable and self.learn is not None:
             self.learn(peer)
         pull = self.pullable.get(peer, set())
         push = self.pushable.get(peer, set())
         if offers & PULL and (offers & PULL_FIRST or ring_full and self.forced is None):
-            for name in [self.forced] if self.forced else self.order:
+            for name in self.order:
                 if name in pull:
                     return PULL, name
         for name in [self.forced] if self.forced else self.order:
@@ -854,11 +856,13 @@ class Engine:
         expose: bool = True,
         eager: bool = True,
         sync: bool = False,
+        pull_first: bool = False,
     ) -> tuple[SendOp, list[Action]]:
         """``expose``: offer the receiver to pull from ``segments`` (RGET) by their regions;
         ``eager=False``: a rendezvous even for a message within the eager limit;
         ``sync``: complete only once a receive has matched the message (MPI_Ssend): an
-        eager one waits for the receiver's FIN, a rendezvous does anyway."""
+        eager one waits for the receiver's FIN, a rendezvous does anyway;
+        ``pull_first``: a rendezvous exposed is offered PULL_FIRST."""
         nbytes = sum(s.nbytes for s in segments)
         op = SendOp(dest, tag, segments, nbytes, is_object)
         flag = OBJECT if is_object else 0
@@ -875,6 +879,8 @@ class Engine:
         self.sends[op.msgid] = op
         regions = [self.region_of(s) for s in segments] if expose else None
         offers = self.offers if expose else self.offers & ~PULL
+        if pull_first and expose:
+            offers |= PULL_FIRST
         heap: list[HeapRef] | None = None
         if expose and self.heap_of is not None and offers & PULL:
             refs = [self.heap_of(dest, s) for s in segments]

@@ -892,39 +892,45 @@ def test_an_eager_bcast_stays_van_de_geijn(world: World) -> None:
     assert world.run(sends_of, "Bcast", 4 << 20, 0) == flat_sends(world.size, 0, 4 << 20)
 
 
-def bcast_copies(comm: cma.Comm, nbytes: int, crowded: bool | None) -> tuple[int, int]:
-    """(bytes this rank copied in all, user and kernel, through transports; system calls
-    it made) in one Bcast from rank 0; ``crowded``, if given, set as if ranks did (not)
-    outnumber CPUs (False: auto would SPLIT a message, the sender copying half)."""
+def bcast_copies(comm: cma.Comm, nbytes: int, crowded: bool | None) -> list[tuple[int, int]]:
+    """Per Bcast from rank 0, twice, the first the world's first operation (no peer
+    connected yet): (bytes this rank copied in all, user and kernel, through transports;
+    system calls it made); ``crowded``, if given, set as if ranks did (not) outnumber
+    CPUs (False: auto would SPLIT a message, the sender copying half)."""
     comm._coll_start()
     progress = comm._progress
     assert progress is not None
     if crowded is not None:
         progress.connection.policy.crowded = progress.oversubscribed = crowded
-    buf = np.full(nbytes, 7 if comm.Get_rank() == 0 else 0, np.uint8)
-    comm.Barrier()
-    comm.reset_stats()
-    comm.Bcast(buf, root=0)
-    assert (buf == 7).all()
-    moved = [s for name, s in comm.stats().items() if name != "eager"]
-    return (int(sum((s["user_copies"] + s["kernel_copies"]) * s["bytes"] for s in moved)),
-            int(sum(s["syscalls"] for s in moved)))
+    got = []
+    for _ in range(2):
+        buf = np.full(nbytes, 7 if comm.Get_rank() == 0 else 0, np.uint8)
+        comm.reset_stats()
+        comm.Bcast(buf, root=0)
+        assert (buf == 7).all()
+        moved = [s for name, s in comm.stats().items() if name != "eager"]
+        got.append((int(sum((s["user_copies"] + s["kernel_copies"]) * s["bytes"] for s in moved)),
+                    int(sum(s["syscalls"] for s in moved))))
+        comm.Barrier()
+    return got
 
 
 @pytest.mark.parametrize(("transport", "options", "crowded"), [
     ("auto", {}, False),  # auto's choice for one message here: SPLIT
+    ("auto", {"overlap": True}, False),  # (the engine's path: no direct rendezvous)
     ("cma", {"push": True}, None),  # RPUT: the root would write every reader's copy
     ("auto", {}, None)])
 def test_a_flat_bcast_s_readers_copy_it_themselves(transport: str, options: dict[str, Any],
                                                    crowded: bool | None) -> None:
     """A flat Bcast's root offers the message to all its readers at once, so each reader
     takes its copy itself wherever it can, whatever auto or the options would pick for one
-    message: the root copies nothing and makes no system call, each reader copies n."""
+    message, in the world's first operation too: the root copies nothing and makes no
+    system call, each reader copies n."""
     nbytes = 8 << 20
     with World(4, transport, config=cma.ChannelConfig.for_ranks(4), **options) as w:
         copies = w.run(bcast_copies, nbytes, crowded)
-    assert copies[0] == (0, 0)
-    assert all(copied == nbytes and calls for copied, calls in copies[1:]), copies
+    assert copies[0] == [(0, 0)] * 2
+    assert all(copied == nbytes and calls for per_rank in copies[1:] for copied, calls in per_rank), copies
 
 
 def test_a_bcast_s_shape_does_not_hang_on_the_ranks_transports() -> None:
@@ -934,6 +940,64 @@ def test_a_bcast_s_shape_does_not_hang_on_the_ranks_transports() -> None:
     with World(3, ["shm", "auto", "auto"], config=cma.ChannelConfig.for_ranks(3)) as w:
         for root in (0, 1):
             assert w.run(sends_of, "Bcast", 1 << 20, root) == flat_sends(3, root, 1 << 20)
+
+
+def test_a_2_rank_ring_step_above_the_eager_limit_goes_in_pieces(pair: World) -> None:
+    """At 2 ranks an Allreduce whose blocks are above the eager limit (6 MiB: 3 MiB a
+    block) swaps a byte first (whether its block goes whole, mapped: no), then sends its
+    block in 512 KiB pieces, in the reduce-scatter and again in the allgather; 4 MiB
+    (2 MiB blocks, eager) and 16 MiB + 16 (blocks past RING_PIECES_UNTIL) go as before,
+    one block each way."""
+    over = (16 << 20) + 16
+    for nbytes, want in [(6 << 20, [1] + [512 << 10] * 6 + [1] + [512 << 10] * 6),
+                         (16 << 20, ([1] + [512 << 10] * 16) * 2),
+                         (4 << 20, [2 << 20, 2 << 20]), (over, [over // 2, over // 2])]:
+        sends = pair.run(sends_of, "Allreduce", nbytes)
+        assert sends == [[(1 - r, n) for n in want] for r in range(2)], nbytes
+
+
+def reduce_mixed_buffers(comm: cma.Comm, n: int, heap_rank: int) -> list[tuple[int, int]]:
+    """Allreduce, Reduce_scatter_block and Reduce (to rank 1) of ``n`` float64 a rank, the
+    input of rank ``heap_rank`` in the shared heap (its peer maps it: xmap), the other's
+    not; each result checked; (dest, bytes) of every message this rank sent."""
+    _set_thresholds(False)
+    rank, sent = comm.Get_rank(), []
+    send = comm._coll_send
+
+    def recording(data: Any, dest: int, *rest: Any, **options: Any) -> Any:
+        sent.append((dest, data.nbytes))
+        return send(data, dest, *rest, **options)
+
+    comm._coll_send = recording  # type: ignore[method-assign]
+    try:
+        mine = cma.empty(n, np.float64) if rank == heap_rank else np.empty(n)
+        mine[:] = np.arange(n) % 11 + rank
+        want = 2 * (np.arange(n) % 11) + 1.0
+        out = np.zeros(n)
+        comm.Allreduce(mine, out)
+        assert (out == want).all()
+        half = np.zeros(n // 2)
+        comm.Reduce_scatter_block(mine, half)
+        assert (half == want[rank * (n // 2) : (rank + 1) * (n // 2)]).all()
+        out[:] = 0
+        comm.Reduce(mine, out if rank == 1 else None, root=1)
+        assert rank != 1 or (out == want).all()
+    finally:
+        del comm._coll_send
+    return sent
+
+
+def test_pieces_one_way_and_a_mapped_block_the_other(xmap_pair: World) -> None:
+    """In an Allreduce the rank whose input lies in its heap sends its reduce-scatter block
+    whole (its peer combines it from its mapping); the other sends its own in pieces;
+    results are right either way round, and for Reduce_scatter_block and Reduce after it
+    (whole blocks)."""
+    n = (6 << 20) // 8
+    for heap_rank in (0, 1):
+        sends = xmap_pair.run(reduce_mixed_buffers, n, heap_rank)
+        mapped, pieced = sends[heap_rank], sends[1 - heap_rank]
+        assert mapped[:2] == [(1 - heap_rank, 1), (1 - heap_rank, 3 << 20)]
+        assert pieced[:7] == [(heap_rank, 1)] + [(heap_rank, 512 << 10)] * 6
 
 
 def test_a_large_bcast_gathers_its_blocks_by_doubling_or_along_the_chain(many_world: World

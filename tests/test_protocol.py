@@ -1079,18 +1079,40 @@ def test_a_message_offered_pull_first_is_pulled_wherever_a_transport_can():
     assert p.choose(1, 1 << 30, ALL) == (SPLIT, "cma")
     assert p.choose(1, 1 << 30, ALL | PULL_FIRST) == (PULL, "cma")
     assert p.choose(2, 1 << 30, ALL | PULL_FIRST) == (PIPELINE, "shm")
-    p.forced, p.push = "cma", True
+    p.order, p.push = ["self", "cma"], True  # (connect.py's policy of transport="cma", push=True)
     assert p.choose(1, 1 << 30, ALL) == (PUSH, "cma")
     assert p.choose(1, 1 << 30, ALL | PULL_FIRST) == (PULL, "cma")
 
 
 def test_pull_first_comes_with_pull_or_not_at_all():
-    """An RTS may offer PULL_FIRST only with PULL (the regions to pull from)."""
+    """An RTS may offer PULL_FIRST only with PULL (the regions to pull from), a heap RTS
+    (XMAP) too; both fast decoders take it."""
     good = encode_rts(7, PULL | PUSH | PULL_FIRST, [4096], [Region(4096, 4096)])
     assert decode_rts(good, 1).offers & PULL_FIRST
-    with pytest.raises(ProtocolError):
-        decode_rts(encode_rts(7, PUSH | PULL_FIRST, [4096], [Region(4096, 4096)]), 1)
+    for offers in (PUSH | PULL_FIRST, XMAP | PULL_FIRST):
+        with pytest.raises(ProtocolError):
+            decode_rts(encode_rts(7, offers, [4096], [Region(4096, 4096)]), 1)
     assert decode_one_region_rts([7, PULL | PULL_FIRST, 1, 4096, 4096], 4096) is not None
+    heap = encode_one_heap_rts(7, PULL | PULL_FIRST, 0x1000, 4096, HEAP)
+    assert decode_one_heap_rts(words_of(heap), 4096) == (7, PULL | PULL_FIRST | XMAP,
+                                                         Region(0x1000, 4096), HEAP)
+    assert decode_rts(heap, 1).offers & (XMAP | PULL_FIRST) == XMAP | PULL_FIRST
+
+
+def test_the_engine_pulls_what_is_offered_pull_first():
+    """A sender's engine offers PULL_FIRST when asked; the receiver's engine, whose policy
+    would SPLIT the message with it, pulls all of it instead: no CTS, one Pull."""
+    mem = FakeMemory()
+    sender = Engine(0, LIMIT, pull_policy(1, split=True), ALL, mem.allocate, mem.region_of)
+    receiver = Engine(1, LIMIT, pull_policy(0, split=True), ALL, mem.allocate, mem.region_of)
+    for pull_first, kinds in ((False, {CTS}), (True, set())):
+        sop, (rts,) = sender.send(1, 0, [mem.buffer(payload(20_000))], pull_first=pull_first)
+        assert bool(decode_rts(rts.payload, 0).offers & PULL_FIRST) == pull_first
+        rop, _ = receiver.recv(0, 0, mem.buffer(20_000))
+        actions = receiver.packet(0, rts.kind, rts.tag, rts.aux, rts.payload)
+        assert {a.kind for a in actions if isinstance(a, Transmit)} == kinds
+        (pull,) = [a for a in actions if isinstance(a, Pull)]
+        assert sum(r.nbytes for r in pull.remote) == (20_000 if pull_first else split_point(20_000))
 
 
 @given(st.lists(st.integers(0, 50), max_size=6), st.integers(0, 300), st.integers(0, 300))

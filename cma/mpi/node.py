@@ -209,11 +209,11 @@ class NodeComm(CmaComm):
             fill(mpi_status, scratch.source, scratch.tag, scratch.count)
 
     def start_send(self, segments: list[memoryview], dest: int, tag: int, is_object: bool,
-                    eager: bool = True, sync: bool = False) -> SendOp:
+                    eager: bool = True, sync: bool = False, pull_first: bool = False) -> SendOp:
         """Hook (``cma.Comm.start_send``): a ``Typed``'s blocks go as one iovec; keeps MPI's hook armed."""
         if segments and segments[0].__class__ is Typed:  # a datatype's blocks, as one iovec
             segments = segments[0].views()
-        op = super().start_send(segments, dest, tag, is_object, eager, sync)
+        op = super().start_send(segments, dest, tag, is_object, eager, sync, pull_first)
         self._keep_moving()  # (an eager send completes once its packet is queued)
         return op
 

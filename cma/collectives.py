@@ -67,12 +67,12 @@ BCAST_PIECE = 1 << 20
 # At 2 ranks, an Allreduce's ring steps (reduce-scatter, allgather) whose blocks are above
 # the eager limit and at most RING_PIECES_UNTIL go in eager pieces of RING_PIECE bytes, each
 # combined as it comes while the peer copies the next in: 0.74-0.89 of the time of whole
-# blocks at 6-16 MiB in one job, 0.54-0.96 in another; at 32 MiB 0.89-0.94 in one job and
-# 1.49-1.88 in another, and a Reduce's reduce-scatter was mixed (0.81-1.26), so neither
+# blocks at 6-16 MiB in one job (whose 32 MiB read 1.49-1.88), 0.54-0.96 in another (32 MiB
+# 0.89-0.94); a Reduce's reduce-scatter was mixed (0.81-1.26): neither 32 MiB nor Reduce
 # goes in pieces. 1 MiB pieces took 1.7-3.2x at 12-32 MiB: after a jump back to the ring's
 # start, whose skip counts as in flight, a piece found the ring full and went the slow way.
-# A block the peer maps (xmap) goes whole: combined from the mapping, it took 0.4-0.6 of
-# the pieces' time (docs/guide.md section 7, "Allreduce in pieces").
+# A block the peer maps (xmap) goes whole: combined from the mapping, it took 0.53-0.73 of
+# 1 MiB pieces' time at 6-16 MiB (docs/guide.md section 7, "Allreduce in pieces").
 RING_PIECE = 512 << 10
 RING_PIECES_UNTIL = 8 << 20
 # a reduce-scatter + allgather (by halving and doubling, or by the ring) instead of recursive
@@ -1171,7 +1171,10 @@ class Collectives:
         ``op``, from ``source`` if given), each way in RING_PIECE pieces, piece i sent before
         piece i is taken, so that one rank copies out or combines a piece while the other
         copies the next in; except a way whose sender's block ``peer`` maps (xmap): whole,
-        as a view. The two ranks first swap which of their blocks go whole (a byte each)."""
+        as a view. The two ranks first swap which of their blocks go whole (a byte each).
+        A rank taking a whole block sends all its pieces first: the FIN of that block would
+        otherwise come between them, and its peer's fast takes of the rest would give way
+        to the engine (an extra copy each)."""
         direct = self._direct
         whole = direct is not None and direct.xmap is not None and direct.can_map(peer, _bytes(out))
         flags = np.array([whole], np.uint8)
@@ -1181,9 +1184,9 @@ class Collectives:
         outs = [out] if whole else [out[i : i + per] for i in range(0, out.size, per)]
         intos = [into] if theirs[0] else [into[i : i + per] for i in range(0, into.size, per)]
         tmp = None if op is None else np.empty(max(len(piece) for piece in intos), into.dtype)
-        sends = []
+        sends = [self._coll_send(piece, peer) for piece in outs] if theirs[0] else []
         for i in range(max(len(outs), len(intos))):
-            if i < len(outs):
+            if i < len(outs) and not theirs[0]:
                 sends.append(self._coll_send(outs[i], peer))
             if i >= len(intos):
                 continue

@@ -779,14 +779,13 @@ class Policy:
         threshold: a pull needs nothing more from the sender, whereas a pipeline or a
         push waits for a sender still busy posting, and a window of them ran at a fifth
         of the eager rate (1 MiB: ~400 against ~35 us per message, ~40 pulled). So is a
-        message offered PULL_FIRST, push=True or not (a named transport is the one in
-        ``order``: connect.py)."""
+        message offered PULL_FIRST, push=True or not (by the transport named, if one is)."""
         if peer not in self.pushable and self.learn is not None:
             self.learn(peer)
         pull = self.pullable.get(peer, set())
         push = self.pushable.get(peer, set())
         if offers & PULL and (offers & PULL_FIRST or ring_full and self.forced is None):
-            for name in self.order:
+            for name in [self.forced] if self.forced else self.order:
                 if name in pull:
                     return PULL, name
         for name in [self.forced] if self.forced else self.order:
@@ -879,7 +878,7 @@ class Engine:
         self.sends[op.msgid] = op
         regions = [self.region_of(s) for s in segments] if expose else None
         offers = self.offers if expose else self.offers & ~PULL
-        if pull_first and expose:
+        if pull_first and offers & PULL:
             offers |= PULL_FIRST
         heap: list[HeapRef] | None = None
         if expose and self.heap_of is not None and offers & PULL:

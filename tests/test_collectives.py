@@ -956,10 +956,12 @@ def test_a_2_rank_ring_step_above_the_eager_limit_goes_in_pieces(pair: World) ->
         assert sends == [[(1 - r, n) for n in want] for r in range(2)], nbytes
 
 
-def reduce_mixed_buffers(comm: cma.Comm, n: int, heap_rank: int) -> list[tuple[int, int]]:
+def reduce_mixed_buffers(comm: cma.Comm, n: int, heap_rank: int) -> tuple[list[tuple[int, int]], int]:
     """Allreduce, Reduce_scatter_block and Reduce (to rank 1) of ``n`` float64 a rank, the
     input of rank ``heap_rank`` in the shared heap (its peer maps it: xmap), the other's
-    not; each result checked; (dest, bytes) of every message this rank sent."""
+    not; each result checked; (dest, bytes) of every message this rank sent, and how many
+    receives the second Allreduce posted to the engine (none: every piece taken from the
+    ring)."""
     _set_thresholds(False)
     rank, sent = comm.Get_rank(), []
     send = comm._coll_send
@@ -974,30 +976,41 @@ def reduce_mixed_buffers(comm: cma.Comm, n: int, heap_rank: int) -> list[tuple[i
         mine[:] = np.arange(n) % 11 + rank
         want = 2 * (np.arange(n) % 11) + 1.0
         out = np.zeros(n)
-        comm.Allreduce(mine, out)
+        comm.Allreduce(mine, out)  # (the first also maps the peer's segment: engine work)
+        assert (out == want).all()
+        assert comm._progress is not None
+        with engine_receives(comm._progress) as posted:
+            comm.Allreduce(mine, out)
         assert (out == want).all()
         half = np.zeros(n // 2)
-        comm.Reduce_scatter_block(mine, half)
+        comm.Reduce_scatter_block(mine[: n // 2 * 2], half)
         assert (half == want[rank * (n // 2) : (rank + 1) * (n // 2)]).all()
         out[:] = 0
         comm.Reduce(mine, out if rank == 1 else None, root=1)
         assert rank != 1 or (out == want).all()
     finally:
         del comm._coll_send
-    return sent
+    return sent, posted[0]
 
 
 def test_pieces_one_way_and_a_mapped_block_the_other(xmap_pair: World) -> None:
     """In an Allreduce the rank whose input lies in its heap sends its reduce-scatter block
     whole (its peer combines it from its mapping); the other sends its own in pieces;
-    results are right either way round, and for Reduce_scatter_block and Reduce after it
-    (whole blocks)."""
-    n = (6 << 20) // 8
+    results are right either way round (an odd count: blocks of n/2 and n/2 + 1 elements,
+    short last pieces), and for Reduce_scatter_block and Reduce after it (whole blocks).
+    The rank that takes a whole block sends all its pieces first, so that block's FIN
+    does not come between them: no piece goes through the engine (before, the pieced
+    rank's peer posted 1-6 engine receives a call, an extra copy each)."""
+    n = (6 << 20) // 8 + 5
+    first, second = (n - n // 2) * 8, n // 2 * 8  # (block 0 takes the odd element)
     for heap_rank in (0, 1):
-        sends = xmap_pair.run(reduce_mixed_buffers, n, heap_rank)
-        mapped, pieced = sends[heap_rank], sends[1 - heap_rank]
-        assert mapped[:2] == [(1 - heap_rank, 1), (1 - heap_rank, 3 << 20)]
-        assert pieced[:7] == [(heap_rank, 1)] + [(heap_rank, 512 << 10)] * 6
+        results = xmap_pair.run(reduce_mixed_buffers, n, heap_rank)
+        assert [posted for _, posted in results] == [0, 0]
+        mapped, pieced = results[heap_rank][0], results[1 - heap_rank][0]
+        block_of = [second, first]  # (rank r sends the block it does not keep: 1 - r's)
+        assert mapped[:2] == [(1 - heap_rank, 1), (1 - heap_rank, block_of[heap_rank])]
+        rest = block_of[1 - heap_rank] - 6 * (512 << 10)
+        assert pieced[:8] == [(heap_rank, 1)] + [(heap_rank, 512 << 10)] * 6 + [(heap_rank, rest)]
 
 
 def test_a_large_bcast_gathers_its_blocks_by_doubling_or_along_the_chain(many_world: World

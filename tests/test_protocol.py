@@ -1082,6 +1082,8 @@ def test_a_message_offered_pull_first_is_pulled_wherever_a_transport_can():
     p.order, p.push = ["self", "cma"], True  # (connect.py's policy of transport="cma", push=True)
     assert p.choose(1, 1 << 30, ALL) == (PUSH, "cma")
     assert p.choose(1, 1 << 30, ALL | PULL_FIRST) == (PULL, "cma")
+    p.pullable[1], p.forced = {"cma", "vmfd"}, "vmfd"  # (a policy that names its transport)
+    assert p.choose(1, 1 << 30, ALL | PULL_FIRST) == (PULL, "vmfd")
 
 
 def test_pull_first_comes_with_pull_or_not_at_all():
@@ -1113,6 +1115,10 @@ def test_the_engine_pulls_what_is_offered_pull_first():
         assert {a.kind for a in actions if isinstance(a, Transmit)} == kinds
         (pull,) = [a for a in actions if isinstance(a, Pull)]
         assert sum(r.nbytes for r in pull.remote) == (20_000 if pull_first else split_point(20_000))
+    # an engine that offers no PULL offers no PULL_FIRST either (its RTS would be refused)
+    pushing = Engine(0, LIMIT, pull_policy(1), PUSH | PIPELINE, mem.allocate, mem.region_of)
+    _, (rts,) = pushing.send(1, 0, [mem.buffer(payload(20_000))], pull_first=True)
+    assert not decode_rts(rts.payload, 0).offers & PULL_FIRST
 
 
 @given(st.lists(st.integers(0, 50), max_size=6), st.integers(0, 300), st.integers(0, 300))

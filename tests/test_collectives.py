@@ -725,12 +725,9 @@ def test_collectives_over_more_ranks_match_numpy(many_world: World, data: st.Dat
         assert_same(got[rank], want[rank], f"rank {rank} of {many_world.size}, {case}")
 
 
-def sends_of(comm: cma.Comm, name: str, nbytes: int, root: int = 0,
-             heap: bool = False) -> list[tuple[int, int]]:
-    """(dest, bytes) of every message this rank sends in one Allreduce or Bcast (from
-    ``root``; ``heap``: of a shared-heap array) of ``nbytes``, or one Allgather or
-    Reduce_scatter_block of ``nbytes`` a block (the default thresholds), in order."""
-    _set_thresholds(False)
+@contextlib.contextmanager
+def recorded_sends(comm: cma.Comm) -> Iterator[list[tuple[int, int]]]:
+    """[(dest, bytes) of every message ``comm``'s collectives send meanwhile, in order]."""
     sent: list[tuple[int, int]] = []
     send = comm._coll_send
 
@@ -740,6 +737,18 @@ def sends_of(comm: cma.Comm, name: str, nbytes: int, root: int = 0,
 
     comm._coll_send = recording  # type: ignore[method-assign]
     try:
+        yield sent
+    finally:
+        del comm._coll_send
+
+
+def sends_of(comm: cma.Comm, name: str, nbytes: int, root: int = 0,
+             heap: bool = False) -> list[tuple[int, int]]:
+    """(dest, bytes) of every message this rank sends in one Allreduce or Bcast (from
+    ``root``; ``heap``: of a shared-heap array) of ``nbytes``, or one Allgather or
+    Reduce_scatter_block of ``nbytes`` a block (the default thresholds), in order."""
+    _set_thresholds(False)
+    with recorded_sends(comm) as sent:
         if name == "Bcast":
             buf = cma.zeros(nbytes, np.uint8) if heap else np.zeros(nbytes, np.uint8)
             if comm.Get_rank() == root:
@@ -763,8 +772,6 @@ def sends_of(comm: cma.Comm, name: str, nbytes: int, root: int = 0,
             mine, result = np.full(nbytes // 8, comm.Get_rank(), np.float64), np.empty(nbytes // 8)
             comm.Allreduce(mine, result)
             assert (result == sum(range(comm.Get_size()))).all()
-    finally:
-        del comm._coll_send
     return sent
 
 
@@ -963,15 +970,8 @@ def reduce_mixed_buffers(comm: cma.Comm, n: int, heap_rank: int) -> tuple[list[t
     receives the second Allreduce posted to the engine (none: every piece taken from the
     ring)."""
     _set_thresholds(False)
-    rank, sent = comm.Get_rank(), []
-    send = comm._coll_send
-
-    def recording(data: Any, dest: int, *rest: Any, **options: Any) -> Any:
-        sent.append((dest, data.nbytes))
-        return send(data, dest, *rest, **options)
-
-    comm._coll_send = recording  # type: ignore[method-assign]
-    try:
+    rank = comm.Get_rank()
+    with recorded_sends(comm) as sent:
         mine = cma.empty(n, np.float64) if rank == heap_rank else np.empty(n)
         mine[:] = np.arange(n) % 11 + rank
         want = 2 * (np.arange(n) % 11) + 1.0
@@ -988,8 +988,6 @@ def reduce_mixed_buffers(comm: cma.Comm, n: int, heap_rank: int) -> tuple[list[t
         out[:] = 0
         comm.Reduce(mine, out if rank == 1 else None, root=1)
         assert rank != 1 or (out == want).all()
-    finally:
-        del comm._coll_send
     return sent, posted[0]
 
 

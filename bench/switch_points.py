@@ -1,6 +1,7 @@
 """Where one of cma's collectives should switch algorithms: each size timed with the
-algorithm above the switch forced on (its threshold 0) and off (2**40), in turns (on, off,
-then off, on) in one job, every collective through cma, OSU's pattern (a barrier, untimed,
+algorithm above the switch forced on (its threshold 0; or ``--on``'s size, for a constant
+that sizes pieces, such as RING_PIECE) and off (2**40), in turns (on, off, then off, on)
+in one job, every collective through cma, OSU's pattern (a barrier, untimed,
 before each call; each rank's mean, averaged over ranks, and the slowest rank's)::
 
     CMA_MPI_COLLECTIVES=cma mpiexec -n 4 python bench/switch_points.py allreduce ALLREDUCE_SCATTER_FROM

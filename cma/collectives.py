@@ -1200,7 +1200,7 @@ class Collectives:
                 if source is None:
                     op.combine(piece, incoming)
                 else:
-                    at = i * per if not theirs[0] else 0
+                    at = i * per  # (a whole block is piece 0)
                     op.combine_into(piece, source[at : at + piece.size], incoming)
             finally:
                 self._done_with(incoming, peer)

@@ -93,7 +93,12 @@ for peer in range(size):
 
 # -- collectives through pkl5: bcast from every root, and the others once
 for root in range(size):
+    # (a root's 4 MiB goes to a node's other rank in eager pieces, which that rank's cma
+    # may take from its ring, and count, while it still waits elsewhere (in MPI's barrier
+    # too, through cma's progress hook): so ``before`` is read first, and the barrier, a
+    # raw MPI one, keeps the root from sending before every rank has read it)
     before = cma_bytes()
+    MPI.COMM_WORLD.Barrier()
     got = comm.bcast(payload(root, 50) if rank == root else None, root=root)
     check(got, root, 50)
     if rank != root:

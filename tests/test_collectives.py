@@ -1596,10 +1596,11 @@ def reused_specs(comm: cma.Comm) -> tuple[list[Any], list[int]]:
 
 def kept_buffers_stay_the_owners(comm: cma.Comm) -> list[Any]:
     """What a communicator keeps of the last call's buffer pins nothing and goes stale on
-    nothing: a bare array then a spec over it; an array resized in place (its data moved)
-    then the same spec; a spec over an mmap's array, then the array dropped and the mmap
-    closed; a spec over an mmap closed since (refused); a large array dropped after a spec
-    over it (freed); a result array made read-only since (refused, as a new one would be)."""
+    nothing: a bare array then a spec over it; a flat array reshaped in place; an array
+    resized in place (its data moved) then the same spec; a spec over an mmap's array, then
+    the array dropped and the mmap closed; a spec over an mmap closed since (refused); a
+    large array dropped after a spec over it (freed); a result array made read-only since
+    (refused, as a new one would be)."""
     rank = comm.Get_rank()
     out: list[Any] = []
     a = np.zeros(8, np.uint8)
@@ -1608,6 +1609,12 @@ def kept_buffers_stay_the_owners(comm: cma.Comm) -> list[Any]:
     a[:] = 2 if rank == 0 else 0
     comm.Bcast([a, 8, "B"], root=0)  # (raised ValueError: the list compared with the array)
     out.append(a.tolist())
+    flat = np.zeros(8, np.uint8)
+    comm.Bcast(flat, root=0)
+    flat.shape = (2, 4)  # (the same array, bytes and dtype, no longer flat: read anew)
+    flat[:] = 3 if rank == 0 else 0
+    comm.Bcast(flat, root=0)
+    out.append(flat.ravel().tolist())
     r = np.zeros(2, np.int64)
     comm.Allreduce(np.ones(2, np.int64), r, op=cma.SUM)
     s = np.ones(2, np.int64)
@@ -1653,7 +1660,7 @@ def kept_buffers_stay_the_owners(comm: cma.Comm) -> list[Any]:
 def test_what_a_communicator_keeps_of_a_buffer_pins_nothing(world: World) -> None:
     results = world.run(kept_buffers_stay_the_owners)
     for rank, out in enumerate(results):
-        assert out == [[2] * 8, [world.size] * 2, [42] * 8, "refused", True,
+        assert out == [[2] * 8, [3] * 8, [world.size] * 2, [42] * 8, "refused", True,
                        "receive buffer is read-only: pass a writable array"], f"rank {rank}"
 
 

@@ -124,6 +124,30 @@ def test_a_derived_datatype_without_gaps_names_the_bytes_its_peers_arrays_do(
     assert routing.spec_bytes([block, datatype]) == block.nbytes
 
 
+def test_a_derived_datatype_is_found_wherever_a_spec_names_one() -> None:
+    """cma.mpi hands a call naming a derived datatype to MPI or to specs (on_node): one
+    named by keyword, inside a tuple spec or Alltoallw's list of datatypes is found as one
+    named in a positional list; bare arrays, roots, ops and predefined datatypes are not."""
+    from cma.mpi.comm import _derived_datatype
+
+    buf = np.zeros(64, np.int64)
+    vector = MPI._typedict[np.dtype(np.int64).char].Create_vector(2, 1, 2).Commit()
+    try:
+        plain = [((buf, 0), {}), ((buf, buf, MPI.SUM), {}), (([buf, 8, MPI.INT64_T], 0), {}),
+                 ((buf,), {"root": 0}), ((), {"buf": [buf, MPI.BYTE]}),
+                 (([buf, ([1] * 2, None), [MPI.INT64_T] * 2], buf), {})]
+        derived = [(([buf, 2, vector], 0), {}), (((buf, 2, vector), 0), {}),
+                   ((buf,), {"recvbuf": [buf, 2, vector]}),
+                   ((), {"sendbuf": buf, "recvbuf": (buf, 2, vector)}),
+                   (([buf, ([1] * 2, None), [MPI.INT64_T, vector]], buf), {})]
+        for args, kwargs in plain:
+            assert not _derived_datatype(args, kwargs), (args, kwargs)
+        for args, kwargs in derived:
+            assert _derived_datatype(args, kwargs), (args, kwargs)
+    finally:
+        vector.Free()
+
+
 def test_specs_read_a_derived_datatype_without_gaps_as_bytes() -> None:
     from cma.mpi.specs import as_bytes
 

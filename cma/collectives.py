@@ -103,7 +103,8 @@ QUEUED_BYTES_LIMIT = 8 << 20
 # (docs/guide.md section 7, "From the shared heap"). The rule is written out where it is
 # applied, in _coll_send and _coll_take_view: both are on every hop's path.
 XMAP_HOP_FROM = 2 << 20
-UINT8 = np.dtype(np.uint8)  # (NumPy's builtin dtypes are one object each)
+
+UINT8 = np.dtype(np.uint8)  # (NumPy's builtin dtypes are one object each: _bytes tests `is`)
 
 
 # ------------------------------------------------------------------ IN_PLACE and ops
@@ -421,7 +422,8 @@ class KeptMessage:
     ``resize``): only its identity, kind, dtype and size, which must all match, and the
     element type and count the spec made of it. The bytes are exported anew from the
     buffer given at each call (~0.3 us), so its owner can still resize, close or free
-    it, and an array whose data moved is read where it lies now."""
+    it, and an array whose data moved is read where it lies now. (A flat array of the kept
+    element type and count is its own message.)"""
 
     __slots__ = ("rest", "base_id", "kind", "base_dtype", "base_nbytes", "count", "dtype")
 
@@ -463,13 +465,12 @@ class KeptMessage:
                 if dtype is not self.base_dtype and dtype != self.base_dtype \
                         or base.nbytes != self.base_nbytes:
                     return None
-                flat = dtype is self.dtype and base.ndim == 1 and base.size == self.count \
-                    and base.flags.c_contiguous  # (the array the spec names already: 0.1 us less)
+                if dtype is self.dtype and base.ndim == 1 and base.size == self.count \
+                        and base.flags.c_contiguous:  # (the array the spec names: 0.1 us less)
+                    return None if writable and not base.flags.writeable else base
             elif len(base) != self.base_nbytes:
                 return None
-            else:
-                flat = False
-            array = base if flat else np.frombuffer(base, self.dtype, self.count)
+            array = np.frombuffer(base, self.dtype, self.count)
         except ValueError:  # closed, shrunk, not contiguous: worked out anew, which says why
             return None
         return None if writable and not array.flags.writeable else array

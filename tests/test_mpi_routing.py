@@ -131,12 +131,13 @@ def test_a_derived_datatype_is_found_wherever_a_spec_names_one() -> None:
     from cma.mpi.comm import _derived_datatype
 
     buf = np.zeros(64, np.int64)
-    vector = MPI._typedict[np.dtype(np.int64).char].Create_vector(2, 1, 2).Commit()
+    vector = MPI.INT64_T.Create_vector(2, 1, 2).Commit()
     try:
         plain = [((buf, 0), {}), ((buf, buf, MPI.SUM), {}), (([buf, 8, MPI.INT64_T], 0), {}),
                  ((buf,), {"root": 0}), ((), {"buf": [buf, MPI.BYTE]}),
                  (([buf, ([1] * 2, None), [MPI.INT64_T] * 2], buf), {})]
         derived = [(([buf, 2, vector], 0), {}), (((buf, 2, vector), 0), {}),
+                   (([buf, vector], 0), {}), (([buf, [1, 1], [0, 2], vector], buf), {}),
                    ((buf,), {"recvbuf": [buf, 2, vector]}),
                    ((), {"sendbuf": buf, "recvbuf": (buf, 2, vector)}),
                    (([buf, ([1] * 2, None), [MPI.INT64_T, vector]], buf), {})]

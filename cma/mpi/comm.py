@@ -923,9 +923,10 @@ _NO_DATATYPE = frozenset({np.ndarray, int, MPI.Op})  # (an argument of these nam
 
 
 def _names_derived(spec: Any) -> bool:
+    """Whether one argument is a buffer spec naming a derived datatype."""
     if spec.__class__ is list or isinstance(spec, (list, tuple)):
         if len(spec) == 3 and id(spec[2]) in MPI_OWN_DATATYPES and spec[1].__class__ is int:
-            return False  # ([buf, count, datatype], as most programs write it: half the time)
+            return False  # ([buf, count, datatype], as most programs write it: in half the time)
         for item in spec:
             if item.__class__ is int or id(item) in MPI_OWN_DATATYPES:
                 continue

@@ -117,6 +117,16 @@ def packet_bytes(nbytes: int) -> int:
     return (PACKET_ROUND + nbytes) & PACKET_MASK
 
 
+def window_bytes(ring_bytes: int) -> int:
+    """Where a writer whose reader keeps up stays: the first half of the ring and a page
+    (a sixteenth of a ring smaller than 64 KiB), so that two packets of the eager limit (a
+    quarter of the ring, 64 bytes more each with their headers) fit one after the other
+    with small ones between. At exactly half the second often jumped back to the start,
+    where only the bytes before the jump are free until the reader passes it, and found
+    the ring full (docs/architecture.md, "The control channel")."""
+    return ring_bytes // 2 + min(PAGE_SIZE, ring_bytes // 16)
+
+
 @dataclass(frozen=True)
 class ChannelConfig:
     """Sizes of the shared segment.
@@ -153,8 +163,8 @@ class ChannelConfig:
 
     @property
     def window(self) -> int:
-        """The first half of the ring, where a writer whose reader keeps up stays."""
-        return self.ring_bytes // 2
+        """Where a writer whose reader keeps up stays (``window_bytes``)."""
+        return window_bytes(self.ring_bytes)
 
     @staticmethod
     def keeps_windows(size: int) -> bool:
@@ -208,7 +218,7 @@ class ChannelConfig:
     @property
     def max_packet(self) -> int:
         """The largest control packet payload (half the ring, so one always fits eventually)."""
-        return self.window - HEADER_BYTES
+        return self.ring_bytes // 2 - HEADER_BYTES
 
 
 def _channel_parts(pair: memoryview, config: ChannelConfig
@@ -303,7 +313,7 @@ class Outbox:
         """The ring carries traffic: fault its whole window in, in one call, and keep it.
         A writer's first pass through fresh pages cost ~27 us per 32 KiB here against ~3
         once they are resident (docs/architecture.md, "Resident windows")."""
-        self.stretching, self.window = False, self.size // 2
+        self.stretching, self.window = False, window_bytes(self.size)
         if populate(buffer_address(self.data), self.window):
             self.kept = self.window
 

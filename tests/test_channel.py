@@ -24,6 +24,7 @@ from cma.channel import (
     Inbox,
     Outbox,
     packet_bytes,
+    window_bytes,
 )
 from cma.protocol import ANY_TAG, FIN, RTS
 
@@ -72,31 +73,58 @@ def take(inbox: Inbox) -> tuple[int, int, int]:
     return offset, inbox.last_tag, n
 
 
-def test_ping_pong_of_large_packets_reuses_the_start_of_the_ring(ring):
+def test_ping_pong_of_large_packets_stays_in_the_window(ring):
+    """Packets of the eager limit, each read before the next: two fit the window one after
+    the other, then the writer goes back to the start."""
     out, inbox = ring
     offsets = []
     for i in range(10):
         assert put(out, i, BIG)
         offsets.append(take(inbox)[0])
-    assert offsets == [0] * 10
+    assert offsets == [0, BIG_PACKET] * 5
+    assert 2 * BIG_PACKET <= CONFIG.window < 3 * BIG_PACKET
 
 
-def test_small_packets_cycle_through_the_first_half_only(ring):
+@pytest.mark.parametrize("ring_bytes", [_linux.PAGE_SIZE << k for k in range(12)])
+def test_the_window_holds_two_packets_of_the_largest_eager_limit_within_the_ring(ring_bytes):
+    """Every ring size a config may have, from a page to 8 MiB: two packets of a quarter of
+    the ring fit the window, which ends before the ring does, on a page boundary where a
+    resident window is faulted in (from RESIDENT_FROM)."""
+    window = window_bytes(ring_bytes)
+    assert 2 * packet_bytes(ring_bytes // 4) <= window < ring_bytes
+    if window > RESIDENT_FROM:
+        assert window % _linux.PAGE_SIZE == 0
+
+
+def test_two_packets_of_the_eager_limit_go_back_to_back_after_one_was_read(ring):
+    """The writer one packet of the eager limit on, read: two more back to back both go
+    into the ring. With the window at half the ring the first went back to the start and
+    the second found the ring full (its bytes held the jump's PAD, not yet passed by the
+    reader), and an Isend of 2 MiB went as a rendezvous."""
+    out, inbox = ring
+    assert put(out, 1, BIG)
+    assert take(inbox) == (0, 1, BIG)
+    assert put(out, 2, BIG) and put(out, 3, BIG)
+    assert [take(inbox) for _ in range(2)] == [(BIG_PACKET, 2, BIG), (0, 3, BIG)]
+
+
+def test_small_packets_cycle_through_the_window_only(ring):
     out, inbox = ring
     offsets = set()
     for i in range(2000):
         assert put(out, i, 1000)
         offsets.add(take(inbox)[0])
-    assert max(offsets) + packet_bytes(1000) <= CONFIG.ring_bytes // 2
+    assert max(offsets) + packet_bytes(1000) <= CONFIG.window
     assert len(offsets) > 20  # it does move on: a packet is not written over its unread self
 
 
 def test_lagging_reader_lets_packets_spill_into_the_second_half(ring):
     out, inbox = ring
-    assert put(out, 1, BIG) and put(out, 2, BIG)  # 2 goes past the window: 1 is unread
+    assert put(out, 1, BIG) and put(out, 2, BIG) and put(out, 3, BIG)  # 3 past the window
     assert take(inbox) == (0, 1, BIG)
-    assert put(out, 3, BIG)  # the start is free again
-    assert [take(inbox) for _ in range(2)] == [(BIG_PACKET, 2, BIG), (0, 3, BIG)]
+    assert put(out, 4, BIG)  # the start is free again
+    assert [take(inbox) for _ in range(3)] == [(BIG_PACKET, 2, BIG), (2 * BIG_PACKET, 3, BIG),
+                                               (0, 4, BIG)]
 
 
 def test_full_ring_refuses_until_the_reader_frees_the_start(ring):

@@ -18,10 +18,10 @@ A packet is four int64 words (kind, tag, nbytes, aux) and its payload, rounded u
 within a few cache lines and let an eager message of up to ``eager_limit`` bytes take
 one contiguous stretch.
 
-The writer uses the first half of the ring (the window) while the reader keeps up: a
-packet that would cross the end of the window goes to the start instead, behind a PAD,
-as soon as the reader has freed the space there. Only a reader that falls behind lets
-packets spill into the second half. The bytes a PAD skips count as in flight until
+The writer uses the window (the first half of the ring and a page: ``window_bytes``)
+while the reader keeps up: a packet that would cross the end of the window goes to the
+start instead, behind a PAD, as soon as the reader has freed the space there. Only a
+reader that falls behind lets packets spill past the window. The bytes a PAD skips count as in flight until
 the reader passes it, so right after a jump the ring can look full: a further packet
 waits in the sender's queue (progress.py) until the reader takes the one at the start.
 Why a window: the bytes a ping-pong cycles through decide the cost of a large eager
@@ -134,9 +134,10 @@ class ChannelConfig:
     ``eager_limit`` is the largest message sent inline (2 MiB: below it two cache-warm
     copies through the ring beat a rendezvous's handshake here; docs/architecture.md
     has the runs). ``ring_bytes`` (a power of two, at least 4 x eager_limit) bounds what
-    is in flight per direction; its first half, which a reader that keeps up never
-    leaves, stays cache-warm. ``frag_size`` and ``stage_slots`` shape the staging area
-    of the shm pipeline. These defaults are for two ranks; ``for_ranks`` sizes a world.
+    is in flight per direction; its window (``window_bytes``: half of it and a page),
+    which a reader that keeps up never leaves, stays cache-warm. ``frag_size`` and
+    ``stage_slots`` shape the staging area of the shm pipeline. These defaults are for
+    two ranks; ``for_ranks`` sizes a world.
     """
 
     eager_limit: int = 2 << 20
@@ -314,8 +315,9 @@ class Outbox:
         A writer's first pass through fresh pages cost ~27 us per 32 KiB here against ~3
         once they are resident (docs/architecture.md, "Resident windows")."""
         self.stretching, self.window = False, window_bytes(self.size)
-        if populate(buffer_address(self.data), self.window):
-            self.kept = self.window
+        resident = min(_round_up(self.window, PAGE_SIZE), self.size)  # (pages larger than 4 KiB)
+        if populate(buffer_address(self.data), resident):
+            self.kept = resident
 
     def fits(self, nbytes: int) -> bool:
         """Whether a packet of ``nbytes`` payload bytes would be published now."""

@@ -69,8 +69,8 @@ BCAST_PIECE = 1 << 20
 # combined as it comes while the peer copies the next in: 0.74-0.89 of the time of whole
 # blocks at 6-16 MiB in one job (whose 32 MiB read 1.49-1.88), 0.54-0.96 in another (32 MiB
 # 0.89-0.94); a Reduce's reduce-scatter was mixed (0.81-1.26): neither 32 MiB nor Reduce
-# goes in pieces. 1 MiB pieces took 1.7-3.2x at 12-32 MiB until the writer's window held two
-# packets of the eager limit (channel.window_bytes); since, level with 512 KiB ones.
+# goes in pieces. 1 MiB pieces took 1.7-3.2x at 12-32 MiB until the writer's window grew by a
+# page (channel.window_bytes) and held four of them, not three; since, level with 512 KiB ones.
 # A block the peer maps (xmap) goes whole: combined from the mapping, it took 0.53-0.73 of
 # 1 MiB pieces' time at 6-16 MiB (docs/guide.md section 7, "Allreduce in pieces").
 RING_PIECE = 512 << 10

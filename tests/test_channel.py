@@ -1,7 +1,7 @@
 """The packet ring of cma/channel.py, one process: an Outbox and an Inbox over one buffer.
 
-These pin where packets land (the writer stays in the first half of the ring while the
-reader keeps up) and that packets come out in order, whole, whatever the interleaving.
+These pin where packets land (the writer stays in its window, the first half of the ring
+and a page, while the reader keeps up) and that packets come out in order, whole, whatever the interleaving.
 """
 
 from __future__ import annotations
@@ -318,6 +318,7 @@ def test_a_resident_window_is_faulted_in_once_the_ring_carries_traffic_and_kept(
             assert put(out, sent, big)
             sent += 1
         spilled = allocated(fd)
+        assert out.window == window  # (the whole window once resident, as ChannelConfig has it)
         assert spilled >= window + big
         for tag in range(sent):
             assert take(inbox)[1:] == (tag, big)

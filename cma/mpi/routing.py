@@ -53,7 +53,7 @@ KIB, MIB = 1 << 10, 1 << 20
 # (docs/mpi.md, "Which library runs a collective"; docs/figures/routing-2026-12-04.txt).
 WINDOWS: dict[str, tuple[tuple[int, tuple[int, ...]], ...]] = {
     # (from 1 MiB cma's flat Bcast: cma-bench, 2026-12-05, both orders; at 3 ranks from
-    # 16 MiB: mpi4py's osu_bcast demo read cma 0.80-1.00 of MPI's bandwidth at 4-8 MiB)
+    # 16 MiB: mpi4py's osu_bcast demo read cma 0.80-0.97 of MPI's bandwidth at 4-8 MiB, quiet)
     "Bcast": ((2, (32 * KIB, EVERY_SIZE[1])), (3, (16 * MIB, EVERY_SIZE[1])),
               (4, (4 * MIB, EVERY_SIZE[1])),
               (8, (32 * KIB, 256 * KIB, MIB, EVERY_SIZE[1])),

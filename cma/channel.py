@@ -21,9 +21,10 @@ one contiguous stretch.
 The writer uses the window (the first half of the ring and a page: ``window_bytes``)
 while the reader keeps up: a packet that would cross the end of the window goes to the
 start instead, behind a PAD, as soon as the reader has freed the space there. Only a
-reader that falls behind lets packets spill past the window. The bytes a PAD skips count as in flight until
-the reader passes it, so right after a jump the ring can look full: a further packet
-waits in the sender's queue (progress.py) until the reader takes the one at the start.
+reader that falls behind lets packets spill past the window. The bytes a PAD skips
+count as in flight until the reader passes it, so right after a jump the ring can look
+full: a further packet waits in the sender's queue (progress.py) until the reader takes
+the one at the start.
 Why a window: the bytes a ping-pong cycles through decide the cost of a large eager
 message here (docs/architecture.md, "The control channel", has the runs).
 

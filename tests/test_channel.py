@@ -1,7 +1,8 @@
 """The packet ring of cma/channel.py, one process: an Outbox and an Inbox over one buffer.
 
 These pin where packets land (the writer stays in its window, the first half of the ring
-and a page, while the reader keeps up) and that packets come out in order, whole, whatever the interleaving.
+and a page, while the reader keeps up) and that packets come out in order, whole,
+whatever the interleaving.
 """
 
 from __future__ import annotations
